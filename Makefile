@@ -1,0 +1,25 @@
+# `make repro` runs the pipeline, `make test` the tests; both create or update .venv first.
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(VENV)/bin
+
+.PHONY: repro test ui clean-stores
+
+$(BIN)/.installed: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -r requirements.txt
+	touch $@
+
+repro: $(BIN)/.installed
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest
+
+ui: $(BIN)/.installed
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db
+
+clean-stores:  # the MLflow database and the Optuna journal: every measurement they hold is lost
+	rm -f mlflow.db optuna.journal*
+	rm -rf mlruns mlartifacts

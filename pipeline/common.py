@@ -1,0 +1,74 @@
+"""Helpers every stage shares: argument parsing, one-line errors, atomic writes, the git commit."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from rcnn.data import DataError
+from pipeline.params import Params, ParamsError, load_params
+
+# Errors a user can cause and fix: reported as one line, no traceback (RCNN_DEBUG=1 shows it).
+USER_ERRORS = (ParamsError, DataError, ValueError, OSError)
+
+
+def stage_parser(description: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--params", default="params.yaml", help="the params file")
+    return parser
+
+
+def run_stage(main: Callable[[argparse.Namespace, Params], None], parser: argparse.ArgumentParser,
+              argv: list[str] | None = None) -> int:
+    """Parse arguments and params, run the stage; a user error exits 2 with one line on stderr."""
+    args = parser.parse_args(argv)
+    try:
+        main(args, load_params(args.params))
+    except USER_ERRORS as err:
+        if os.environ.get("RCNN_DEBUG"):
+            raise
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write through a temporary file and rename, so readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    write_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def read_json(path: str | Path) -> Any:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"{path}: missing; run the stage that writes it first") from None
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}: not valid JSON ({err})") from None
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except OSError:
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 else "unknown"

@@ -1,0 +1,122 @@
+"""Three interchangeable Faster R-CNN box heads, each a (box_head, box_predictor) pair.
+
+- ``linear``: flatten -> Linear(C*7*7, 1024) -> ReLU -> Linear -> ReLU, Linear predictors (torchvision's
+  TwoMLPHead and FastRCNNPredictor, with the question's initialisation).
+- ``conv``: Conv2d(C, 1024, 7) -> ReLU -> Conv2d(1024, 1024, 1) -> ReLU, 1x1 conv predictors; the question's
+  ``FastRCNNHeadConv``. Same function as ``linear``, much slower backward.
+- ``conv_as_linear``: the drop-in fix. The conv head's modules, names and shapes (a ``conv`` state_dict
+  loads unchanged), but every conv whose kernel covers its whole input runs as one GEMM (``F.linear``).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class Conv2dAsLinear(nn.Conv2d):
+    """An ``nn.Conv2d`` for inputs exactly as large as its kernel, computed as one matrix product.
+
+    A convolution whose kernel covers the whole input is a fully connected layer; computing it with
+    ``F.linear`` runs the GEMM kernels of ``nn.Linear`` instead of convolution weight-gradient kernels
+    that are poorly tuned for kernel == input. Output shape is the conv's: (N, out_channels, 1, 1).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-2:] != self.weight.shape[-2:] or self.padding != (0, 0):
+            raise ValueError(
+                f"Conv2dAsLinear needs an unpadded input as large as its kernel {tuple(self.weight.shape[-2:])}, "
+                f"got {tuple(x.shape[-2:])} with padding {self.padding}"
+            )
+        weight = self.weight
+        if weight.is_contiguous(memory_format=torch.channels_last) and not weight.is_contiguous():
+            # Flatten in (h, w, c) order for both operands: free views for channels_last, same dot product.
+            x, weight = x.permute(0, 2, 3, 1), weight.permute(0, 2, 3, 1)
+        out = F.linear(x.flatten(1), weight.flatten(1), self.bias)
+        return out[:, :, None, None]
+
+
+def _init_like_question(module: nn.Module) -> None:
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Conv2d)):
+            nn.init.normal_(m.weight, std=0.01)
+            nn.init.constant_(m.bias, 0)
+
+
+class LinearPredictor(nn.Module):
+    """Class scores (num_classes + 1) and boxes (4 * (num_classes + 1)) from (N, D) features."""
+
+    def __init__(self, representation_size: int, num_classes: int) -> None:
+        super().__init__()
+        self.label_head = nn.Linear(representation_size, num_classes + 1)
+        self.bbox_head = nn.Linear(representation_size, 4 * (num_classes + 1))
+        _init_like_question(self)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.label_head(x), self.bbox_head(x)
+
+
+class ConvPredictor(nn.Module):
+    """1x1-conv predictors on (N, D, 1, 1) features, reshaped to (N, K) as in the question."""
+
+    def __init__(self, representation_size: int, num_classes: int, conv: type[nn.Conv2d] = nn.Conv2d) -> None:
+        super().__init__()
+        self.label_head = conv(representation_size, num_classes + 1, kernel_size=1)
+        self.bbox_head = conv(representation_size, 4 * (num_classes + 1), kernel_size=1)
+        _init_like_question(self)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.label_head(x).flatten(1), self.bbox_head(x).flatten(1)
+
+
+def linear_head(*, in_channels: int, resolution: int, representation_size: int, num_classes: int
+                ) -> tuple[nn.Module, nn.Module]:
+    head = nn.Sequential(
+        nn.Flatten(start_dim=1),
+        nn.Linear(in_channels * resolution * resolution, representation_size),
+        nn.ReLU(inplace=True),
+        nn.Linear(representation_size, representation_size),
+        nn.ReLU(inplace=True),
+    )
+    _init_like_question(head)
+    return head, LinearPredictor(representation_size, num_classes)
+
+
+def _conv_head(conv: type[nn.Conv2d], *, in_channels: int, resolution: int, representation_size: int,
+               num_classes: int) -> tuple[nn.Module, nn.Module]:
+    head = nn.Sequential(
+        conv(in_channels, representation_size, kernel_size=resolution),
+        nn.ReLU(inplace=True),
+        conv(representation_size, representation_size, kernel_size=1),
+        nn.ReLU(inplace=True),
+    )
+    _init_like_question(head)
+    return head, ConvPredictor(representation_size, num_classes, conv=conv)
+
+
+def conv_head(**kwargs: int) -> tuple[nn.Module, nn.Module]:
+    return _conv_head(nn.Conv2d, **kwargs)
+
+
+def conv_as_linear_head(**kwargs: int) -> tuple[nn.Module, nn.Module]:
+    return _conv_head(Conv2dAsLinear, **kwargs)
+
+
+HEADS: dict[str, Callable[..., tuple[nn.Module, nn.Module]]] = {
+    "linear": linear_head,
+    "conv": conv_head,
+    "conv_as_linear": conv_as_linear_head,
+}
+
+
+def build_box_head(name: str, *, in_channels: int, resolution: int, representation_size: int,
+                   num_classes: int) -> tuple[nn.Module, nn.Module]:
+    """Return (box_head, box_predictor) for a head name in ``HEADS``; ``num_classes`` excludes background."""
+    try:
+        builder = HEADS[name]
+    except KeyError:
+        raise ValueError(f"unknown head {name!r}; allowed: {', '.join(HEADS)}") from None
+    return builder(in_channels=in_channels, resolution=resolution,
+                   representation_size=representation_size, num_classes=num_classes)

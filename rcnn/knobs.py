@@ -1,0 +1,112 @@
+"""The swept knobs: which settings apply on a device (with the reason when one does not) and applying them."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+AMP_DTYPES = {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+KNOB_NAMES = ("head", "cudnn_benchmark", "amp", "channels_last", "batch_size")
+
+
+@dataclass(frozen=True)
+class Knobs:
+    head: str = "linear"
+    cudnn_benchmark: bool | None = None  # None: not applicable on this device
+    amp: str = "off"
+    channels_last: bool = False
+    batch_size: int = 2
+
+
+@dataclass(frozen=True)
+class Skipped:
+    knob: str
+    value: Any
+    reason: str
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when available; ``cuda`` without a GPU is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch sees no CUDA GPU; use 'cpu' or 'auto'")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {name!r}; allowed: auto, cpu, cuda")
+    return torch.device(name)
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def why_not(knob: str, value: Any, device: torch.device) -> str | None:
+    """The reason a knob setting does not apply on ``device``, or None when it does."""
+    cpu = device.type == "cpu"
+    if knob == "cudnn_benchmark" and cpu:
+        return "cuDNN is not used on CPU (pinned, reported as n/a)"
+    if knob == "amp" and value == "fp16" and cpu:
+        return "fp16 autocast with GradScaler is a CUDA setting; CPU autocast runs bf16"
+    if knob == "amp" and value == "bf16":
+        if cpu and not cpu_has_native_bf16():
+            return "this CPU has no native bf16 (oneDNN emulates it, ~70x slower)"
+        if not cpu and not torch.cuda.is_bf16_supported():
+            return "this GPU does not support bf16"
+    return None
+
+
+def applicable_space(space: dict[str, list], device: torch.device) -> tuple[dict[str, list], list[Skipped]]:
+    """Drop settings that do not apply on ``device``; a knob that never applies is pinned to [None].
+
+    Raises ValueError when a knob is left with no applicable value.
+    """
+    grid: dict[str, list] = {}
+    skipped: list[Skipped] = []
+    for knob, values in space.items():
+        reasons = {value: why_not(knob, value, device) for value in values}
+        grid[knob] = [v for v, r in reasons.items() if r is None]
+        if knob == "cudnn_benchmark" and not grid[knob]:
+            grid[knob] = [None]
+            skipped.append(Skipped(knob, "any", reasons[values[0]]))
+            continue
+        if not grid[knob]:
+            why = "; ".join(f"{v}: {r}" for v, r in reasons.items())
+            raise ValueError(f"sweep.space.{knob}: no value applies on {device.type} ({why})")
+        skipped += [Skipped(knob, v, r) for v, r in reasons.items() if r]
+    return grid, skipped
+
+
+@contextlib.contextmanager
+def backend_flags(knobs: Knobs) -> Iterator[None]:
+    """Set cudnn.benchmark for the duration of a trial and restore it afterwards."""
+    previous = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = bool(knobs.cudnn_benchmark)
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = previous
+
+
+def autocast(knobs: Knobs, device: torch.device) -> contextlib.AbstractContextManager:
+    dtype = AMP_DTYPES[knobs.amp]
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def grad_scaler(knobs: Knobs, device: torch.device) -> torch.amp.GradScaler:
+    # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
+    return torch.amp.GradScaler(device.type, enabled=knobs.amp == "fp16")
+
+
+def set_tf32(enabled: bool) -> None:
+    """Give matmul (nn.Linear) and cuDNN (nn.Conv2d) the same TF32 setting; their defaults differ."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
+def memory_format(knobs: Knobs) -> torch.memory_format:
+    return torch.channels_last if knobs.channels_last else torch.contiguous_format

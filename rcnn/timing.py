@@ -1,0 +1,119 @@
+"""One way to time things, used everywhere: marks on the device's timeline, medians and IQRs, peak memory."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+
+class Clock:
+    """Timestamps on the device's timeline: CUDA events on the current stream, ``perf_counter`` on CPU.
+
+    CUDA work is asynchronous, so host clocks would charge queued work to whatever later blocks
+    (GradScaler's ``.item()``, say). Events are read only after ``sync()``.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> torch.cuda.Event | float:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def ms(self, start: torch.cuda.Event | float, end: torch.cuda.Event | float) -> float:
+        """Milliseconds between two marks; on CUDA call ``sync()`` first."""
+        if self.cuda:
+            return start.elapsed_time(end)
+        return (end - start) * 1e3
+
+
+@dataclass(frozen=True)
+class Stats:
+    median: float
+    iqr: float
+
+
+def summarize(samples: Sequence[float]) -> Stats:
+    q1, median, q3 = np.percentile(np.asarray(samples, dtype=float), [25, 50, 75])
+    return Stats(median=float(median), iqr=float(q3 - q1))
+
+
+class ModuleSpanProbe:
+    """Marks the forward and backward spans of a chain of modules inside a larger model.
+
+    The forward span runs from ``first``'s pre-hook to ``last``'s hook; the backward span from the
+    moment ``last``'s output gradients are ready to the moment ``first``'s input gradients are.
+    Autograd runs nodes in reverse creation order, so nothing outside the chain runs inside that span.
+    """
+
+    def __init__(self, first: nn.Module, last: nn.Module, clock: Clock) -> None:
+        self.clock = clock
+        self.marks: dict[str, object] = {}
+        self.rows = 0
+        self._handles = [
+            first.register_forward_pre_hook(self._on_forward_start),
+            last.register_forward_hook(lambda *_: self._mark("forward_end")),
+            last.register_full_backward_pre_hook(lambda *_: self._mark("backward_start")),
+            first.register_full_backward_hook(lambda *_: self._mark("backward_end")),
+        ]
+
+    def _on_forward_start(self, _module: nn.Module, args: tuple) -> None:
+        self.rows = int(args[0].shape[0])  # RoIs in this batch: must stay fixed for steady shapes
+        self._mark("forward_start")
+
+    def _mark(self, name: str) -> None:
+        self.marks[name] = self.clock.mark()
+
+    def reset(self) -> None:
+        self.marks = {}
+
+    def spans_ms(self) -> tuple[float, float]:
+        """(forward, backward) of the last step, in ms; call after the clock's ``sync()``."""
+        m = self.marks
+        return (self.clock.ms(m["forward_start"], m["forward_end"]),
+                self.clock.ms(m["backward_start"], m["backward_end"]))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+class PeakMemory:
+    """Peak memory of a region, in MiB: the CUDA caching allocator's peak, or on Linux CPUs the process's
+    peak resident set (VmHWM, reset through /proc/self/clear_refs). NaN where neither can be read."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def reset(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # 5 resets the peak RSS counter
+        except OSError:
+            pass
+
+    def peak_mb(self) -> float:
+        if self.cuda:
+            return torch.cuda.max_memory_allocated() / 2**20
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) / 1024
+        except OSError:
+            pass
+        return float("nan")

@@ -1,0 +1,65 @@
+import pytest
+import torch
+
+from rcnn.bench import PHASES, main, run_trial
+from rcnn.data import synthetic_samples
+from rcnn.knobs import Knobs
+from rcnn.model import BACKBONES, build_detector
+from tests.conftest import TINY_CONFIG
+
+CPU = torch.device("cpu")
+SAMPLES = synthetic_samples(num_images=4, image_size=64, num_classes=2, seed=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head", ["linear", "conv", "conv_as_linear"])
+def test_trial_times_every_phase(head):
+    result = run_trial(TINY_CONFIG, Knobs(head=head, batch_size=2), SAMPLES, device=CPU, warmup=1, iterations=2)
+    assert result.iterations == 2
+    assert result.rois == 2 * TINY_CONFIG.rois_per_image  # fixed box-head input shape
+    assert all(getattr(result, f"{p}_ms") > 0 for p in PHASES)
+    assert result.head_backward_ms < result.backward_ms and result.head_forward_ms < result.forward_ms
+    assert result.forward_ms + result.backward_ms <= result.step_ms * 1.001
+
+
+@pytest.mark.slow
+def test_channels_last_trial_runs():
+    result = run_trial(TINY_CONFIG, Knobs(head="conv", channels_last=True, batch_size=1), SAMPLES, device=CPU,
+                       warmup=0, iterations=1)
+    assert result.step_ms > 0
+
+
+def test_fp16_on_cpu_is_refused_before_any_work():
+    with pytest.raises(ValueError, match="amp=fp16 does not apply on cpu"):
+        run_trial(TINY_CONFIG, Knobs(amp="fp16"), SAMPLES, device=CPU, warmup=0, iterations=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backbone", list(BACKBONES))
+def test_detectors_build_and_keep_fixed_size(backbone):
+    config = TINY_CONFIG.__class__(**{**TINY_CONFIG.__dict__, "backbone": backbone})
+    model = build_detector(config, "conv").eval()
+    with torch.no_grad():
+        images = model.transform([torch.rand(3, 64, 64)])[0].tensors
+    assert images.shape[-2:] == (64, 64)
+    assert model.roi_heads.fg_bg_sampler.batch_size_per_image == config.rois_per_image
+
+
+def test_unknown_backbone():
+    config = TINY_CONFIG.__class__(**{**TINY_CONFIG.__dict__, "backbone": "vgg"})
+    with pytest.raises(ValueError, match="unknown backbone 'vgg'; allowed: resnet50_fpn"):
+        build_detector(config, "linear")
+
+
+@pytest.mark.slow
+def test_cli_prints_a_table(capsys):
+    assert main(["--head", "linear", "--backbone", "mobilenet_v3_fpn", "--image-size", "64",
+                 "--rois-per-image", "8", "--representation-size", "32", "--num-images", "2",
+                 "--warmup", "0", "--iterations", "1", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "head_backward" in out and "peak memory" in out
+
+
+def test_cli_error_is_one_line(capsys):
+    assert main(["--amp", "fp16", "--device", "cpu", "--num-images", "2", "--image-size", "64"]) == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0

@@ -1,0 +1,74 @@
+import pytest
+import torch
+
+from rcnn.heads import HEADS, Conv2dAsLinear, build_box_head
+
+C, R, D, K = 8, 7, 16, 3  # channels, RoI grid, representation size, object classes
+
+
+def heads(name: str):
+    return build_box_head(name, in_channels=C, resolution=R, representation_size=D, num_classes=K)
+
+
+def run(head, predictor, x):
+    scores, deltas = predictor(head(x))
+    (scores.square().sum() + deltas.sin().sum()).backward()
+    return scores, deltas
+
+
+def grads(*modules):
+    return [p.grad for m in modules for p in m.parameters()]
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_conv_as_linear_matches_conv_outputs_and_gradients(channels_last):
+    torch.manual_seed(0)
+    conv = [m.double() for m in heads("conv")]
+    fix = [m.double() for m in heads("conv_as_linear")]
+    for src, dst in zip(conv, fix):
+        dst.load_state_dict(src.state_dict())  # a conv checkpoint loads unchanged
+        if channels_last:
+            dst.to(memory_format=torch.channels_last)
+    x = torch.randn(5, C, R, R, dtype=torch.float64)
+    x_conv, x_fix = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_conv, out_fix = run(*conv, x_conv), run(*fix, x_fix)
+    for a, b in zip(out_conv, out_fix):
+        assert a.shape == b.shape == (5, a.shape[1])
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads(*conv) + [x_conv.grad], grads(*fix) + [x_fix.grad]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_linear_equals_conv_with_reshaped_weights():
+    torch.manual_seed(0)
+    conv_head, conv_pred = (m.double() for m in heads("conv"))
+    lin_head, lin_pred = (m.double() for m in heads("linear"))
+    convs = [m for m in [*conv_head, conv_pred.label_head, conv_pred.bbox_head] if isinstance(m, torch.nn.Conv2d)]
+    linears = [m for m in [*lin_head, lin_pred.label_head, lin_pred.bbox_head] if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        for c, l in zip(convs, linears, strict=True):
+            l.weight.copy_(c.weight.flatten(1))
+            l.bias.copy_(c.bias)
+    x = torch.randn(4, C, R, R, dtype=torch.float64)
+    for a, b in zip(conv_pred(conv_head(x)), lin_pred(lin_head(x))):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", list(HEADS))
+def test_outputs_have_background_class_and_question_init(name):
+    head, predictor = heads(name)
+    scores, deltas = predictor(head(torch.randn(2, C, R, R)))
+    assert scores.shape == (2, K + 1) and deltas.shape == (2, 4 * (K + 1))
+    weights = torch.cat([p.flatten() for n, p in head.named_parameters() if n.endswith("weight")])
+    assert abs(weights.std().item() - 0.01) < 0.002
+    assert all(p.abs().sum() == 0 for n, p in head.named_parameters() if n.endswith("bias"))
+
+
+def test_unknown_head_names_the_allowed_ones():
+    with pytest.raises(ValueError, match="unknown head 'mlp'.*linear, conv, conv_as_linear"):
+        heads("mlp")
+
+
+def test_conv_as_linear_refuses_inputs_larger_than_its_kernel():
+    with pytest.raises(ValueError, match="as large as its kernel"):
+        Conv2dAsLinear(C, D, kernel_size=R)(torch.randn(1, C, R + 1, R + 1))

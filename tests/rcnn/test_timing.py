@@ -1,0 +1,72 @@
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from rcnn.timing import Clock, ModuleSpanProbe, PeakMemory, summarize
+
+CPU = torch.device("cpu")
+
+
+class Sleep(torch.autograd.Function):
+    """Identity whose forward and backward each sleep: known time inside or outside a probed span."""
+
+    @staticmethod
+    def forward(ctx, x, forward_s, backward_s):
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class SleepLayer(nn.Module):
+    def __init__(self, forward_s: float, backward_s: float) -> None:
+        super().__init__()
+        self.forward_s, self.backward_s = forward_s, backward_s
+
+    def forward(self, x):
+        return Sleep.apply(x, self.forward_s, self.backward_s)
+
+
+def test_summarize_median_and_iqr():
+    stats = summarize([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert stats.median == 3.0 and stats.iqr == 2.0  # quartiles 2 and 4
+
+
+def test_probe_times_only_the_probed_modules():
+    inner = nn.Sequential(nn.Linear(4, 4), SleepLayer(0.03, 0.06))
+    predictor = nn.Linear(4, 2)
+    model = nn.Sequential(SleepLayer(0.2, 0.2), inner, predictor, SleepLayer(0.2, 0.2))
+    clock = Clock(CPU)
+    probe = ModuleSpanProbe(inner, predictor, clock)
+    x = torch.randn(3, 4, requires_grad=True)
+    model(x).sum().backward()
+    forward_ms, backward_ms = probe.spans_ms()
+    probe.remove()
+    assert probe.rows == 3
+    assert 30 <= forward_ms < 200   # includes the inner sleep, none of the 200 ms outside
+    assert 60 <= backward_ms < 200
+
+
+def test_removed_probe_stops_marking():
+    layer = nn.Linear(2, 2)
+    probe = ModuleSpanProbe(layer, layer, Clock(CPU))
+    probe.remove()
+    layer(torch.randn(1, 2, requires_grad=True)).sum().backward()
+    assert probe.marks == {}
+
+
+def test_cpu_peak_memory_sees_a_large_allocation():
+    memory = PeakMemory(CPU)
+    memory.reset()
+    before = memory.peak_mb()
+    if before != before:  # NaN: this system exposes no peak RSS
+        pytest.skip("no /proc peak RSS here")
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    assert memory.peak_mb() >= before + 60
+    del block
