@@ -67,6 +67,9 @@ def read_json(path: str | Path) -> Any:
 
 
 def git_commit() -> str:
+    """HEAD's hash; RCNN_GIT_COMMIT names it where the tree travels without .git (a copy on a GPU machine)."""
+    if commit := os.environ.get("RCNN_GIT_COMMIT"):
+        return commit
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
     except OSError:

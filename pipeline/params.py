@@ -71,6 +71,7 @@ class SweepParams:
     sampler: str = _field("grid", choices=("grid", "tpe"))
     n_trials: int | None = _field(None, minimum=1)  # None: the whole applicable grid (grid sampler only)
     seed: int = _field(0, minimum=0)
+    timeout_s: float | None = _field(None, minimum=1)  # no new trial starts after this many seconds
     storage: str = "optuna.journal"   # a journal file path, or an RDB URL such as postgresql://...
     allow_tf32: bool = False          # CUDA: one value for matmul and cuDNN, a fair fp32 comparison
     space: SpaceParams = field(default_factory=SpaceParams)
@@ -116,6 +117,8 @@ def _convert(value: Any, hint: Any, key: str, rule: dict) -> Any:
         if len(set(map(repr, value))) != len(value):
             raise ParamsError(f"{key}: duplicate values in {value!r}")
         return tuple(_convert(v, args[0], key, rule) for v in value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
     # bool is an int subclass in Python: refuse it where a number is meant, and numbers where a bool is.
     if not isinstance(value, hint) or (hint is not bool and isinstance(value, bool)):
         raise ParamsError(f"{key}: expected {_type_name(hint)}, got {value!r}")

@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
+import itertools
 import json
 import math
+import random
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -56,7 +58,9 @@ def study_name(params: Params, grid: dict, env: dict, data_dir: Path) -> str:
 
 def make_sampler(params: Params, grid: dict) -> optuna.samplers.BaseSampler:
     if params.sweep.sampler == "grid":
-        return optuna.samplers.GridSampler(grid, seed=params.sweep.seed)
+        # The grid is queued point by point (enqueue_grid), so this sampler never draws. Optuna's
+        # GridSampler would pick points at random, which a time budget turns into unpaired heads.
+        return optuna.samplers.RandomSampler(seed=params.sweep.seed)
     return optuna.samplers.TPESampler(seed=params.sweep.seed)
 
 
@@ -73,12 +77,31 @@ def trials_table(study: optuna.Study, config: DetectorConfig, device: torch.devi
     return pd.DataFrame(rows)
 
 
+def point_key(trial: optuna.trial.FrozenTrial, grid: dict) -> tuple:
+    params = trial.params or trial.system_attrs.get("fixed_params", {})  # queued trials have no params yet
+    return tuple(params.get(k) for k in grid)
+
+
+def enqueue_grid(study: optuna.Study, grid: dict, seed: int) -> None:
+    """Queue the grid points not yet in the study: settings of the other knobs in a seeded shuffled order,
+    all heads of one setting side by side, so a sweep cut short still holds complete head comparisons."""
+    known = {point_key(t, grid) for t in study.get_trials(deepcopy=False)}
+    others = [k for k in grid if k != "head"]
+    settings = list(itertools.product(*(grid[k] for k in others)))
+    random.Random(seed).shuffle(settings)
+    for setting in settings:
+        for head in grid["head"]:
+            point = dict(zip(others, setting)) | {"head": head}
+            if tuple(point[k] for k in grid) not in known:
+                study.enqueue_trial(point)
+
+
 def trials_to_run(params: Params, study: optuna.Study, grid: dict) -> int:
     """``n_trials`` counts the whole study, so a rerun only adds what is missing; grid: its unvisited points."""
     finished = [t for t in study.get_trials(deepcopy=False) if t.state.is_finished()]
     budget = params.sweep.n_trials - len(finished) if params.sweep.n_trials else float("inf")
     if params.sweep.sampler == "grid":
-        visited = {tuple(t.params.get(k) for k in grid) for t in finished}
+        visited = {point_key(t, grid) for t in finished}
         budget = min(budget, math.prod(len(v) for v in grid.values()) - len(visited))
     return int(budget)
 
@@ -116,7 +139,10 @@ def sweep(params: Params, samples: list[Sample], num_classes: int, study: optuna
         return result.step_ms
 
     if n_trials > 0:
-        study.optimize(objective, n_trials=n_trials, catch=(Exception,))
+        if params.sweep.sampler == "grid":
+            enqueue_grid(study, grid, params.sweep.seed)
+        # timeout: no new trial starts after it; the one running finishes.
+        study.optimize(objective, n_trials=n_trials, timeout=params.sweep.timeout_s, catch=(Exception,))
 
 
 def stage(args: argparse.Namespace, params: Params) -> None:

@@ -1,0 +1,44 @@
+"""The device check's command, proven on the CPU with the smoke preset before any GPU runs it."""
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+from pipeline.run import stage_commands
+from pipeline.results import read_trials
+from tests.conftest import ROOT
+
+
+def test_stage_commands_fill_params_in_file_order():
+    dvc = {"stages": {"a": {"cmd": "python -m x --out data/${data.name}"}, "b": {"cmd": "python -m y\n  --n 1"}}}
+    assert stage_commands(dvc, {"data": {"name": "d1"}}) == [("a", "python -m x --out data/d1"), ("b", "python -m y --n 1")]
+
+
+@pytest.mark.slow
+def test_device_check_runs_every_stage_on_cpu(tmp_path):
+    out = tmp_path / "out"
+    result = subprocess.run(["bash", "scripts/device-check.sh", "presets/cpu-smoke.yaml", str(out), sys.executable],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    for stage in ("env", "data", "sweep", "report"):
+        assert f"== stage {stage}:" in (out / "log.txt").read_text()
+    with tarfile.open(out / "run.tar.gz") as tar:
+        names = set(tar.getnames())
+        tar.extractall(tmp_path / "run", filter="data")
+    assert {"./results/trials.csv", "./results/env.json", "./mlflow.db", "./reports/report.md"} <= names
+    assert not any(n.startswith("./data/") for n in names)
+    trials = read_trials(tmp_path / "run" / "results" / "trials.csv")
+    # fp16 and cudnn.benchmark do not apply on CPU: 3 heads x (off, bf16 if native) trials, no duplicates
+    assert set(trials["head"]) == {"linear", "conv", "conv_as_linear"} and trials["status"].eq("complete").all()
+    assert not trials.duplicated(["head", "amp"]).any() and set(trials["amp"]) <= {"off", "bf16"}
+    assert "## Verdict" in (out / "report.md").read_text()
+
+
+def test_bad_preset_fails_before_any_stage(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sweep: {device: tpu}\n")
+    result = subprocess.run([sys.executable, "-m", "pipeline.run", "--params", str(bad), "--workdir",
+                             str(tmp_path / "w")], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 2 and "sweep.device: 'tpu' is not allowed" in result.stderr
+    assert not (tmp_path / "w").exists()
