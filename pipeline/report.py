@@ -73,11 +73,12 @@ def render(trials: pd.DataFrame, summary: dict, env: dict) -> str:
     device = env.get("gpu", env.get("cpu_model", env.get("device", "?")))
     ratios = head_ratios(trials).round(3)
     skipped = summary.get("skipped", [])
-    partial = summary["complete"] < summary["trials"]
+    notes = [f"{summary[k]} {k.replace('_', ' ')}" for k in ("failed", "not_run") if summary.get(k)]
     out = [
         "# Why the conv box head's backward is slow, and what fixes it", "",
         f"Device: {env.get('device')} ({device}); torch {env.get('torch')}, torchvision {env.get('torchvision')}; "
-        f"{summary['complete']} of {summary['trials']} trials complete" + (" (some failed)" if partial else "") + ".",
+        f"{summary['complete']} of {summary['trials']} trials complete"
+        + (f" (partial sweep: {', '.join(notes)})" if notes else "") + ".",
         "", "## Verdict", "", "Geometric means over knob settings:", "", *verdict(summary), "",
         "## Head ratios per knob setting", "",
         "Each ratio divides median times of two heads measured with the same other knobs.", "",

@@ -64,7 +64,8 @@ def head_ratios(trials: pd.DataFrame) -> pd.DataFrame:
 def summarize_trials(trials: pd.DataFrame) -> dict:
     """Headline metrics for ``dvc metrics``: trial counts, geometric-mean head ratios, the fastest setting."""
     done = trials[trials["status"] == "complete"]
-    summary: dict = {"trials": len(trials), "complete": len(done), "failed": int((trials["status"] != "complete").sum())}
+    summary: dict = {"trials": len(trials), "complete": len(done), "failed": int((trials["status"] == "failed").sum()),
+                     "not_run": int(trials["status"].isin(["not run", "running"]).sum())}
     ratios = head_ratios(trials)
     for name in RATIOS:
         values = ratios[name].dropna()

@@ -34,7 +34,7 @@ from rcnn.model import DetectorConfig
 
 STATUS = {optuna.trial.TrialState.COMPLETE: "complete", optuna.trial.TrialState.FAIL: "failed",
           optuna.trial.TrialState.RUNNING: "running", optuna.trial.TrialState.PRUNED: "pruned",
-          optuna.trial.TrialState.WAITING: "waiting"}
+          optuna.trial.TrialState.WAITING: "not run"}  # queued, but the time budget ran out first
 
 
 def open_storage(spec: str) -> optuna.storages.BaseStorage | str:
@@ -67,7 +67,7 @@ def make_sampler(params: Params, grid: dict) -> optuna.samplers.BaseSampler:
 def trials_table(study: optuna.Study, config: DetectorConfig, device: torch.device) -> pd.DataFrame:
     rows = []
     for t in study.get_trials(deepcopy=False):
-        knobs = {k: t.params.get(k) for k in KNOB_NAMES}
+        knobs = {k: trial_params(t).get(k) for k in KNOB_NAMES}
         if knobs["cudnn_benchmark"] is None:
             knobs["cudnn_benchmark"] = "n/a"
         rows.append({"trial": t.number, "status": STATUS[t.state], "device": device.type,
@@ -77,9 +77,12 @@ def trials_table(study: optuna.Study, config: DetectorConfig, device: torch.devi
     return pd.DataFrame(rows)
 
 
+def trial_params(trial: optuna.trial.FrozenTrial) -> dict:
+    return trial.params or trial.system_attrs.get("fixed_params", {})  # queued trials have no params yet
+
+
 def point_key(trial: optuna.trial.FrozenTrial, grid: dict) -> tuple:
-    params = trial.params or trial.system_attrs.get("fixed_params", {})  # queued trials have no params yet
-    return tuple(params.get(k) for k in grid)
+    return tuple(trial_params(trial).get(k) for k in grid)
 
 
 def enqueue_grid(study: optuna.Study, grid: dict, seed: int) -> None:
