@@ -1,22 +1,27 @@
-"""Env stage: the environment fingerprint (versions, device, threads, precision flags) -> --out (JSON).
+"""Env stage: the environment -> --out (JSON) with two parts.
 
-Only stable facts go in, so an unchanged machine writes an identical file and DVC re-measures nothing;
-a new machine or library version changes it and the sweep runs again.
+``fingerprint``: stable facts (versions, device, threads, precision flags). The sweep depends on this part
+only (dvc.yaml lists it as a params key), so an unchanged machine re-measures nothing and a new machine
+or library version runs the sweep again. ``ceilings``: the measured matmul FLOP/s per dtype and copy
+bandwidth, noisy by nature, for the roofline columns.
 """
 from __future__ import annotations
 
 import argparse
 import platform
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import torch
 import torchvision
 
-from pipeline.common import run_stage, stage_parser, write_json
+from pipeline.common import read_json, run_stage, stage_parser, write_json
 from pipeline.params import Params
-from rcnn.knobs import cpu_has_native_bf16, resolve_device
+from rcnn.data import DataError
+from rcnn.knobs import cpu_has_native_bf16, resolve_device, set_tf32, why_not
+from rcnn.roofline import MATMUL_DTYPES, measure_copy_gbps, measure_matmul_tflops
 
 
 def cpu_model() -> str:
@@ -31,6 +36,15 @@ def cpu_model() -> str:
 def onednn_version() -> str:
     match = re.search(r"oneDNN v([\d.]+)", torch.__config__.show())
     return match.group(1) if match else "n/a"
+
+
+def gpu_driver() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
 def fingerprint(device: torch.device) -> dict:
@@ -52,14 +66,36 @@ def fingerprint(device: torch.device) -> dict:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env |= {"gpu": props.name, "compute_capability": f"{props.major}.{props.minor}",
-                "gpu_memory_gb": round(props.total_memory / 2**30, 1), "gpu_bf16": torch.cuda.is_bf16_supported()}
+                "gpu_memory_gb": round(props.total_memory / 2**30, 1), "gpu_bf16": torch.cuda.is_bf16_supported(),
+                "gpu_driver": gpu_driver()}
+    return env
+
+
+def ceilings(device: torch.device) -> dict:
+    """Measured peaks: matmul TFLOP/s for each dtype the sweep can use on ``device``, copy GB/s."""
+    cuda = device.type == "cuda"
+    usable = {"fp32": "off", "bf16": "bf16", "fp16": "fp16"}
+    matmul = {name: round(measure_matmul_tflops(device, dtype, n=8192 if cuda else 2048), 3)
+              for name, dtype in MATMUL_DTYPES.items() if why_not("amp", usable[name], device) is None}
+    return {"matmul_tflops": matmul, "copy_gbps": round(measure_copy_gbps(device, 2048 if cuda else 256), 1)}
+
+
+def read_env(path: str | Path) -> dict:
+    """env.json as the env stage writes it; a missing or older-format file is a one-line error."""
+    env = read_json(path)
+    if not isinstance(env, dict) or not {"fingerprint", "ceilings"} <= set(env):
+        raise DataError(f"{path}: needs 'fingerprint' and 'ceilings'; run the env stage to rewrite it")
     return env
 
 
 def stage(args: argparse.Namespace, params: Params) -> None:
-    env = fingerprint(resolve_device(params.sweep.device))
+    device = resolve_device(params.sweep.device)
+    if device.type == "cuda":
+        set_tf32(params.sweep.allow_tf32)  # the fp32 ceiling under the flags the sweep runs with
+    env = {"fingerprint": fingerprint(device), "ceilings": ceilings(device)}
     write_json(args.out, env)
-    print(f"{env['device']}: {env.get('gpu', env['cpu_model'])}, torch {env['torch']}")
+    fp = env["fingerprint"]
+    print(f"{fp['device']}: {fp.get('gpu', fp['cpu_model'])}, torch {fp['torch']}; ceilings {env['ceilings']}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,12 +57,23 @@ class ModelParams:
 class SpaceParams:
     head: tuple[str, ...] = _field(("linear", "conv", "conv_as_linear"), choices=HEADS)
     cudnn_benchmark: tuple[bool, ...] = (False, True)
+    onednn: tuple[bool, ...] = (True, False)
     amp: tuple[str, ...] = _field(("off", "bf16"), choices=AMP_DTYPES)
     channels_last: tuple[bool, ...] = (False, True)
     batch_size: tuple[int, ...] = _field((1, 2), minimum=1)
 
     def as_dict(self) -> dict[str, list]:
         return {name: list(getattr(self, name)) for name in KNOB_NAMES}
+
+
+@dataclass(frozen=True)
+class ProfileAt:
+    """The setting whose heads get a kernel profile; a knob left null takes its first swept value."""
+    cudnn_benchmark: bool | None = None
+    onednn: bool | None = None
+    amp: str | None = _field(None, choices=AMP_DTYPES)
+    channels_last: bool | None = None
+    batch_size: int | None = _field(None, minimum=1)
 
 
 @dataclass(frozen=True)
@@ -74,13 +85,23 @@ class SweepParams:
     timeout_s: float | None = _field(None, minimum=1)  # no new trial starts after this many seconds
     storage: str = "optuna.journal"   # a journal file path, or an RDB URL such as postgresql://...
     allow_tf32: bool = False          # CUDA: one value for matmul and cuDNN, a fair fp32 comparison
+    cross_check: bool = True          # also time each head alone with torch.utils.benchmark
+    profile_steps: int = _field(3, minimum=0)  # torch.profiler steps per head at profile_at; 0: no kernel tables
+    profile_at: ProfileAt = field(default_factory=ProfileAt)
     space: SpaceParams = field(default_factory=SpaceParams)
 
 
 @dataclass(frozen=True)
 class TimingParams:
+    """Warm-up and stopping (rcnn.timing.TimingPolicy): at least ``warmup`` untimed steps, more until step
+    times settle; at least ``iterations`` timed steps, more until the backward medians' 95% CI half-width
+    is ``rel_precision`` of the median, ``max_iterations`` or ``max_seconds``."""
     warmup: int = _field(2, minimum=0)
+    max_warmup: int = _field(10, minimum=0)
     iterations: int = _field(5, minimum=1)
+    max_iterations: int = _field(30, minimum=1)
+    max_seconds: float = _field(30.0, minimum=0.001)
+    rel_precision: float = _field(0.05, minimum=0.0001)
 
 
 @dataclass(frozen=True)
@@ -152,6 +173,11 @@ def parse_params(raw: Any) -> Params:
     params = _build(Params, raw, "")
     if params.sweep.n_trials is None and params.sweep.sampler != "grid":
         raise ParamsError("sweep.n_trials: null (whole grid) needs sampler: grid; allowed for tpe: an integer >= 1")
+    timing = params.timing
+    for low, high in (("warmup", "max_warmup"), ("iterations", "max_iterations")):
+        if getattr(timing, high) < getattr(timing, low):
+            raise ParamsError(f"timing.{high}: {getattr(timing, high)} is below timing.{low}; "
+                              f"allowed: >= {getattr(timing, low)}")
     return params
 
 

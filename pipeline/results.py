@@ -1,7 +1,7 @@
-"""The trials table: its one documented column set, and the head ratios computed from it.
+"""The result tables: their documented column sets, and the head comparisons computed from the trials.
 
-The sweep writes exactly these columns (times are medians per training step, in ms); the report
-reads nothing else. ``cudnn_benchmark`` is ``n/a`` where cuDNN does not apply.
+The sweep writes exactly these columns; the report reads nothing else. Times are per training step, in
+ms; ``cudnn_benchmark`` and ``onednn`` are ``n/a`` where that backend is not used.
 """
 from __future__ import annotations
 
@@ -10,66 +10,111 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from pipeline.common import write_atomic
+from rcnn.bench import PHASES, STAT_COLUMNS
 from rcnn.data import DataError
 from rcnn.knobs import KNOB_NAMES
-from pipeline.common import write_atomic
+from rcnn.timing import compare
 
-TIMES = ("forward_ms", "backward_ms", "optimizer_ms", "step_ms", "head_forward_ms", "head_backward_ms")
-TRIAL_COLUMNS = (
-    "trial", "status", "device", "backbone", "image_size", "rois_per_image", *KNOB_NAMES, *TIMES,
-    "forward_iqr_ms", "backward_iqr_ms", "optimizer_iqr_ms", "step_iqr_ms", "head_forward_iqr_ms",
-    "head_backward_iqr_ms", "peak_mem_mb", "iterations", "rois", "mlflow_run_id", "error",
-)
 OTHER_KNOBS = [k for k in KNOB_NAMES if k != "head"]
-RATIOS = {  # name -> (numerator head, denominator head, timing column)
-    "conv_over_linear_head_backward": ("conv", "linear", "head_backward_ms"),
-    "conv_over_linear_backward": ("conv", "linear", "backward_ms"),
-    "conv_as_linear_over_linear_head_backward": ("conv_as_linear", "linear", "head_backward_ms"),
-    "conv_as_linear_over_linear_backward": ("conv_as_linear", "linear", "backward_ms"),
-}
+TRIAL_COLUMNS = (
+    "trial", "status", "device", "backbone", "image_size", "rois_per_image", *KNOB_NAMES,
+    *(pattern.format(phase) for phase in PHASES for pattern in STAT_COLUMNS.values()),
+    "peak_mem_mb", "warmup_iterations", "iterations", "precision", "precision_met", "rois",
+    "head_forward_gflop", "head_backward_gflop", "head_forward_tflops", "head_backward_tflops",
+    "head_forward_peak_fraction", "head_backward_peak_fraction",
+    "isolated_head_forward_ms", "isolated_head_backward_ms", "mlflow_run_id", "error",
+)
+PAIRS = (("conv", "linear"), ("conv_as_linear", "linear"))
+COMPARED_PHASES = ("head_backward", "backward", "step")
+ALL_SETTINGS = "all"  # knob value of the rows that pool every setting (geometric mean of the ratios)
+COMPARISON_COLUMNS = (*OTHER_KNOBS, "numerator", "denominator", "phase", "ratio", "ci_low", "ci_high",
+                      "p_value", "settings")
+KERNEL_COLUMNS = ("trial", *KNOB_NAMES, "kind", "name", "ms", "calls", "share")
+
+
+def write_table(table: pd.DataFrame, path: str | Path) -> None:
+    write_atomic(path, table.to_csv(index=False))
 
 
 def write_trials(trials: pd.DataFrame, path: str | Path) -> None:
-    write_atomic(path, trials.reindex(columns=TRIAL_COLUMNS).round(4).to_csv(index=False))
+    write_table(trials.reindex(columns=TRIAL_COLUMNS).round(4), path)
+
+
+def read_table(path: str | Path, columns: tuple[str, ...], stage: str) -> pd.DataFrame:
+    path = Path(path)
+    try:
+        table = pd.read_csv(path, keep_default_na=False, na_values=[""])
+    except FileNotFoundError:
+        raise DataError(f"{path}: missing; run the {stage} stage first") from None
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
+        raise DataError(f"{path}: not a {stage} table ({str(err).splitlines()[0]})") from None
+    missing = [c for c in columns if c not in table.columns]
+    if missing:
+        raise DataError(f"{path}: missing columns {', '.join(missing)}")
+    return table
 
 
 def read_trials(path: str | Path) -> pd.DataFrame:
-    path = Path(path)
-    try:
-        trials = pd.read_csv(path, keep_default_na=False, na_values=[""])
-    except FileNotFoundError:
-        raise DataError(f"{path}: missing; run the sweep stage first") from None
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
-        raise DataError(f"{path}: not a trials table ({str(err).splitlines()[0]})") from None
-    missing = [c for c in TRIAL_COLUMNS if c not in trials.columns]
-    if missing:
-        raise DataError(f"{path}: missing columns {', '.join(missing)}")
-    return trials
+    return read_table(path, TRIAL_COLUMNS, "sweep")
 
 
-def head_ratios(trials: pd.DataFrame) -> pd.DataFrame:
-    """One row per setting of the other knobs, one column per ratio in RATIOS (NaN where a head is missing)."""
-    done = trials[trials["status"] == "complete"]
-    rows = []
+def geomean_ratio(pairs: list[tuple[list[float], list[float]]], seed: int = 0,
+                  resamples: int = 2000) -> tuple[float, float, float]:
+    """Geometric mean over settings of median(num) / median(den), with a 95% CI from resampling every
+    trial's samples together (a nested bootstrap, which scipy.stats.bootstrap does not express)."""
+    rng = np.random.default_rng(seed)
+
+    def log_ratios(draw: bool) -> np.ndarray:
+        logs = []
+        for num, den in pairs:
+            medians = [np.median(rng.choice(np.asarray(x), size=(resamples, len(x))), axis=1) if draw
+                       else np.median(x) for x in (num, den)]
+            logs.append(np.log(medians[0]) - np.log(medians[1]))
+        return np.mean(logs, axis=0)
+
+    low, high = np.exp(np.percentile(log_ratios(draw=True), [2.5, 97.5]))
+    return float(np.exp(log_ratios(draw=False))), float(low), float(high)
+
+
+def comparisons_table(trials: pd.DataFrame, samples: dict[int, dict[str, list[float]] | None],
+                      seed: int = 0) -> pd.DataFrame:
+    """Per setting of the other knobs, each head pair's ratio of medians per phase with a bootstrap CI and
+    the Mann-Whitney p-value; then one pooled row per pair and phase (knobs = 'all', geometric mean)."""
+    done = trials[(trials["status"] == "complete") & trials["trial"].map(lambda t: bool(samples.get(t)))]
+    rows, pooled = [], {}
     for setting, group in done.groupby(OTHER_KNOBS, dropna=False, sort=True):
-        by_head = group.set_index("head")
-        row = dict(zip(OTHER_KNOBS, setting))
-        for name, (num, den, column) in RATIOS.items():
-            ok = num in by_head.index and den in by_head.index
-            row[name] = by_head.at[num, column] / by_head.at[den, column] if ok else np.nan
-        rows.append(row)
-    return pd.DataFrame(rows, columns=[*OTHER_KNOBS, *RATIOS])
+        trial_of = dict(zip(group["head"], group["trial"]))
+        for num, den in PAIRS:
+            if num not in trial_of or den not in trial_of:
+                continue
+            for phase in COMPARED_PHASES:
+                a, b = samples[trial_of[num]][phase], samples[trial_of[den]][phase]
+                c = compare(a, b, seed=seed)
+                rows.append(dict(zip(OTHER_KNOBS, setting)) | {
+                    "numerator": num, "denominator": den, "phase": phase, "ratio": c.ratio, "ci_low": c.ci_low,
+                    "ci_high": c.ci_high, "p_value": c.p_value, "settings": 1})
+                pooled.setdefault((num, den, phase), []).append((a, b))
+    for (num, den, phase), pairs in pooled.items():
+        ratio, low, high = geomean_ratio(pairs, seed=seed)
+        rows.append({k: ALL_SETTINGS for k in OTHER_KNOBS} | {
+            "numerator": num, "denominator": den, "phase": phase, "ratio": ratio, "ci_low": low, "ci_high": high,
+            "p_value": np.nan, "settings": len(pairs)})
+    return pd.DataFrame(rows, columns=COMPARISON_COLUMNS)
 
 
-def summarize_trials(trials: pd.DataFrame) -> dict:
-    """Headline metrics for ``dvc metrics``: trial counts, geometric-mean head ratios, the fastest setting."""
+def summarize_trials(trials: pd.DataFrame, comparisons: pd.DataFrame) -> dict:
+    """Headline metrics for ``dvc metrics``: trial counts, pooled head ratios with CIs, the fastest setting."""
     done = trials[trials["status"] == "complete"]
     summary: dict = {"trials": len(trials), "complete": len(done), "failed": int((trials["status"] == "failed").sum()),
                      "not_run": int(trials["status"].isin(["not run", "running"]).sum())}
-    ratios = head_ratios(trials)
-    for name in RATIOS:
-        values = ratios[name].dropna()
-        summary[name] = round(float(np.exp(np.log(values).mean())), 3) if len(values) else None
+    pooled = comparisons[comparisons[OTHER_KNOBS[0]] == ALL_SETTINGS]
+    for num, den in PAIRS:
+        for phase in COMPARED_PHASES:
+            match = pooled[(pooled["numerator"] == num) & (pooled["denominator"] == den) & (pooled["phase"] == phase)]
+            name = f"{num}_over_{den}_{phase}"
+            for suffix, column in (("", "ratio"), ("_ci_low", "ci_low"), ("_ci_high", "ci_high")):
+                summary[name + suffix] = round(float(match[column].iloc[0]), 3) if len(match) else None
     if len(done):
         best = done.loc[done["step_ms"].idxmin()]
         knobs = {k: best[k].item() if hasattr(best[k], "item") else best[k] for k in KNOB_NAMES}

@@ -1,8 +1,9 @@
 """Sweep stage: an Optuna study over the knobs that apply on this device, one MLflow child run per trial.
 
-Writes the trials table (--trials) and the headline metrics (--summary). The study lives in
-``sweep.storage`` (a journal file by default, or an RDB URL) under a name derived from everything that
-shapes the numbers, so an identical rerun resumes the same study instead of measuring again.
+Writes the trials table (--trials), the head comparisons (--comparisons), the head-backward kernel tables
+(--kernels) and the headline metrics (--summary). The study lives in ``sweep.storage`` (a journal file by
+default, or an RDB URL) under a name derived from everything that shapes the numbers, so an identical
+rerun resumes the same study instead of measuring again.
 """
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import gc
 import hashlib
 import itertools
 import json
-import math
 import random
 import sys
 from dataclasses import asdict
@@ -24,13 +24,16 @@ import torch
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 
-from pipeline.common import git_commit, read_json, run_stage, stage_parser, write_json
+from pipeline.common import git_commit, run_stage, stage_parser, write_json
+from pipeline.env import read_env
 from pipeline.params import Params
-from pipeline.results import summarize_trials, write_trials
-from rcnn.bench import run_trial
+from pipeline.results import comparisons_table, summarize_trials, write_table, write_trials, KERNEL_COLUMNS
+from rcnn.bench import TrialResult, isolated_head_ms, run_trial
 from rcnn.data import Sample, read_coco
-from rcnn.knobs import KNOB_NAMES, Knobs, applicable_space, resolve_device, set_tf32
-from rcnn.model import DetectorConfig
+from rcnn.knobs import DEVICE_KNOBS, KNOB_NAMES, Knobs, Skipped, applicable_space, resolve_device, set_tf32, why_not_together
+from rcnn.model import BACKBONE_CHANNELS, ROI_RESOLUTION, DetectorConfig
+from rcnn.roofline import AMP_TO_DTYPE_NAME, achieved, head_flops
+from rcnn.timing import TimingPolicy
 
 STATUS = {optuna.trial.TrialState.COMPLETE: "complete", optuna.trial.TrialState.FAIL: "failed",
           optuna.trial.TrialState.RUNNING: "running", optuna.trial.TrialState.PRUNED: "pruned",
@@ -45,18 +48,17 @@ def open_storage(spec: str) -> optuna.storages.BaseStorage | str:
     return JournalStorage(JournalFileBackend(spec))
 
 
-def study_name(params: Params, grid: dict, env: dict, data_dir: Path) -> str:
+def study_name(params: Params, grid: dict, fingerprint: dict, data_dir: Path) -> str:
     """Experiment name plus a hash of the model, timing, grid, environment, data and library code."""
     code = "".join(p.read_text() for p in sorted(Path(__file__).parents[1].glob("rcnn/*.py")))
-    shape = {"model": asdict(params.model), "timing": asdict(params.timing), "grid": grid, "env": env,
-             "sampler": [params.sweep.sampler, params.sweep.seed],
-             "tf32": params.sweep.allow_tf32, "annotations": (data_dir / "annotations.json").read_text(),
-             "code": code}
+    shape = {"model": asdict(params.model), "timing": asdict(params.timing), "grid": grid, "env": fingerprint,
+             "sampler": [params.sweep.sampler, params.sweep.seed], "tf32": params.sweep.allow_tf32,
+             "annotations": (data_dir / "annotations.json").read_text(), "code": code}
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()
     return f"{params.tracking.experiment}-{digest[:12]}"
 
 
-def make_sampler(params: Params, grid: dict) -> optuna.samplers.BaseSampler:
+def make_sampler(params: Params) -> optuna.samplers.BaseSampler:
     if params.sweep.sampler == "grid":
         # The grid is queued point by point (enqueue_grid), so this sampler never draws. Optuna's
         # GridSampler would pick points at random, which a time budget turns into unpaired heads.
@@ -64,12 +66,152 @@ def make_sampler(params: Params, grid: dict) -> optuna.samplers.BaseSampler:
     return optuna.samplers.TPESampler(seed=params.sweep.seed)
 
 
+def grid_points(grid: dict, device: torch.device, seed: int) -> tuple[list[dict], list[Skipped]]:
+    """Every applicable grid point in run order: settings of the other knobs shuffled (seeded), the heads of
+    one setting side by side in a shuffled order, so drift spreads evenly and a sweep cut short by its time
+    budget still holds complete head comparisons. Also returns the combinations left out, with reasons."""
+    rng = random.Random(seed)
+    others = [k for k in grid if k != "head"]
+    settings = list(itertools.product(*(grid[k] for k in others)))
+    rng.shuffle(settings)
+    points, skipped = [], []
+    for setting in settings:
+        point = dict(zip(others, setting))
+        if reason := why_not_together(point, device):
+            skipped.append(Skipped("+".join(reason[0]), "+".join(str(point[k]) for k in reason[0]), reason[1]))
+            continue
+        points += [point | {"head": head} for head in rng.sample(grid["head"], len(grid["head"]))]
+    return points, list({(s.knob, s.reason): s for s in skipped}.values())
+
+
+def trial_params(trial: optuna.trial.FrozenTrial) -> dict:
+    return trial.params or trial.system_attrs.get("fixed_params", {})  # queued trials have no params yet
+
+
+def point_key(params: dict) -> tuple:
+    return tuple(params.get(k) for k in KNOB_NAMES)
+
+
+def enqueue_grid(study: optuna.Study, points: list[dict]) -> None:
+    """Queue the points not yet in the study (a resumed study keeps its queue)."""
+    known = {point_key(trial_params(t)) for t in study.get_trials(deepcopy=False)}
+    for point in points:
+        if point_key(point) not in known:
+            study.enqueue_trial(point)
+
+
+def trials_to_run(params: Params, study: optuna.Study, points: list[dict]) -> int:
+    """``n_trials`` counts the whole study, so a rerun only adds what is missing; grid: its unvisited points."""
+    finished = [t for t in study.get_trials(deepcopy=False) if t.state.is_finished()]
+    budget = params.sweep.n_trials - len(finished) if params.sweep.n_trials else float("inf")
+    if params.sweep.sampler == "grid":
+        visited = {point_key(trial_params(t)) for t in finished}
+        budget = min(budget, sum(point_key(p) not in visited for p in points))
+    return int(budget)
+
+
+def profile_setting(params: Params, grid: dict) -> dict:
+    """The other knobs' values at which every head is profiled: profile_at, else each knob's first value."""
+    chosen = asdict(params.sweep.profile_at)
+    return {k: chosen[k] if chosen.get(k) is not None and chosen[k] in grid[k] else grid[k][0]
+            for k in KNOB_NAMES if k != "head"}
+
+
+def result_columns(result: TrialResult, knobs: Knobs, config: DetectorConfig, ceilings: dict) -> dict:
+    """The trial's table row: timing statistics plus the head's FLOPs and where they sit against the peak."""
+    forward, backward = head_flops(knobs.head, rois=result.rois, in_channels=BACKBONE_CHANNELS,
+                                   resolution=ROI_RESOLUTION, representation_size=config.representation_size,
+                                   num_classes=config.num_classes)
+    peak = ceilings.get("matmul_tflops", {}).get(AMP_TO_DTYPE_NAME[knobs.amp])
+    fwd_tflops, fwd_fraction = achieved(forward, result.median("head_forward"), peak)
+    bwd_tflops, bwd_fraction = achieved(backward, result.median("head_backward"), peak)
+    return result.row() | {"head_forward_gflop": forward / 1e9, "head_backward_gflop": backward / 1e9,
+                           "head_forward_tflops": fwd_tflops, "head_backward_tflops": bwd_tflops,
+                           "head_forward_peak_fraction": fwd_fraction, "head_backward_peak_fraction": bwd_fraction}
+
+
+class Sweep:
+    """Runs trials of one study inside the active MLflow parent run."""
+
+    def __init__(self, params: Params, samples: list[Sample], config: DetectorConfig, device: torch.device,
+                 ceilings: dict, tags: dict[str, str], profiled: dict) -> None:
+        self.params, self.samples, self.config, self.device = params, samples, config, device
+        self.ceilings, self.tags, self.profiled = ceilings, tags, profiled
+        t = params.timing
+        self.policy = TimingPolicy(warmup=t.warmup, max_warmup=t.max_warmup, iterations=t.iterations,
+                                   max_iterations=t.max_iterations, max_seconds=t.max_seconds,
+                                   rel_precision=t.rel_precision)
+
+    def measure(self, knobs: Knobs, run_name: str, tags: dict[str, str],
+                trial: optuna.Trial | None = None) -> tuple[TrialResult, dict]:
+        """One trial in a nested MLflow run (FAILED, with the error, if it raises): (result, table row)."""
+        profile = asdict(knobs) == self.profiled | {"head": knobs.head}
+        with mlflow.start_run(run_name=run_name, nested=True, tags=self.tags | tags) as run:
+            if trial is not None:
+                trial.set_user_attr("mlflow_run_id", run.info.run_id)
+            mlflow.log_params(asdict(knobs) | asdict(self.config))
+            try:
+                result = run_trial(self.config, knobs, self.samples, device=self.device, policy=self.policy,
+                                   seed=self.params.sweep.seed,
+                                   profile_steps=self.params.sweep.profile_steps if profile else 0)
+                row = result_columns(result, knobs, self.config, self.ceilings)
+                if self.params.sweep.cross_check:
+                    forward, backward = isolated_head_ms(self.config, knobs, rois=result.rois, device=self.device)
+                    row |= {"isolated_head_forward_ms": forward, "isolated_head_backward_ms": backward}
+            except Exception as err:
+                mlflow.set_tag("error", first_line(err))
+                raise
+            finally:
+                gc.collect()
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+            mlflow.log_metrics({k: float(v) for k, v in row.items() if v == v})  # NaN is not a metric
+            if result.kernels:
+                mlflow.log_table(pd.DataFrame(result.kernels), artifact_file=f"kernels/{knobs.head}.json")
+        print(f"  step {result.median('step'):.0f} ms, backward {result.median('backward'):.0f} ms, head backward "
+              f"{result.median('head_backward'):.1f} ms ({result.iterations} steps, precision "
+              f"{'n/a' if result.precision == float('inf') else format(result.precision, '.1%')})",
+              flush=True)
+        return result, row | {"mlflow_run_id": run.info.run_id}
+
+    def objective(self, grid: dict):
+        def objective(trial: optuna.Trial) -> float:
+            knobs = Knobs(**{name: trial.suggest_categorical(name, grid[name]) for name in KNOB_NAMES})
+            print(f"trial {trial.number}: {knobs}", flush=True)
+            try:
+                result, row = self.measure(knobs, f"trial-{trial.number}", {"trial": str(trial.number)}, trial)
+            except Exception as err:  # recorded on the trial, then the sweep goes on
+                trial.set_user_attr("error", first_line(err))
+                raise
+            trial.set_user_attr("result", row)
+            trial.set_user_attr("samples", result.samples)
+            if result.kernels:
+                trial.set_user_attr("kernels", result.kernels)
+            return result.median("step")
+        return objective
+
+    def baseline(self, point: dict, when: str) -> dict[str, float]:
+        """Measure the run-order's first point again, outside the study, to see drift over the sweep."""
+        print(f"baseline ({when}): {point}", flush=True)
+        result, row = self.measure(Knobs(**point), f"baseline-{when}", {"role": f"baseline-{when}"})
+        return {"step_ms": result.median("step"), "head_backward_ms": result.median("head_backward"),
+                "mlflow_run_id": row["mlflow_run_id"]}
+
+
+def first_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+def knob_values(trial: optuna.trial.FrozenTrial) -> dict:
+    """The trial's knobs as the tables show them: a backend switch that does not apply reads 'n/a'."""
+    values = {k: trial_params(trial).get(k) for k in KNOB_NAMES}
+    return values | {k: "n/a" for k, v in values.items() if v is None and k in DEVICE_KNOBS}
+
+
 def trials_table(study: optuna.Study, config: DetectorConfig, device: torch.device) -> pd.DataFrame:
     rows = []
     for t in study.get_trials(deepcopy=False):
-        knobs = {k: trial_params(t).get(k) for k in KNOB_NAMES}
-        if knobs["cudnn_benchmark"] is None:
-            knobs["cudnn_benchmark"] = "n/a"
+        knobs = knob_values(t)
         rows.append({"trial": t.number, "status": STATUS[t.state], "device": device.type,
                      "backbone": config.backbone, "image_size": config.image_size,
                      "rois_per_image": config.rois_per_image, **knobs, **t.user_attrs.get("result", {}),
@@ -77,110 +219,66 @@ def trials_table(study: optuna.Study, config: DetectorConfig, device: torch.devi
     return pd.DataFrame(rows)
 
 
-def trial_params(trial: optuna.trial.FrozenTrial) -> dict:
-    return trial.params or trial.system_attrs.get("fixed_params", {})  # queued trials have no params yet
-
-
-def point_key(trial: optuna.trial.FrozenTrial, grid: dict) -> tuple:
-    return tuple(trial_params(trial).get(k) for k in grid)
-
-
-def enqueue_grid(study: optuna.Study, grid: dict, seed: int) -> None:
-    """Queue the grid points not yet in the study: settings of the other knobs in a seeded shuffled order,
-    all heads of one setting side by side, so a sweep cut short still holds complete head comparisons."""
-    known = {point_key(t, grid) for t in study.get_trials(deepcopy=False)}
-    others = [k for k in grid if k != "head"]
-    settings = list(itertools.product(*(grid[k] for k in others)))
-    random.Random(seed).shuffle(settings)
-    for setting in settings:
-        for head in grid["head"]:
-            point = dict(zip(others, setting)) | {"head": head}
-            if tuple(point[k] for k in grid) not in known:
-                study.enqueue_trial(point)
-
-
-def trials_to_run(params: Params, study: optuna.Study, grid: dict) -> int:
-    """``n_trials`` counts the whole study, so a rerun only adds what is missing; grid: its unvisited points."""
-    finished = [t for t in study.get_trials(deepcopy=False) if t.state.is_finished()]
-    budget = params.sweep.n_trials - len(finished) if params.sweep.n_trials else float("inf")
-    if params.sweep.sampler == "grid":
-        visited = {point_key(t, grid) for t in finished}
-        budget = min(budget, math.prod(len(v) for v in grid.values()) - len(visited))
-    return int(budget)
-
-
-def sweep(params: Params, samples: list[Sample], num_classes: int, study: optuna.Study, grid: dict,
-          device: torch.device, tags: dict[str, str]) -> None:
-    """Run the study's remaining trials, each inside a nested MLflow run of the active parent run."""
-    config = DetectorConfig(**asdict(params.model), num_classes=num_classes)
-    n_trials = trials_to_run(params, study, grid)
-
-    def objective(trial: optuna.Trial) -> float:
-        knobs = Knobs(**{name: trial.suggest_categorical(name, grid[name]) for name in KNOB_NAMES})
-        print(f"trial {trial.number}: {knobs}", flush=True)
-        run_tags = tags | {"trial": str(trial.number)}
-        try:
-            with mlflow.start_run(run_name=f"trial-{trial.number}", nested=True, tags=run_tags) as run:
-                trial.set_user_attr("mlflow_run_id", run.info.run_id)
-                mlflow.log_params(asdict(knobs) | asdict(config))
-                try:
-                    result = run_trial(config, knobs, samples, device=device, warmup=params.timing.warmup,
-                                       iterations=params.timing.iterations, seed=params.sweep.seed)
-                except Exception as err:  # recorded on the trial and its run (FAILED), then the sweep goes on
-                    error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-                    trial.set_user_attr("error", error)
-                    mlflow.set_tag("error", error)
-                    raise
-                trial.set_user_attr("result", result.as_dict())
-                mlflow.log_metrics(result.as_dict())
-        finally:
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        print(f"  step {result.step_ms:.0f} ms, backward {result.backward_ms:.0f} ms, "
-              f"head backward {result.head_backward_ms:.1f} ms", flush=True)
-        return result.step_ms
-
-    if n_trials > 0:
-        if params.sweep.sampler == "grid":
-            enqueue_grid(study, grid, params.sweep.seed)
-        # timeout: no new trial starts after it; the one running finishes.
-        study.optimize(objective, n_trials=n_trials, timeout=params.sweep.timeout_s, catch=(Exception,))
+def kernels_table(study: optuna.Study) -> pd.DataFrame:
+    rows = [{"trial": t.number, **knob_values(t), **row}
+            for t in study.get_trials(deepcopy=False) for row in t.user_attrs.get("kernels", [])]
+    return pd.DataFrame(rows, columns=KERNEL_COLUMNS)
 
 
 def stage(args: argparse.Namespace, params: Params) -> None:
     device = resolve_device(params.sweep.device)
     grid, skipped = applicable_space(params.sweep.space.as_dict(), device)
+    points, skipped_together = grid_points(grid, device, params.sweep.seed)
+    skipped += skipped_together
     data_dir = Path(args.data)
     samples, num_classes = read_coco(data_dir, image_size=params.model.image_size)
-    env = read_json(args.env)
+    env = read_env(args.env)
+    fingerprint, ceilings = env["fingerprint"], env["ceilings"]
     if device.type == "cuda":
         set_tf32(params.sweep.allow_tf32)
-    name = study_name(params, grid, env, data_dir)
+    name = study_name(params, grid, fingerprint, data_dir)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(study_name=name, storage=open_storage(params.sweep.storage),
-                                sampler=make_sampler(params, grid), direction="minimize", load_if_exists=True)
+                                sampler=make_sampler(params), direction="minimize", load_if_exists=True)
     for s in skipped:
         print(f"not swept on {device.type}: {s.knob}={s.value} ({s.reason})")
+    config = DetectorConfig(**asdict(params.model), num_classes=num_classes)
 
     mlflow.set_tracking_uri(params.tracking.mlflow_uri)
     mlflow.set_experiment(params.tracking.experiment)
-    tags = {"device": device.type, "torch": torch.__version__, "torchvision": env["torchvision"],
+    tags = {"device": device.type, "torch": torch.__version__, "torchvision": fingerprint["torchvision"],
             "git_commit": git_commit(), "study": name}
     parent_id = study.user_attrs.get("mlflow_parent_run_id")
     with mlflow.start_run(run_id=parent_id, run_name=None if parent_id else name, tags=tags) as parent:
         study.set_user_attr("mlflow_parent_run_id", parent.info.run_id)
         mlflow.log_params({"grid": json.dumps(grid), "skipped": json.dumps([asdict(s) for s in skipped], default=str)})
-        mlflow.set_tags({f"env.{k}": str(v) for k, v in env.items()}
+        mlflow.set_tags({f"env.{k}": str(v) for k, v in fingerprint.items()}
+                        | {f"ceiling.{k}": str(v) for k, v in ceilings.items()}
                         | {"matmul_allow_tf32": str(torch.backends.cuda.matmul.allow_tf32),
                            "cudnn_allow_tf32": str(torch.backends.cudnn.allow_tf32)})
-        sweep(params, samples, num_classes, study, grid, device, tags)
-        config = DetectorConfig(**asdict(params.model), num_classes=num_classes)
+        sweep = Sweep(params, samples, config, device, ceilings, tags, profile_setting(params, grid))
+        n_trials = trials_to_run(params, study, points)
+        drift = {}
+        if n_trials > 0:
+            if params.sweep.sampler == "grid":
+                enqueue_grid(study, points)
+            drift["start"] = sweep.baseline(points[0], "start")
+            # timeout: no new trial starts after it; the one running finishes.
+            study.optimize(sweep.objective(grid), n_trials=n_trials, timeout=params.sweep.timeout_s,
+                           catch=(Exception,))
+            drift["end"] = sweep.baseline(points[0], "end")
+            drift["step_drift"] = drift["end"]["step_ms"] / drift["start"]["step_ms"] - 1
+            study.set_user_attr("drift", drift | {"point": points[0]})
         trials = trials_table(study, config, device)
-        summary = summarize_trials(trials) | {"device": device.type, "study": name,
-                                              "skipped": [asdict(s) for s in skipped]}
-        mlflow.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float)) and v is not None})
+        samples_by_trial = {t.number: t.user_attrs.get("samples") for t in study.get_trials(deepcopy=False)}
+        comparisons = comparisons_table(trials, samples_by_trial, seed=params.sweep.seed)
+        summary = summarize_trials(trials, comparisons) | {
+            "device": device.type, "study": name, "skipped": [asdict(s) for s in skipped],
+            "drift": study.user_attrs.get("drift"), "profile_at": profile_setting(params, grid)}
+        mlflow.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float)) and v == v})
     write_trials(trials, args.trials)
+    write_table(comparisons, args.comparisons)
+    write_table(kernels_table(study), args.kernels)
     write_json(args.summary, summary)
     print(f"{summary['complete']} of {summary['trials']} trials complete; study {name}")
 
@@ -190,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", required=True, help="COCO-format folder the data stage wrote")
     parser.add_argument("--env", required=True, help="env.json from the env stage")
     parser.add_argument("--trials", required=True, help="trials table to write (CSV)")
+    parser.add_argument("--comparisons", required=True, help="head comparisons to write (CSV)")
+    parser.add_argument("--kernels", required=True, help="head-backward kernel tables to write (CSV)")
     parser.add_argument("--summary", required=True, help="headline metrics to write (JSON)")
     return run_stage(stage, parser, argv)
 

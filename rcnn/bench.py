@@ -6,55 +6,66 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
 from rcnn.data import Sample, device_batches, read_coco, synthetic_samples
-from rcnn.heads import HEADS
+from rcnn.heads import HEADS, build_box_head
 from rcnn.knobs import AMP_DTYPES, Knobs, autocast, backend_flags, grad_scaler, memory_format, resolve_device, why_not
-from rcnn.model import BACKBONES, DetectorConfig, build_detector
-from rcnn.timing import Clock, ModuleSpanProbe, PeakMemory, summarize
+from rcnn.kernels import capture, head_backward_table
+from rcnn.model import BACKBONE_CHANNELS, BACKBONES, ROI_RESOLUTION, DetectorConfig, build_detector
+from rcnn.timing import Clock, ModuleSpanProbe, PeakMemory, Stats, TimingPolicy, median_precision, summarize
 
 PHASES = ("forward", "backward", "optimizer", "step", "head_forward", "head_backward")
+WATCHED = ("backward", "head_backward")  # measuring stops once these medians are known to the set precision
+STAT_COLUMNS = {"median": "{}_ms", "iqr": "{}_iqr_ms", "p90": "{}_p90_ms", "ci_low": "{}_ci_low_ms",
+                "ci_high": "{}_ci_high_ms"}
 
 
 @dataclass(frozen=True)
 class TrialResult:
-    """Medians and IQRs per training step, in milliseconds; one row of the trials table."""
-    forward_ms: float
-    backward_ms: float
-    optimizer_ms: float
-    step_ms: float
-    head_forward_ms: float
-    head_backward_ms: float
-    forward_iqr_ms: float
-    backward_iqr_ms: float
-    optimizer_iqr_ms: float
-    step_iqr_ms: float
-    head_forward_iqr_ms: float
-    head_backward_iqr_ms: float
+    """Per-step times of one trial (ms) with their statistics, and how the measurement went."""
+    samples: dict[str, list[float]]  # phase -> one time per measured step
+    stats: dict[str, Stats]
     peak_mem_mb: float
+    warmup_iterations: int
     iterations: int
-    rois: int  # box-head input rows per step (batch_size * rois_per_image when enough proposals exist)
+    precision: float       # worst relative half-width of the 95% CI of a watched median
+    precision_met: bool
+    rois: int              # box-head input rows per step (batch_size * rois_per_image given enough proposals)
+    kernels: list[dict] = field(default_factory=list)  # rcnn.kernels table when the trial was profiled
 
-    def as_dict(self) -> dict[str, float | int]:
-        return asdict(self)
+    def median(self, phase: str) -> float:
+        return self.stats[phase].median
+
+    def row(self) -> dict[str, float | int | bool]:
+        """The flat columns of the trials table (no raw samples)."""
+        out: dict[str, float | int | bool] = {}
+        for phase, stats in self.stats.items():
+            out |= {pattern.format(phase): getattr(stats, name) for name, pattern in STAT_COLUMNS.items()}
+        return out | {"peak_mem_mb": self.peak_mem_mb, "warmup_iterations": self.warmup_iterations,
+                      "iterations": self.iterations, "precision": self.precision,
+                      "precision_met": self.precision_met, "rois": self.rois}
 
 
 def run_trial(config: DetectorConfig, knobs: Knobs, samples: list[Sample], *, device: torch.device,
-              warmup: int, iterations: int, seed: int = 0) -> TrialResult:
-    """Time ``warmup + iterations`` training steps; only the last ``iterations`` are kept.
+              policy: TimingPolicy, seed: int = 0, profile_steps: int = 0, probe: bool = True) -> TrialResult:
+    """Warm up until step times settle, then time training steps until ``policy`` says stop; with
+    ``profile_steps``, then profile that many more steps and keep the head-backward kernel table.
+    ``probe=False`` leaves the head's hooks out (its times read NaN): to measure what the hooks cost.
 
     Batches are on the device before the first step, so data loading is never timed. Raises
     ValueError for a knob setting that does not apply on ``device`` and FloatingPointError on a
     non-finite loss.
     """
-    for knob in ("cudnn_benchmark", "amp"):
+    for knob in ("cudnn_benchmark", "amp", "onednn"):
         value = getattr(knobs, knob)
         if value is not None and (reason := why_not(knob, value, device)):
             raise ValueError(f"{knob}={value} does not apply on {device.type}: {reason}")
     torch.manual_seed(seed)
+    watched = WATCHED if probe else ("backward",)
     clock, memory = Clock(device), PeakMemory(device)
     with backend_flags(knobs):
         model = build_detector(config, knobs.head).to(device=device, memory_format=memory_format(knobs))
@@ -63,41 +74,86 @@ def run_trial(config: DetectorConfig, knobs: Knobs, samples: list[Sample], *, de
         scaler = grad_scaler(knobs, device)
         batches = device_batches(samples, batch_size=knobs.batch_size, device=device)
         head = ModuleSpanProbe(model.roi_heads.box_head, model.roi_heads.box_predictor, clock)
-        times: dict[str, list[float]] = {phase: [] for phase in PHASES}
+        if not probe:
+            head.remove()
+
+        def step(number: int) -> dict[str, float]:
+            images, targets = batches[number % len(batches)]
+            head.reset()
+            start = clock.mark()
+            with autocast(knobs, device):
+                loss = sum(model(images, targets).values())
+            forward_end = clock.mark()
+            scaler.scale(loss).backward()
+            backward_end = clock.mark()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            end = clock.mark()
+            clock.sync()
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"non-finite loss {loss.item()} at step {number}")
+            head_forward, head_backward = head.spans_ms() if probe else (float("nan"), float("nan"))
+            return dict(zip(PHASES, (clock.ms(start, forward_end), clock.ms(forward_end, backward_end),
+                                     clock.ms(backward_end, end), clock.ms(start, end), head_forward, head_backward)))
+
         try:
-            for step in range(warmup + iterations):
-                if step == warmup:
-                    memory.reset()
-                images, targets = batches[step % len(batches)]
-                head.reset()
-                start = clock.mark()
-                with autocast(knobs, device):
-                    loss = sum(model(images, targets).values())
-                forward_end = clock.mark()
-                scaler.scale(loss).backward()
-                backward_end = clock.mark()
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                end = clock.mark()
-                clock.sync()
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"non-finite loss {loss.item()} at step {step}")
-                if step < warmup:  # burn-in: allocator, kernel choice, autotuning
-                    continue
-                head_forward, head_backward = head.spans_ms()
-                for phase, ms in zip(PHASES, (clock.ms(start, forward_end), clock.ms(forward_end, backward_end),
-                                              clock.ms(backward_end, end), clock.ms(start, end),
-                                              head_forward, head_backward)):
+            warm: list[float] = []
+            while not policy.warmed_up(warm):  # burn-in: allocator, kernel choice, autotuning
+                warm.append(step(len(warm))["step"])
+            memory.reset()
+            times: dict[str, list[float]] = {phase: [] for phase in PHASES}
+            started = time.perf_counter()
+            while not policy.done([times[p] for p in watched], time.perf_counter() - started):
+                for phase, ms in step(len(warm) + len(times["step"])).items():
                     times[phase].append(ms)
+            kernels = []
+            if profile_steps:  # after measuring: the profiler's own overhead never reaches the numbers
+                events = capture(lambda: step(0), device, profile_steps)
+                kernels = head_backward_table(events, profile_steps)
         finally:
             head.remove()
-    stats = {phase: summarize(values) for phase, values in times.items()}
     return TrialResult(
-        **{f"{phase}_ms": s.median for phase, s in stats.items()},
-        **{f"{phase}_iqr_ms": s.iqr for phase, s in stats.items()},
-        peak_mem_mb=memory.peak_mb(), iterations=iterations, rois=head.rows,
+        samples=times, stats={phase: summarize(values, seed=seed) for phase, values in times.items()},
+        peak_mem_mb=memory.peak_mb(), warmup_iterations=len(warm), iterations=len(times["step"]),
+        precision=max(median_precision(times[p]) for p in watched),
+        precision_met=policy.precision_met([times[p] for p in watched]),
+        rois=head.rows, kernels=kernels,
     )
+
+
+def isolated_head_ms(config: DetectorConfig, knobs: Knobs, *, rois: int, device: torch.device,
+                     min_run_time: float = 0.5) -> tuple[float, float]:
+    """Forward and backward medians (ms) of the box head alone at the detector's shapes, dtype and layout.
+
+    A cross-check of the in-detector hooks with an independent timer (torch.utils.benchmark): forward,
+    then forward + backward; backward is the difference. Gradients are reset as the training step does.
+    """
+    # Imported here: torch.utils.benchmark loads cpp_extension, which warns on stderr on GPU-less machines.
+    from torch.utils.benchmark import Timer
+
+    box_head, predictor = build_box_head(knobs.head, in_channels=BACKBONE_CHANNELS, resolution=ROI_RESOLUTION,
+                                         representation_size=config.representation_size,
+                                         num_classes=config.num_classes)
+    modules = torch.nn.ModuleList([box_head, predictor]).to(device=device, memory_format=memory_format(knobs))
+    # RoIAlign writes contiguous (N, C, 7, 7) features whatever the backbone's layout.
+    x = torch.randn(rois, BACKBONE_CHANNELS, ROI_RESOLUTION, ROI_RESOLUTION, device=device, requires_grad=True)
+
+    def forward():
+        with autocast(knobs, device):
+            return predictor(box_head(x))
+
+    def forward_backward():
+        for p in (*modules.parameters(), x):
+            p.grad = None
+        scores, deltas = forward()
+        (scores.float().sum() + deltas.float().sum()).backward()
+
+    with backend_flags(knobs):
+        # Timer defaults to one thread; the detector runs with all of torch's threads.
+        timings = [Timer(stmt="f()", globals={"f": f}, num_threads=torch.get_num_threads())
+                   .blocked_autorange(min_run_time=min_run_time).median * 1e3 for f in (forward, forward_backward)]
+    return timings[0], timings[1] - timings[0]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -108,13 +164,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--amp", choices=list(AMP_DTYPES), default="off", help="autocast dtype (fp16 adds GradScaler)")
     p.add_argument("--channels-last", action="store_true", help="model (and so its activations) in NHWC")
     p.add_argument("--cudnn-benchmark", action="store_true", help="let cuDNN autotune conv algorithms (CUDA only)")
+    p.add_argument("--no-onednn", action="store_true", help="CPU: disable oneDNN (torch.backends.mkldnn)")
     p.add_argument("--backbone", choices=list(BACKBONES), default="resnet18_fpn", help="detector backbone")
     p.add_argument("--image-size", type=int, default=256, help="square input size in pixels")
     p.add_argument("--rois-per-image", type=int, default=128, help="RoIs sampled per image for the box head")
     p.add_argument("--representation-size", type=int, default=1024, help="box head width")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    p.add_argument("--iterations", type=int, default=5, help="timed steps")
+    p.add_argument("--warmup", type=int, default=2, help="least untimed steps; more until step times settle")
+    p.add_argument("--iterations", type=int, default=5, help="least timed steps")
+    p.add_argument("--max-iterations", type=int, default=30, help="most timed steps")
+    p.add_argument("--rel-precision", type=float, default=0.05,
+                   help="stop once the backward medians' 95%% CI half-width is this fraction of the median")
     p.add_argument("--data", help="a COCO-format folder; default: synthetic images made in memory")
     p.add_argument("--num-images", type=int, default=8, help="synthetic images (ignored with --data)")
     return p
@@ -135,15 +195,19 @@ def main(argv: list[str] | None = None) -> int:
                                 representation_size=args.representation_size, num_classes=num_classes)
         knobs = Knobs(head=args.head, amp=args.amp, channels_last=args.channels_last,
                       batch_size=args.batch_size,
-                      cudnn_benchmark=args.cudnn_benchmark if device.type == "cuda" else None)
-        result = run_trial(config, knobs, samples, device=device, warmup=args.warmup, iterations=args.iterations)
+                      cudnn_benchmark=args.cudnn_benchmark if device.type == "cuda" else None,
+                      onednn=not args.no_onednn if device.type == "cpu" else None)
+        policy = TimingPolicy(warmup=args.warmup, iterations=args.iterations,
+                              max_iterations=max(args.iterations, args.max_iterations), rel_precision=args.rel_precision)
+        result = run_trial(config, knobs, samples, device=device, policy=policy)
     except (ValueError, FloatingPointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"{knobs} on {device}, {result.rois} RoIs per step, {result.iterations} timed steps")
-    print(f"{'phase':<14}{'median ms':>12}{'IQR ms':>10}")
-    for phase in PHASES:
-        print(f"{phase:<14}{getattr(result, phase + '_ms'):>12.1f}{getattr(result, phase + '_iqr_ms'):>10.1f}")
+    print(f"{knobs} on {device}, {result.rois} RoIs per step, {result.warmup_iterations} warm-up and "
+          f"{result.iterations} timed steps, precision {result.precision:.1%} (met: {result.precision_met})")
+    print(f"{'phase':<14}{'median ms':>11}{'95% CI':>18}{'IQR':>8}{'p90':>9}")
+    for phase, st in result.stats.items():
+        print(f"{phase:<14}{st.median:>11.1f}{f'{st.ci_low:.1f}-{st.ci_high:.1f}':>18}{st.iqr:>8.1f}{st.p90:>9.1f}")
     print(f"peak memory {result.peak_mem_mb:.0f} MiB")
     return 0
 

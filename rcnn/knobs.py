@@ -8,13 +8,16 @@ from typing import Any, Iterator
 import torch
 
 AMP_DTYPES = {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-KNOB_NAMES = ("head", "cudnn_benchmark", "amp", "channels_last", "batch_size")
+KNOB_NAMES = ("head", "cudnn_benchmark", "onednn", "amp", "channels_last", "batch_size")
+# Backend switches, each used on one device type only: knob -> (device type, backend).
+DEVICE_KNOBS = {"cudnn_benchmark": ("cuda", "cuDNN"), "onednn": ("cpu", "oneDNN")}
 
 
 @dataclass(frozen=True)
 class Knobs:
     head: str = "linear"
     cudnn_benchmark: bool | None = None  # None: not applicable on this device
+    onednn: bool | None = None           # CPU convolutions through oneDNN (torch.backends.mkldnn)
     amp: str = "off"
     channels_last: bool = False
     batch_size: int = 2
@@ -48,8 +51,8 @@ def cpu_has_native_bf16() -> bool:
 def why_not(knob: str, value: Any, device: torch.device) -> str | None:
     """The reason a knob setting does not apply on ``device``, or None when it does."""
     cpu = device.type == "cpu"
-    if knob == "cudnn_benchmark" and cpu:
-        return "cuDNN is not used on CPU (pinned, reported as n/a)"
+    if knob in DEVICE_KNOBS and DEVICE_KNOBS[knob][0] != device.type:
+        return f"{DEVICE_KNOBS[knob][1]} is not used on {device.type.upper()} (pinned, reported as n/a)"
     if knob == "amp" and value == "fp16" and cpu:
         return "fp16 autocast with GradScaler is a CUDA setting; CPU autocast runs bf16"
     if knob == "amp" and value == "bf16":
@@ -57,6 +60,13 @@ def why_not(knob: str, value: Any, device: torch.device) -> str | None:
             return "this CPU has no native bf16 (oneDNN emulates it, ~70x slower)"
         if not cpu and not torch.cuda.is_bf16_supported():
             return "this GPU does not support bf16"
+    return None
+
+
+def why_not_together(point: dict[str, Any], device: torch.device) -> tuple[tuple[str, ...], str] | None:
+    """Knob combinations that do not apply although each value does: (the knobs involved, reason), or None."""
+    if device.type == "cpu" and point.get("amp") == "bf16" and point.get("onednn") is False:
+        return ("amp", "onednn"), "bf16 convolutions without oneDNN run a reference path (a step takes minutes)"
     return None
 
 
@@ -70,7 +80,7 @@ def applicable_space(space: dict[str, list], device: torch.device) -> tuple[dict
     for knob, values in space.items():
         reasons = {value: why_not(knob, value, device) for value in values}
         grid[knob] = [v for v, r in reasons.items() if r is None]
-        if knob == "cudnn_benchmark" and not grid[knob]:
+        if knob in DEVICE_KNOBS and not grid[knob]:
             grid[knob] = [None]
             skipped.append(Skipped(knob, "any", reasons[values[0]]))
             continue
@@ -83,13 +93,14 @@ def applicable_space(space: dict[str, list], device: torch.device) -> tuple[dict
 
 @contextlib.contextmanager
 def backend_flags(knobs: Knobs) -> Iterator[None]:
-    """Set cudnn.benchmark for the duration of a trial and restore it afterwards."""
-    previous = torch.backends.cudnn.benchmark
+    """Set cudnn.benchmark and oneDNN for the duration of a trial and restore them afterwards."""
+    previous = torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled
     torch.backends.cudnn.benchmark = bool(knobs.cudnn_benchmark)
+    torch.backends.mkldnn.enabled = knobs.onednn is not False  # n/a keeps PyTorch's default (on)
     try:
         yield
     finally:
-        torch.backends.cudnn.benchmark = previous
+        torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled = previous
 
 
 def autocast(knobs: Knobs, device: torch.device) -> contextlib.AbstractContextManager:

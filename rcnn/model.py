@@ -12,6 +12,7 @@ from torchvision.ops import MultiScaleRoIAlign
 from rcnn.heads import build_box_head
 
 ROI_RESOLUTION = 7  # the pooled RoI grid: the conv head's kernel size
+BACKBONE_CHANNELS = 256  # every FPN backbone here outputs 256 channels per level
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+import scipy.stats
 import torch
 from torch import nn
 
@@ -40,13 +41,98 @@ class Clock:
 
 @dataclass(frozen=True)
 class Stats:
+    """Summary of per-iteration times: median, IQR, p90 and a bootstrap 95% CI of the median."""
     median: float
     iqr: float
+    p90: float
+    ci_low: float
+    ci_high: float
 
 
-def summarize(samples: Sequence[float]) -> Stats:
-    q1, median, q3 = np.percentile(np.asarray(samples, dtype=float), [25, 50, 75])
-    return Stats(median=float(median), iqr=float(q3 - q1))
+def _bootstrap_ci(samples: tuple[np.ndarray, ...], statistic, seed: int) -> tuple[float, float]:
+    if min(len(s) for s in samples) < 3 or not all(np.isfinite(s).all() for s in samples) \
+            or all(np.ptp(s) == 0 for s in samples):
+        return float("nan"), float("nan")  # too few or identical samples: no interval to resample
+    result = scipy.stats.bootstrap(samples, statistic, n_resamples=2000, method="percentile", vectorized=True,
+                                   rng=np.random.default_rng(seed))
+    return float(result.confidence_interval.low), float(result.confidence_interval.high)
+
+
+def summarize(samples: Sequence[float], seed: int = 0) -> Stats:
+    x = np.asarray(samples, dtype=float)
+    q1, median, q3, p90 = np.percentile(x, [25, 50, 75, 90])
+    low, high = _bootstrap_ci((x,), lambda s, axis=-1: np.median(s, axis=axis), seed)
+    return Stats(median=float(median), iqr=float(q3 - q1), p90=float(p90), ci_low=low, ci_high=high)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """median(a) / median(b) with a bootstrap 95% CI, and the Mann-Whitney U test's two-sided p-value."""
+    ratio: float
+    ci_low: float
+    ci_high: float
+    p_value: float
+
+
+def compare(a: Sequence[float], b: Sequence[float], seed: int = 0) -> Comparison:
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    low, high = _bootstrap_ci(
+        (x, y), lambda s, t, axis=-1: np.median(s, axis=axis) / np.median(t, axis=axis), seed)
+    p_value = float(scipy.stats.mannwhitneyu(x, y, alternative="two-sided").pvalue)
+    return Comparison(ratio=float(np.median(x) / np.median(y)), ci_low=low, ci_high=high, p_value=p_value)
+
+
+def median_precision(samples: Sequence[float]) -> float:
+    """Half-width of the distribution-free 95% CI of the median (order statistics), relative to the median.
+
+    Shrinks as samples accumulate, unlike IQR/median; inf until there are enough samples for a 95% CI.
+    """
+    x = np.asarray(samples, dtype=float)
+    if len(x) < 6:  # fewer order statistics cannot cover 95%
+        return float("inf")
+    median = float(np.median(x))
+    ci = scipy.stats.quantile_test(x, q=median, p=0.5).confidence_interval(0.95)
+    if not np.isfinite(ci.low) or not np.isfinite(ci.high) or median <= 0:
+        return float("inf")
+    return float(ci.high - ci.low) / 2 / median
+
+
+@dataclass(frozen=True)
+class TimingPolicy:
+    """When warm-up ends and when measuring stops, in the spirit of torch.utils.benchmark's adaptive_autorange.
+
+    Warm-up runs at least ``warmup`` steps and goes on (up to ``max_warmup``) until the last ``settle_window``
+    step times lie within ``settle_tolerance`` of each other: cudnn.benchmark autotunes on the first steps of
+    each shape, allocators grow. Measuring runs at least ``iterations`` steps, then stops once the median of
+    every watched phase is known to ``rel_precision`` (median_precision), or at ``max_iterations`` or
+    ``max_seconds``.
+    """
+    warmup: int = 2
+    max_warmup: int = 10
+    settle_window: int = 3
+    settle_tolerance: float = 0.15
+    iterations: int = 5
+    max_iterations: int = 5
+    max_seconds: float = float("inf")
+    rel_precision: float = 0.05
+
+    def warmed_up(self, step_ms: Sequence[float]) -> bool:
+        n = len(step_ms)
+        if n >= self.max_warmup:
+            return True
+        if n < max(self.warmup, self.settle_window):
+            return False
+        last = step_ms[-self.settle_window:]
+        return max(last) <= min(last) * (1 + self.settle_tolerance)
+
+    def precision_met(self, watched: Sequence[Sequence[float]]) -> bool:
+        return all(median_precision(samples) <= self.rel_precision for samples in watched)
+
+    def done(self, watched: Sequence[Sequence[float]], elapsed_s: float) -> bool:
+        n = len(watched[0])
+        if n < self.iterations:
+            return False
+        return n >= self.max_iterations or elapsed_s >= self.max_seconds or self.precision_met(watched)
 
 
 class ModuleSpanProbe:
@@ -57,20 +143,34 @@ class ModuleSpanProbe:
     Autograd runs nodes in reverse creation order, so nothing outside the chain runs inside that span.
     """
 
-    def __init__(self, first: nn.Module, last: nn.Module, clock: Clock) -> None:
+    def __init__(self, first: nn.Module, last: nn.Module, clock: Clock, label: str = "box_head") -> None:
         self.clock = clock
+        self.label = label
         self.marks: dict[str, object] = {}
         self.rows = 0
+        self._range: torch.autograd.profiler.record_function | None = None
         self._handles = [
             first.register_forward_pre_hook(self._on_forward_start),
             last.register_forward_hook(lambda *_: self._mark("forward_end")),
-            last.register_full_backward_pre_hook(lambda *_: self._mark("backward_start")),
-            first.register_full_backward_hook(lambda *_: self._mark("backward_end")),
+            last.register_full_backward_pre_hook(lambda *_: self._on_backward_start()),
+            first.register_full_backward_hook(lambda *_: self._on_backward_end()),
         ]
 
     def _on_forward_start(self, _module: nn.Module, args: tuple) -> None:
         self.rows = int(args[0].shape[0])  # RoIs in this batch: must stay fixed for steady shapes
         self._mark("forward_start")
+
+    def _on_backward_start(self) -> None:
+        self._mark("backward_start")
+        # A named range for torch.profiler (rcnn.kernels); costs nothing when no profiler runs.
+        self._range = torch.autograd.profiler.record_function(f"{self.label}.backward")
+        self._range.__enter__()
+
+    def _on_backward_end(self) -> None:
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+        self._mark("backward_end")
 
     def _mark(self, name: str) -> None:
         self.marks[name] = self.clock.mark()

@@ -13,9 +13,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_PARAMS = {
     "data": {"num_images": 4, "image_size": 64, "num_classes": 2, "seed": 0},
     "model": {"backbone": "mobilenet_v3_fpn", "image_size": 64, "rois_per_image": 8, "representation_size": 32},
-    "sweep": {"device": "cpu", "space": {"head": ["linear", "conv"], "amp": ["off"], "channels_last": [False],
-                                         "batch_size": [2]}},
-    "timing": {"warmup": 1, "iterations": 2},
+    "sweep": {"device": "cpu", "profile_steps": 1,
+              "space": {"head": ["linear", "conv"], "onednn": [True], "amp": ["off"], "channels_last": [False],
+                        "batch_size": [2]}},
+    "timing": {"warmup": 1, "max_warmup": 2, "iterations": 2, "max_iterations": 3, "max_seconds": 5},
 }
 TINY_CONFIG = DetectorConfig(backbone="mobilenet_v3_fpn", image_size=64, rois_per_image=8,
                              representation_size=32, num_classes=2)

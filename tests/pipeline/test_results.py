@@ -1,46 +1,73 @@
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 
-from pipeline.results import TRIAL_COLUMNS, head_ratios, read_trials, summarize_trials, write_trials
+from pipeline.results import (ALL_SETTINGS, TRIAL_COLUMNS, comparisons_table, geomean_ratio, read_trials,
+                              summarize_trials, write_trials)
 from rcnn.data import DataError
 
+HEADS = {"linear": (10.0, 100.0), "conv": (40.0, 130.0), "conv_as_linear": (11.0, 101.0)}  # head bwd, bwd
 
-def table() -> pd.DataFrame:
-    rows = []
+
+def fixture():
+    """Two settings (batch 1 and 2, twice the time), three heads, a failed trial; samples around the medians."""
+    rng = np.random.default_rng(0)
+    rows, samples = [], {}
     for bs, scale in ((1, 1.0), (2, 2.0)):
-        for head, head_bwd, bwd in (("linear", 10, 100), ("conv", 40, 130), ("conv_as_linear", 11, 101)):
-            rows.append({"trial": len(rows), "status": "complete", "head": head, "cudnn_benchmark": "n/a",
+        for head, (head_bwd, bwd) in HEADS.items():
+            n = len(rows)
+            samples[n] = {"head_backward": list(head_bwd * scale * rng.uniform(0.99, 1.01, 15)),
+                          "backward": list(bwd * scale * rng.uniform(0.99, 1.01, 15)),
+                          "step": list(2 * bwd * scale * rng.uniform(0.99, 1.01, 15))}
+            rows.append({"trial": n, "status": "complete", "head": head, "cudnn_benchmark": "n/a", "onednn": True,
                          "amp": "off", "channels_last": False, "batch_size": bs,
-                         "head_backward_ms": head_bwd * scale, "backward_ms": bwd * scale,
-                         "step_ms": bwd * scale * 2})
-    rows.append({"trial": len(rows), "status": "failed", "head": "conv", "cudnn_benchmark": "n/a", "amp": "off",
-                 "channels_last": True, "batch_size": 1, "error": "RuntimeError: boom"})
-    return pd.DataFrame(rows).reindex(columns=TRIAL_COLUMNS)
+                         "head_backward_ms": float(np.median(samples[n]["head_backward"])),
+                         "backward_ms": float(np.median(samples[n]["backward"])),
+                         "step_ms": float(np.median(samples[n]["step"]))})
+    rows.append({"trial": len(rows), "status": "failed", "head": "conv", "cudnn_benchmark": "n/a", "onednn": True,
+                 "amp": "off", "channels_last": True, "batch_size": 1, "error": "RuntimeError: boom"})
+    return pd.DataFrame(rows).reindex(columns=TRIAL_COLUMNS), samples
 
 
-def test_ratios_per_setting_and_headline():
-    ratios = head_ratios(table())
-    assert len(ratios) == 2  # the failed trial's setting has no complete head
-    assert ratios["conv_over_linear_head_backward"].tolist() == [4.0, 4.0]
-    assert ratios["conv_over_linear_backward"].tolist() == [1.3, 1.3]
-    summary = summarize_trials(table())
-    assert summary["trials"] == 7 and summary["complete"] == 6 and summary["failed"] == 1
-    assert summary["conv_as_linear_over_linear_head_backward"] == 1.1
-    assert summary["best"] == {"head": "linear", "cudnn_benchmark": "n/a", "amp": "off", "channels_last": False,
-                               "batch_size": 1, "step_ms": 200.0}
+def test_comparisons_per_setting_and_pooled():
+    trials, samples = fixture()
+    table = comparisons_table(trials, samples)
+    per_setting = table[table["settings"] == 1]
+    conv = per_setting[(per_setting["numerator"] == "conv") & (per_setting["phase"] == "head_backward")]
+    assert len(conv) == 2  # the failed trial's setting has no complete pair
+    assert conv["ratio"].tolist() == pytest.approx([4.0, 4.0], rel=0.02)
+    assert (conv["ci_low"] < conv["ratio"]).all() and (conv["ratio"] < conv["ci_high"]).all()
+    assert (conv["p_value"] < 1e-4).all()
+    pooled = table[(table["batch_size"] == ALL_SETTINGS) & (table["numerator"] == "conv_as_linear")
+                   & (table["phase"] == "backward")]
+    assert pooled["ratio"].iloc[0] == pytest.approx(1.01, rel=0.01) and pooled["settings"].iloc[0] == 2
+
+    summary = summarize_trials(trials, table)
+    assert summary["trials"] == 7 and summary["complete"] == 6 and summary["failed"] == 1 and summary["not_run"] == 0
+    assert summary["conv_over_linear_head_backward"] == pytest.approx(4.0, rel=0.02)
+    assert summary["conv_over_linear_head_backward_ci_low"] < 4.0 < summary["conv_over_linear_head_backward_ci_high"]
+    assert summary["best"] == {"head": "linear", "cudnn_benchmark": "n/a", "onednn": True, "amp": "off",
+                               "channels_last": False, "batch_size": 1, "step_ms": pytest.approx(200, rel=0.02)}
 
 
-def test_missing_head_gives_nan_not_an_error():
-    only = table().query("head != 'linear'")
-    assert math.isnan(head_ratios(only)["conv_over_linear_head_backward"].iloc[0])
-    assert summarize_trials(only)["conv_over_linear_head_backward"] is None
+def test_geomean_of_known_ratios():
+    ratio, low, high = geomean_ratio([([2.0] * 9, [1.0] * 9), ([8.0] * 9, [1.0] * 9)])
+    assert ratio == pytest.approx(4.0) and low == pytest.approx(4.0) and high == pytest.approx(4.0)
+
+
+def test_missing_head_gives_no_ratio_not_an_error():
+    trials, samples = fixture()
+    only = trials.query("head != 'linear'")
+    table = comparisons_table(only, samples)
+    assert table.empty
+    assert summarize_trials(only, table)["conv_over_linear_head_backward"] is None
 
 
 def test_round_trip_and_bad_files(tmp_path):
     path = tmp_path / "trials.csv"
-    write_trials(table(), path)
+    write_trials(fixture()[0], path)
     back = read_trials(path)
     assert list(back.columns) == list(TRIAL_COLUMNS) and back["cudnn_benchmark"].eq("n/a").all()
     path.write_text("trial,status\n0,complete\n")
@@ -48,3 +75,6 @@ def test_round_trip_and_bad_files(tmp_path):
         read_trials(path)
     with pytest.raises(DataError, match="run the sweep stage first"):
         read_trials(tmp_path / "none.csv")
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(DataError, match="trials.csv"):
+        read_trials(path)

@@ -29,9 +29,11 @@ def test_device_check_runs_every_stage_on_cpu(tmp_path):
     assert {"./results/trials.csv", "./results/env.json", "./mlflow.db", "./reports/report.md"} <= names
     assert not any(n.startswith("./data/") for n in names)
     trials = read_trials(tmp_path / "run" / "results" / "trials.csv")
-    # fp16 and cudnn.benchmark do not apply on CPU: 3 heads x (off, bf16 if native) trials, no duplicates
+    # fp16 and cudnn.benchmark do not apply on CPU, nor bf16 without oneDNN: no duplicates, nothing hidden
     assert set(trials["head"]) == {"linear", "conv", "conv_as_linear"} and trials["status"].eq("complete").all()
-    assert not trials.duplicated(["head", "amp"]).any() and set(trials["amp"]) <= {"off", "bf16"}
+    assert not trials.duplicated(["head", "amp", "onednn"]).any() and set(trials["amp"]) <= {"off", "bf16"}
+    assert not ((trials["amp"] == "bf16") & (trials["onednn"] == False)).any()  # noqa: E712
+    assert {"./results/comparisons.csv", "./results/kernels.csv"} <= names
     assert "## Verdict" in (out / "report.md").read_text()
 
 

@@ -4,39 +4,58 @@ import torch
 
 from pipeline.params import parse_params
 from pipeline.results import summarize_trials
-from pipeline.sweep import enqueue_grid, trials_table, trials_to_run
+from pipeline.results import comparisons_table
+from pipeline.sweep import enqueue_grid, grid_points, kernels_table, trials_table, trials_to_run
 from rcnn.knobs import KNOB_NAMES
 from tests.conftest import TINY_CONFIG
 
-GRID = {"head": ["linear", "conv", "conv_as_linear"], "cudnn_benchmark": [None], "amp": ["off", "bf16"],
-        "channels_last": [False, True], "batch_size": [1]}
+CPU = torch.device("cpu")
+GRID = {"head": ["linear", "conv", "conv_as_linear"], "cudnn_benchmark": [None], "onednn": [True, False],
+        "amp": ["off", "bf16"], "channels_last": [False, True], "batch_size": [1]}
 
 
 def objective(trial: optuna.Trial) -> float:
     knobs = {k: trial.suggest_categorical(k, GRID[k]) for k in KNOB_NAMES}
-    trial.set_user_attr("result", {"step_ms": 1.0, "head_backward_ms": 2.0 if knobs["head"] == "conv" else 1.0,
-                                   "backward_ms": 1.0})
+    head_backward = 2.0 if knobs["head"] == "conv" else 1.0
+    trial.set_user_attr("result", {"step_ms": 1.0, "head_backward_ms": head_backward, "backward_ms": 1.0})
+    trial.set_user_attr("samples", {"head_backward": [head_backward] * 3, "backward": [1.0] * 3, "step": [1.0] * 3})
+    trial.set_user_attr("kernels", [{"kind": "op", "name": "aten::mm", "ms": 1.0, "calls": 2.0, "share": 1.0}])
     return 1.0
+
+
+def test_points_are_shuffled_settings_with_heads_side_by_side():
+    points, skipped = grid_points(GRID, CPU, seed=0)
+    assert len(points) == 3 * 3 * 2  # bf16 without oneDNN is left out on CPU, with its reason
+    assert [(s.knob, s.value) for s in skipped] == [("amp+onednn", "bf16+False")]
+    settings = [tuple(p[k] for k in KNOB_NAMES if k != "head") for p in points]
+    for i in range(0, len(points), 3):
+        assert len(set(settings[i:i + 3])) == 1 and {p["head"] for p in points[i:i + 3]} == set(GRID["head"])
+    assert grid_points(GRID, CPU, seed=0)[0] == points
+    assert grid_points(GRID, CPU, seed=1)[0] != points
 
 
 def test_queue_keeps_heads_side_by_side_and_a_cut_short_sweep_is_recorded():
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
-    enqueue_grid(study, GRID, seed=0)
-    enqueue_grid(study, GRID, seed=0)  # a resume queues nothing twice
-    assert len(study.trials) == 12
+    points, _ = grid_points(GRID, CPU, seed=0)
+    enqueue_grid(study, points)
+    enqueue_grid(study, points)  # a resume queues nothing twice
+    assert len(study.trials) == 18
     params = parse_params({"sweep": {"n_trials": 6}})
-    assert trials_to_run(params, study, GRID) == 6
-    study.optimize(objective, n_trials=trials_to_run(params, study, GRID))
+    assert trials_to_run(params, study, points) == 6
+    study.optimize(objective, n_trials=trials_to_run(params, study, points))
 
-    table = trials_table(study, TINY_CONFIG, torch.device("cpu"))
-    assert table["status"].value_counts().to_dict() == {"complete": 6, "not run": 6}
+    table = trials_table(study, TINY_CONFIG, CPU)
+    assert table["status"].value_counts().to_dict() == {"not run": 12, "complete": 6}
     assert table[list(KNOB_NAMES)].notna().all().all() and table["cudnn_benchmark"].eq("n/a").all()
     done = table[table["status"] == "complete"]
     # Every setting that ran has all three heads.
-    assert done.groupby(["amp", "channels_last"])["head"].nunique().eq(3).all()
-    assert len(table.drop_duplicates(["head", "amp", "channels_last"])) == 12
-    summary = summarize_trials(table)
-    assert summary["complete"] == 6 and summary["not_run"] == 6 and summary["failed"] == 0
+    assert done.groupby(["onednn", "amp", "channels_last"])["head"].nunique().eq(3).all()
+    assert not table.duplicated(list(KNOB_NAMES)).any()
+    samples = {t.number: t.user_attrs.get("samples") for t in study.trials}
+    summary = summarize_trials(table, comparisons_table(table, samples))
+    assert summary["complete"] == 6 and summary["not_run"] == 12 and summary["failed"] == 0
     assert summary["conv_over_linear_head_backward"] == 2.0
-    assert trials_to_run(params, study, GRID) == 0 and trials_to_run(parse_params({}), study, GRID) == 6
+    assert trials_to_run(params, study, points) == 0 and trials_to_run(parse_params({}), study, points) == 12
+    kernels = kernels_table(study)
+    assert len(kernels) == 6 and kernels["cudnn_benchmark"].eq("n/a").all()

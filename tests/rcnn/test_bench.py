@@ -1,37 +1,54 @@
 import pytest
 import torch
 
-from rcnn.bench import PHASES, main, run_trial
+from rcnn.bench import PHASES, isolated_head_ms, main, run_trial
 from rcnn.data import synthetic_samples
 from rcnn.knobs import Knobs
 from rcnn.model import BACKBONES, build_detector
+from rcnn.timing import TimingPolicy
 from tests.conftest import TINY_CONFIG
 
 CPU = torch.device("cpu")
 SAMPLES = synthetic_samples(num_images=4, image_size=64, num_classes=2, seed=0)
+QUICK = TimingPolicy(warmup=1, max_warmup=1, iterations=2, max_iterations=2)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("head", ["linear", "conv", "conv_as_linear"])
 def test_trial_times_every_phase(head):
-    result = run_trial(TINY_CONFIG, Knobs(head=head, batch_size=2), SAMPLES, device=CPU, warmup=1, iterations=2)
-    assert result.iterations == 2
+    result = run_trial(TINY_CONFIG, Knobs(head=head, batch_size=2), SAMPLES, device=CPU, policy=QUICK,
+                       profile_steps=1)
+    assert result.iterations == 2 and result.warmup_iterations == 1
     assert result.rois == 2 * TINY_CONFIG.rois_per_image  # fixed box-head input shape
-    assert all(getattr(result, f"{p}_ms") > 0 for p in PHASES)
-    assert result.head_backward_ms < result.backward_ms and result.head_forward_ms < result.forward_ms
-    assert result.forward_ms + result.backward_ms <= result.step_ms * 1.001
+    assert all(len(result.samples[p]) == 2 and result.median(p) > 0 for p in PHASES)
+    assert result.median("head_backward") < result.median("backward")
+    assert result.median("head_forward") < result.median("forward")
+    assert result.median("forward") + result.median("backward") <= result.median("step") * 1.001
+    row = result.row()
+    assert {"head_backward_ci_low_ms", "step_p90_ms", "precision_met", "warmup_iterations"} <= set(row)
+    # The profile of the head's backward names the operators the head runs: conv kernels or a GEMM.
+    ops = {k["name"] for k in result.kernels if k["kind"] == "op"}
+    assert ("aten::convolution_backward" in ops) == (head == "conv") and ("aten::mm" in ops) == (head != "conv")
+    assert all(0 < k["share"] <= 1 for k in result.kernels)
 
 
 @pytest.mark.slow
 def test_channels_last_trial_runs():
-    result = run_trial(TINY_CONFIG, Knobs(head="conv", channels_last=True, batch_size=1), SAMPLES, device=CPU,
-                       warmup=0, iterations=1)
-    assert result.step_ms > 0
+    result = run_trial(TINY_CONFIG, Knobs(head="conv", channels_last=True, batch_size=1, onednn=False), SAMPLES,
+                       device=CPU, policy=QUICK)
+    assert result.median("step") > 0 and torch.backends.mkldnn.enabled  # oneDNN restored after the trial
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head", ["linear", "conv"])
+def test_isolated_head_times_are_positive(head):
+    forward, backward = isolated_head_ms(TINY_CONFIG, Knobs(head=head), rois=16, device=CPU, min_run_time=0.05)
+    assert forward > 0 and backward > 0
 
 
 def test_fp16_on_cpu_is_refused_before_any_work():
     with pytest.raises(ValueError, match="amp=fp16 does not apply on cpu"):
-        run_trial(TINY_CONFIG, Knobs(amp="fp16"), SAMPLES, device=CPU, warmup=0, iterations=1)
+        run_trial(TINY_CONFIG, Knobs(amp="fp16"), SAMPLES, device=CPU, policy=QUICK)
 
 
 @pytest.mark.slow
@@ -55,7 +72,7 @@ def test_unknown_backbone():
 def test_cli_prints_a_table(capsys):
     assert main(["--head", "linear", "--backbone", "mobilenet_v3_fpn", "--image-size", "64",
                  "--rois-per-image", "8", "--representation-size", "32", "--num-images", "2",
-                 "--warmup", "0", "--iterations", "1", "--device", "cpu"]) == 0
+                 "--warmup", "0", "--iterations", "1", "--max-iterations", "1", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "head_backward" in out and "peak memory" in out
 

@@ -2,18 +2,19 @@ import pytest
 import torch
 
 import rcnn.knobs as knobs
-from rcnn.knobs import Knobs, applicable_space, backend_flags, resolve_device, why_not
+from rcnn.knobs import Knobs, applicable_space, backend_flags, resolve_device, why_not, why_not_together
 
 CPU = torch.device("cpu")
-SPACE = {"head": ["linear", "conv"], "cudnn_benchmark": [False, True], "amp": ["off", "fp16", "bf16"],
-         "channels_last": [False, True], "batch_size": [1, 2]}
+SPACE = {"head": ["linear", "conv"], "cudnn_benchmark": [False, True], "onednn": [True, False],
+         "amp": ["off", "fp16", "bf16"], "channels_last": [False, True], "batch_size": [1, 2]}
+CUDA = torch.device("cuda")
 
 
 @pytest.mark.parametrize("native_bf16", [False, True])
 def test_cpu_space_pins_cudnn_and_drops_what_does_not_apply(monkeypatch, native_bf16):
     monkeypatch.setattr(knobs, "cpu_has_native_bf16", lambda: native_bf16)
     grid, skipped = applicable_space(SPACE, CPU)
-    assert grid["cudnn_benchmark"] == [None]
+    assert grid["cudnn_benchmark"] == [None] and grid["onednn"] == [True, False]
     assert grid["amp"] == (["off", "bf16"] if native_bf16 else ["off"])
     assert grid["head"] == SPACE["head"] and grid["batch_size"] == [1, 2]
     reasons = {(s.knob, s.value): s.reason for s in skipped}
@@ -26,6 +27,20 @@ def test_a_knob_left_empty_is_an_error(monkeypatch):
     monkeypatch.setattr(knobs, "cpu_has_native_bf16", lambda: False)
     with pytest.raises(ValueError, match=r"sweep.space.amp: no value applies on cpu \(fp16: .*; bf16: .*native bf16"):
         applicable_space(SPACE | {"amp": ["fp16", "bf16"]}, CPU)
+
+
+def test_onednn_is_a_cpu_knob_and_bf16_needs_it():
+    assert why_not("onednn", False, CPU) is None
+    assert "oneDNN is not used on CUDA" in why_not("onednn", True, CUDA)
+    assert why_not_together({"amp": "bf16", "onednn": False}, CPU)[0] == ("amp", "onednn")
+    assert why_not_together({"amp": "off", "onednn": False}, CPU) is None
+    assert why_not_together({"amp": "bf16", "onednn": None}, CUDA) is None
+
+
+def test_backend_flags_restore_onednn():
+    with backend_flags(Knobs(onednn=False)):
+        assert torch.backends.mkldnn.enabled is False
+    assert torch.backends.mkldnn.enabled is True
 
 
 def test_every_other_knob_applies_everywhere():
