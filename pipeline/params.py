@@ -68,7 +68,7 @@ class SpaceParams:
 
 @dataclass(frozen=True)
 class ProfileAt:
-    """The setting whose heads get a kernel profile; a knob left null takes its first swept value."""
+    """A setting whose heads get a kernel profile; a knob left null takes its first swept value."""
     cudnn_benchmark: bool | None = None
     onednn: bool | None = None
     amp: str | None = _field(None, choices=AMP_DTYPES)
@@ -87,7 +87,7 @@ class SweepParams:
     allow_tf32: bool = False          # CUDA: one value for matmul and cuDNN, a fair fp32 comparison
     cross_check: bool = True          # also time each head alone with torch.utils.benchmark
     profile_steps: int = _field(3, minimum=0)  # torch.profiler steps per head at profile_at; 0: no kernel tables
-    profile_at: ProfileAt = field(default_factory=ProfileAt)
+    profile_at: tuple[ProfileAt, ...] = (ProfileAt(),)  # these settings run first, so a time budget keeps them
     space: SpaceParams = field(default_factory=SpaceParams)
 
 

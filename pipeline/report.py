@@ -87,15 +87,19 @@ def comparison_table(comparisons: pd.DataFrame) -> pd.DataFrame:
     return rows[[*OTHER_KNOBS, "pair", "ratio [95% CI]", "p"]]
 
 
-def kernel_section(kernels: pd.DataFrame, device: str) -> list[str]:
+def kernel_section(kernels: pd.DataFrame) -> list[str]:
+    """Per profiled setting and head: device kernels where there are (CUDA), else operators' host time."""
     if kernels.empty:
-        return ["No kernel profile (sweep.profile_steps: 0, or the profiled setting did not run)."]
-    kind = "kernel" if device == "cuda" else "op"
+        return ["No kernel profile (sweep.profile_steps: 0, or the profiled setting did not run).", ""]
     out = []
-    for head, group in kernels[kernels["kind"] == kind].groupby("head", sort=False):
-        setting = ", ".join(f"{k}={group.iloc[0][k]}" for k in OTHER_KNOBS)
-        out += [f"**{head}** ({setting}): top {kind}s inside the box-head backward, per step", "",
-                group[["name", "ms", "calls", "share"]].round(3).to_markdown(index=False), ""]
+    for (setting, head), group in kernels.groupby([kernels[OTHER_KNOBS].astype(str).agg(", ".join, axis=1),
+                                                   "head"], sort=False):
+        kind = "kernel" if (group["kind"] == "kernel").any() else "op"
+        rows = group[group["kind"] == kind]
+        where = ", ".join(f"{k}={rows.iloc[0][k]}" for k in OTHER_KNOBS)
+        label = "device kernels" if kind == "kernel" else "operators (self time)"
+        out += [f"**{head}** ({where}): top {label} inside the box-head backward, per step", "",
+                rows[["name", "ms", "calls", "share"]].round(3).to_markdown(index=False), ""]
     return out
 
 
@@ -131,7 +135,7 @@ def render(trials: pd.DataFrame, comparisons: pd.DataFrame, kernels: pd.DataFram
         "bootstrap 95% CI and the Mann-Whitney p-value.", "",
         comparison_table(comparisons).to_markdown(index=False), "",
         "## Box-head backward by head and setting", "", f"![box-head backward]({FIGURE})", "",
-        "## Why: kernels inside the box-head backward", "", *kernel_section(kernels, fp.get("device", "")),
+        "## Why: kernels inside the box-head backward", "", *kernel_section(kernels),
         "## Against the limit, and a cross-check", "",
         f"Measured ceilings: matmul {ceilings.get('matmul_tflops')} TFLOP/s, copy {ceilings.get('copy_gbps')} GB/s. "
         "`isolated_head_backward_ms` times the head alone with torch.utils.benchmark at the same shapes.", "",

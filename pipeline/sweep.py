@@ -66,14 +66,18 @@ def make_sampler(params: Params) -> optuna.samplers.BaseSampler:
     return optuna.samplers.TPESampler(seed=params.sweep.seed)
 
 
-def grid_points(grid: dict, device: torch.device, seed: int) -> tuple[list[dict], list[Skipped]]:
-    """Every applicable grid point in run order: settings of the other knobs shuffled (seeded), the heads of
-    one setting side by side in a shuffled order, so drift spreads evenly and a sweep cut short by its time
-    budget still holds complete head comparisons. Also returns the combinations left out, with reasons."""
+def grid_points(grid: dict, device: torch.device, seed: int,
+                first: list[dict] = ()) -> tuple[list[dict], list[Skipped]]:
+    """Every applicable grid point in run order: the ``first`` settings (the profiled ones, which a time
+    budget must not cut), then the other settings shuffled (seeded); the heads of one setting side by side
+    in a shuffled order, so drift spreads evenly and a sweep cut short still holds complete head
+    comparisons. Also returns the combinations left out, with reasons."""
     rng = random.Random(seed)
     others = [k for k in grid if k != "head"]
     settings = list(itertools.product(*(grid[k] for k in others)))
     rng.shuffle(settings)
+    leading = [tuple(f[k] for k in others) for f in first]
+    settings = leading + [s for s in settings if s not in leading]
     points, skipped = [], []
     for setting in settings:
         point = dict(zip(others, setting))
@@ -110,11 +114,17 @@ def trials_to_run(params: Params, study: optuna.Study, points: list[dict]) -> in
     return int(budget)
 
 
-def profile_setting(params: Params, grid: dict) -> dict:
-    """The other knobs' values at which every head is profiled: profile_at, else each knob's first value."""
-    chosen = asdict(params.sweep.profile_at)
-    return {k: chosen[k] if chosen.get(k) is not None and chosen[k] in grid[k] else grid[k][0]
-            for k in KNOB_NAMES if k != "head"}
+def profile_settings(params: Params, grid: dict) -> list[dict]:
+    """The settings of the other knobs at which every head is profiled (each profile_at entry; a knob it
+    leaves null, or sets to a value not swept here, takes its first swept value)."""
+    settings = []
+    for entry in params.sweep.profile_at:
+        chosen = asdict(entry)
+        setting = {k: chosen[k] if chosen.get(k) is not None and chosen[k] in grid[k] else grid[k][0]
+                   for k in KNOB_NAMES if k != "head"}
+        if setting not in settings:
+            settings.append(setting)
+    return settings
 
 
 def result_columns(result: TrialResult, knobs: Knobs, config: DetectorConfig, ceilings: dict) -> dict:
@@ -134,7 +144,7 @@ class Sweep:
     """Runs trials of one study inside the active MLflow parent run."""
 
     def __init__(self, params: Params, samples: list[Sample], config: DetectorConfig, device: torch.device,
-                 ceilings: dict, tags: dict[str, str], profiled: dict) -> None:
+                 ceilings: dict, tags: dict[str, str], profiled: list[dict]) -> None:
         self.params, self.samples, self.config, self.device = params, samples, config, device
         self.ceilings, self.tags, self.profiled = ceilings, tags, profiled
         t = params.timing
@@ -145,7 +155,8 @@ class Sweep:
     def measure(self, knobs: Knobs, run_name: str, tags: dict[str, str],
                 trial: optuna.Trial | None = None) -> tuple[TrialResult, dict]:
         """One trial in a nested MLflow run (FAILED, with the error, if it raises): (result, table row)."""
-        profile = asdict(knobs) == self.profiled | {"head": knobs.head}
+        setting = {k: v for k, v in asdict(knobs).items() if k != "head"}
+        profile = setting in self.profiled
         with mlflow.start_run(run_name=run_name, nested=True, tags=self.tags | tags) as run:
             if trial is not None:
                 trial.set_user_attr("mlflow_run_id", run.info.run_id)
@@ -228,7 +239,8 @@ def kernels_table(study: optuna.Study) -> pd.DataFrame:
 def stage(args: argparse.Namespace, params: Params) -> None:
     device = resolve_device(params.sweep.device)
     grid, skipped = applicable_space(params.sweep.space.as_dict(), device)
-    points, skipped_together = grid_points(grid, device, params.sweep.seed)
+    profiled = profile_settings(params, grid) if params.sweep.profile_steps else []
+    points, skipped_together = grid_points(grid, device, params.sweep.seed, first=profiled)
     skipped += skipped_together
     data_dir = Path(args.data)
     samples, num_classes = read_coco(data_dir, image_size=params.model.image_size)
@@ -256,7 +268,7 @@ def stage(args: argparse.Namespace, params: Params) -> None:
                         | {f"ceiling.{k}": str(v) for k, v in ceilings.items()}
                         | {"matmul_allow_tf32": str(torch.backends.cuda.matmul.allow_tf32),
                            "cudnn_allow_tf32": str(torch.backends.cudnn.allow_tf32)})
-        sweep = Sweep(params, samples, config, device, ceilings, tags, profile_setting(params, grid))
+        sweep = Sweep(params, samples, config, device, ceilings, tags, profiled)
         n_trials = trials_to_run(params, study, points)
         drift = {}
         if n_trials > 0:
@@ -274,7 +286,7 @@ def stage(args: argparse.Namespace, params: Params) -> None:
         comparisons = comparisons_table(trials, samples_by_trial, seed=params.sweep.seed)
         summary = summarize_trials(trials, comparisons) | {
             "device": device.type, "study": name, "skipped": [asdict(s) for s in skipped],
-            "drift": study.user_attrs.get("drift"), "profile_at": profile_setting(params, grid)}
+            "drift": study.user_attrs.get("drift"), "profile_at": profiled}
         mlflow.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float)) and v == v})
     write_trials(trials, args.trials)
     write_table(comparisons, args.comparisons)

@@ -36,8 +36,9 @@ BAD = [
     ({"colour": 1}, "colour: unknown key; allowed: data, model, sweep, timing, tracking"),
     ({"timing": {"iterations": 10, "max_iterations": 5}}, "timing.max_iterations: 5 is below timing.iterations"),
     ({"timing": {"rel_precision": 0}}, "timing.rel_precision: 0.0 is too small"),
-    ({"sweep": {"profile_at": {"amp": "fp8"}}}, "sweep.profile_at.amp: 'fp8' is not allowed"),
-    ({"sweep": {"profile_at": {"head": "conv"}}}, "sweep.profile_at.head: unknown key"),
+    ({"sweep": {"profile_at": [{"amp": "fp8"}]}}, "sweep.profile_at.amp: 'fp8' is not allowed"),
+    ({"sweep": {"profile_at": [{"head": "conv"}]}}, "sweep.profile_at.head: unknown key"),
+    ({"sweep": {"profile_at": {"amp": "off"}}}, "sweep.profile_at: expected a non-empty list"),
     ({"sweep": {"space": {"onednn": ["yes"]}}}, "sweep.space.onednn: expected bool, got 'yes'"),
     ({"sweep": {"timeout_s": -5}}, "sweep.timeout_s: -5.0 is too small"),
 ]

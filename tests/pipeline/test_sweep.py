@@ -32,6 +32,9 @@ def test_points_are_shuffled_settings_with_heads_side_by_side():
         assert len(set(settings[i:i + 3])) == 1 and {p["head"] for p in points[i:i + 3]} == set(GRID["head"])
     assert grid_points(GRID, CPU, seed=0)[0] == points
     assert grid_points(GRID, CPU, seed=1)[0] != points
+    first = {"cudnn_benchmark": None, "onednn": False, "amp": "off", "channels_last": True, "batch_size": 1}
+    led, _ = grid_points(GRID, CPU, seed=0, first=[first])
+    assert all({k: p[k] for k in first} == first for p in led[:3]) and len(led) == len(points)
 
 
 def test_queue_keeps_heads_side_by_side_and_a_cut_short_sweep_is_recorded():
