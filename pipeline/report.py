@@ -1,104 +1,262 @@
-"""Report stage: reports/report.md with the verdict, the head ratios per knob setting, the trials and a figure.
+"""Report stage: report.md and a self-contained report.html that answer the question with figures.
 
-Reads only the sweep's results files (trials table, summary, env fingerprint).
+Reads only results files (trials, comparisons, kernels, summary, env). Each figure's data is also a CSV
+under plots/ that ``dvc plots show`` renders; the HTML embeds the figures. With --mlflow, the sweep's
+parent run gets the report, the figures and the trials table as artifacts.
 """
 from __future__ import annotations
 
 import argparse
+import base64
+import hashlib
+import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
+import markdown
 import matplotlib.pyplot as plt
 import pandas as pd
+import yaml
 
+from pipeline.analysis import (HEAD_ORDER, batch_scaling, complete, knob_effects, pareto_front,
+                               reference_setting, roofline, time_split)
 from pipeline.common import read_json, run_stage, stage_parser, write_atomic
 from pipeline.env import read_env
 from pipeline.params import Params
 from pipeline.results import COMPARISON_COLUMNS, KERNEL_COLUMNS, OTHER_KNOBS, read_table, read_trials
 
-FIGURE = "figures/head_backward.png"
-PLOT_CSV = "head_backward.csv"
+HEAD_COLORS = {"linear": "tab:green", "conv": "tab:blue", "conv_as_linear": "tab:orange"}
 SHOWN = ["trial", "status", "head", *OTHER_KNOBS, "forward_ms", "backward_ms", "optimizer_ms", "step_ms",
          "head_forward_ms", "head_backward_ms", "head_backward_ci_low_ms", "head_backward_ci_high_ms",
-         "peak_mem_mb", "rois", "error"]
+         "peak_mem_mb", "iterations", "error"]
 
 
-def setting_label(row: pd.Series) -> str:
-    parts = [f"amp {row['amp']}", "NHWC" if row["channels_last"] else "NCHW", f"bs {row['batch_size']}"]
-    for knob, name in (("onednn", "oneDNN"), ("cudnn_benchmark", "bench")):
-        if row[knob] != "n/a":
-            parts.insert(0, f"{name} {'on' if str(row[knob]) == 'True' else 'off'}")
+@dataclass(frozen=True)
+class Results:
+    trials: pd.DataFrame
+    comparisons: pd.DataFrame
+    kernels: pd.DataFrame
+    summary: dict
+    env: dict
+
+    @property
+    def device(self) -> str:
+        fp = self.env["fingerprint"]
+        return fp.get("gpu", fp.get("cpu_model", fp.get("device", "?")))
+
+    @property
+    def setting(self) -> dict:
+        profiled = self.summary.get("profile_at") or []
+        return reference_setting(self.trials, [profiled] if isinstance(profiled, dict) else profiled)
+
+
+def load_results(trials: str, comparisons: str, kernels: str, summary: str, env: str) -> Results:
+    return Results(trials=read_trials(trials), comparisons=read_table(comparisons, COMPARISON_COLUMNS, "sweep"),
+                   kernels=read_table(kernels, KERNEL_COLUMNS, "sweep"), summary=read_json(summary),
+                   env=read_env(env))
+
+
+def setting_label(row: pd.Series | dict, skip: tuple[str, ...] = ()) -> str:
+    parts = []
+    for knob, name in (("cudnn_benchmark", "bench"), ("onednn", "oneDNN")):
+        if row[knob] != "n/a" and knob not in skip:
+            parts.append(f"{name} {'on' if str(row[knob]) == 'True' else 'off'}")
+    parts.append(f"amp {row['amp']}")
+    parts.append("NHWC" if str(row["channels_last"]) == "True" else "NCHW")
+    if "batch_size" not in skip:
+        parts.append(f"bs {row['batch_size']}")
     return ", ".join(parts)
 
 
-def head_backward_plot(trials: pd.DataFrame) -> pd.DataFrame:
-    """The figure's data, long format: one row per complete trial."""
-    done = trials[trials["status"] == "complete"]
+# Figures: each writes its data (the CSV dvc plots reads) and draws it with a title, units and a legend.
+
+def head_backward_data(r: Results) -> pd.DataFrame:
+    done = complete(r.trials)
     return pd.DataFrame({"setting": done.apply(setting_label, axis=1), "head": done["head"],
-                         "head_backward_ms": done["head_backward_ms"].round(2)})
+                         "head_backward_ms": done["head_backward_ms"].round(3)})
 
 
-def draw_head_backward(plot: pd.DataFrame, device: str, path: Path) -> None:
-    table = plot.pivot_table(index="setting", columns="head", values="head_backward_ms")
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(table) + 1.8))
-    table.plot.barh(ax=ax, width=0.8, logx=True)  # heads differ by up to 100x: a log axis keeps all readable
-    ax.set_xlabel("box-head backward per training step (ms, median, log scale)")
+def draw_head_backward(data: pd.DataFrame, ax: plt.Axes, r: Results) -> None:
+    table = data.pivot_table(index="setting", columns="head", values="head_backward_ms")
+    table = table[[h for h in HEAD_ORDER if h in table.columns]]
+    table.plot.barh(ax=ax, width=0.8, logx=True, color=[HEAD_COLORS[h] for h in table.columns])
+    ax.set_xlabel("box-head backward per training step (ms, median, log scale)")  # heads differ up to 100x
     ax.set_ylabel("knob setting")
-    ax.set_title(f"Box-head backward time by head and knob setting ({device})")
     ax.legend(title="head")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
+
+def time_split_data(r: Results) -> pd.DataFrame:
+    return time_split(r.trials, r.setting).melt(id_vars="head", var_name="part", value_name="ms").round(3)
+
+
+def draw_time_split(data: pd.DataFrame, ax: plt.Axes, r: Results) -> None:
+    table = data.pivot(index="head", columns="part", values="ms")
+    table = table.reindex([h for h in HEAD_ORDER if h in table.index])
+    table = table[["box-head backward", "rest of backward", "forward", "optimizer"]]
+    table.plot.barh(ax=ax, stacked=True, color=["tab:red", "tab:pink", "tab:gray", "tab:olive"])
+    ax.set_xlabel("time per training step (ms, medians)")
+    ax.set_ylabel("head")
+    ax.legend(title="part of the step", loc="upper left", bbox_to_anchor=(1.01, 1))
+
+
+def batch_scaling_data(r: Results) -> pd.DataFrame:
+    return batch_scaling(r.trials, r.setting).round(3)
+
+
+def draw_batch_scaling(data: pd.DataFrame, ax: plt.Axes, r: Results) -> None:
+    for head, group in data.groupby("head"):
+        ax.plot(group["batch_size"], group["ms_per_image"], marker="o", label=head, color=HEAD_COLORS.get(head))
+    ax.set_xticks(sorted(data["batch_size"].unique()))
+    ax.set_xlabel("batch size (images per step)")
+    ax.set_ylabel("training step time per image (ms)")
+    ax.legend(title="head")
+
+
+def pareto_data(r: Results) -> pd.DataFrame:
+    front = pareto_front(r.trials)
+    return front.assign(setting=front.apply(setting_label, axis=1))[
+        ["head", "setting", "step_ms", "peak_mem_mb", "pareto"]].round(3)
+
+
+def draw_pareto(data: pd.DataFrame, ax: plt.Axes, r: Results) -> None:
+    for head, group in data.groupby("head"):
+        ax.scatter(group["peak_mem_mb"], group["step_ms"], label=head, color=HEAD_COLORS.get(head), alpha=0.7)
+    front = data[data["pareto"]].sort_values("peak_mem_mb")
+    ax.step(front["peak_mem_mb"], front["step_ms"], where="post", color="black", linewidth=1,
+            label="Pareto front")
+    ax.set_xlabel("peak memory (MiB)")
+    ax.set_ylabel("training step (ms, median)")
+    ax.legend(title="head")
+
+
+def roofline_data(r: Results) -> pd.DataFrame:
+    return roofline(r.trials, r.setting).round(4)
+
+
+def draw_roofline(data: pd.DataFrame, ax: plt.Axes, r: Results) -> None:
+    table = data.set_index("head")[["head_forward_tflops", "head_backward_tflops"]]
+    table.columns = ["forward", "backward"]
+    table.plot.bar(ax=ax, rot=0, color=["tab:gray", "tab:red"])
+    dtype = {"off": "fp32", "bf16": "bf16", "fp16": "fp16"}[str(r.setting["amp"])]
+    peak = r.env["ceilings"].get("matmul_tflops", {}).get(dtype)
+    if peak:
+        ax.axhline(peak, color="black", linestyle="--", label=f"measured {dtype} matmul peak ({peak:.2f})")
+    ax.set_xlabel("head")
+    ax.set_ylabel("achieved box-head TFLOP/s")
+    ax.legend(title="box-head pass")
+
+
+@dataclass(frozen=True)
+class Figure:
+    name: str
+    title: str
+    data: Callable[[Results], pd.DataFrame]
+    draw: Callable[[pd.DataFrame, plt.Axes, Results], None]
+    size: Callable[[pd.DataFrame], tuple[float, float]] = lambda d: (8, 4.5)
+
+
+FIGURES = [
+    Figure("head_backward", "Box-head backward by head and knob setting", head_backward_data, draw_head_backward,
+           lambda d: (9, 0.35 * d["setting"].nunique() * 1.3 + 1.8)),
+    Figure("time_split", "Where the training step's time goes", time_split_data, draw_time_split),
+    Figure("batch_scaling", "Batch-size scaling", batch_scaling_data, draw_batch_scaling),
+    Figure("pareto", "Speed against memory", pareto_data, draw_pareto),
+    Figure("roofline", "Box head against the measured matmul peak", roofline_data, draw_roofline),
+]
+
+
+def render_figure(figure: Figure, r: Results, out: Path) -> pd.DataFrame:
+    data = figure.data(r)
+    write_atomic(out / "plots" / f"{figure.name}.csv", data.to_csv(index=False))
+    fig, ax = plt.subplots(figsize=figure.size(data))
+    if data.empty:
+        ax.text(0.5, 0.5, "no complete trials for this figure", ha="center", va="center")
+        ax.set_axis_off()
+    else:
+        figure.draw(data, ax, r)
+    ax.set_title(f"{figure.title} ({r.device})")
+    fig.tight_layout()
+    (out / "figures").mkdir(parents=True, exist_ok=True)
+    fig.savefig(out / "figures" / f"{figure.name}.png", dpi=110)
+    plt.close(fig)
+    return data
+
+
+# Text.
 
 def ratio_text(summary: dict, name: str) -> str:
     value = summary.get(name)
     if value is None:
-        return "n/a (a head is missing)"
+        return "n/a"
     low, high = summary.get(f"{name}_ci_low"), summary.get(f"{name}_ci_high")
     return f"{value:.2f}x (95% CI {low:.2f}-{high:.2f})" if low is not None and low == low else f"{value:.2f}x"
 
 
-def verdict(summary: dict) -> list[str]:
-    lines = [f"- conv / linear, box-head backward: **{ratio_text(summary, 'conv_over_linear_head_backward')}**; "
-             f"whole backward {ratio_text(summary, 'conv_over_linear_backward')}; "
-             f"whole step {ratio_text(summary, 'conv_over_linear_step')}",
-             f"- conv_as_linear / linear, box-head backward: "
-             f"**{ratio_text(summary, 'conv_as_linear_over_linear_head_backward')}**; "
-             f"whole backward {ratio_text(summary, 'conv_as_linear_over_linear_backward')}"]
-    if best := summary.get("best"):
+def gap_lines(effects: pd.DataFrame) -> list[str]:
+    """Which knobs shrink or widen the conv/linear gap, largest change first."""
+    rows = effects.dropna(subset=["gap_change"]).sort_values("gap_change", key=lambda s: -abs(s.apply(
+        lambda v: v if v >= 1 else 1 / v)))
+    return [f"    - {r.knob} {r['from']} -> {r.to}: gap {r.gap_from:.2f}x -> {r.gap_to:.2f}x "
+            f"({'widens' if r.gap_change > 1 else 'shrinks'} {max(r.gap_change, 1 / r.gap_change):.2f}x)"
+            for _, r in rows.iterrows()]
+
+
+def verdict(r: Results, effects: pd.DataFrame) -> list[str]:
+    s = r.summary
+    closes = s.get("conv_as_linear_over_linear_head_backward_ci_high")
+    lines = [f"- conv / linear, box-head backward: **{ratio_text(s, 'conv_over_linear_head_backward')}**; "
+             f"whole backward {ratio_text(s, 'conv_over_linear_backward')}; "
+             f"whole step {ratio_text(s, 'conv_over_linear_step')}.",
+             "- knobs and the gap (conv/linear box-head backward, geometric mean over paired settings):",
+             *(gap_lines(effects) or ["    - no knob varied with both heads complete"]),
+             f"- conv_as_linear / linear, box-head backward: **{ratio_text(s, 'conv_as_linear_over_linear_head_backward')}**"
+             f"; whole backward {ratio_text(s, 'conv_as_linear_over_linear_backward')}: "
+             + ("it closes the gap." if closes is not None and closes < 1.25 else "see the ratios per setting.")]
+    if best := s.get("best"):
         knobs = ", ".join(f"{k}={v}" for k, v in best.items() if k != "step_ms")
-        lines.append(f"- fastest setting: {knobs} at {best['step_ms']:.0f} ms per step")
-    lines.append("- the fix: keep the conv head's weights, compute it as one GEMM "
-                 "(`Conv2dAsLinear` in `rcnn/heads.py`: `F.linear(x.flatten(1), w.flatten(1), b)`)")
+        lines.append(f"- fastest setting: {knobs} at {best['step_ms']:.0f} ms per step.")
+    lines.append("- **the fix**, one line: replace `nn.Conv2d(C, 1024, 7)` by `Conv2dAsLinear(C, 1024, 7)` "
+                 "(`rcnn/heads.py`): same parameters and checkpoints, computed as "
+                 "`F.linear(x.flatten(1), weight.flatten(1), bias)`.")
     return lines
 
 
 def comparison_table(comparisons: pd.DataFrame) -> pd.DataFrame:
-    """Per setting: each pair's box-head backward ratio with its CI and Mann-Whitney p-value."""
     rows = comparisons[(comparisons["phase"] == "head_backward") & (comparisons["settings"] == 1)].copy()
     rows["pair"] = rows["numerator"] + " / " + rows["denominator"]
-    rows["ratio [95% CI]"] = rows.apply(lambda r: f"{r['ratio']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]", axis=1)
+    rows["ratio [95% CI]"] = rows.apply(lambda x: f"{x['ratio']:.2f} [{x['ci_low']:.2f}, {x['ci_high']:.2f}]", axis=1)
     rows["p"] = rows["p_value"].map(lambda p: f"{p:.1g}")
     return rows[[*OTHER_KNOBS, "pair", "ratio [95% CI]", "p"]]
 
 
+def effects_table(effects: pd.DataFrame) -> pd.DataFrame:
+    if effects.empty:
+        return effects
+    return pd.DataFrame({
+        "knob": effects["knob"], "change": effects["from"].astype(str) + " -> " + effects["to"].astype(str),
+        "step time ratio [95% CI]": effects.apply(
+            lambda x: f"{x.step_ratio:.2f} [{x.ci_low:.2f}, {x.ci_high:.2f}]" if x.ci_low == x.ci_low
+            else f"{x.step_ratio:.2f}", axis=1),
+        "paired settings": effects["pairs"],
+        "conv/linear gap": effects.apply(lambda x: f"{x.gap_from:.2f}x -> {x.gap_to:.2f}x", axis=1)})
+
+
 def kernel_section(kernels: pd.DataFrame) -> list[str]:
-    """Per profiled setting and head: device kernels where there are (CUDA), else operators' host time."""
+    """Per profiled setting and head: device kernels where there are (CUDA), else operators' self time."""
     if kernels.empty:
         return ["No kernel profile (sweep.profile_steps: 0, or the profiled setting did not run).", ""]
     out = []
-    for (setting, head), group in kernels.groupby([kernels[OTHER_KNOBS].astype(str).agg(", ".join, axis=1),
-                                                   "head"], sort=False):
+    labels = kernels.apply(setting_label, axis=1)
+    for (label, head), group in kernels.groupby([labels, "head"], sort=False):
         kind = "kernel" if (group["kind"] == "kernel").any() else "op"
         rows = group[group["kind"] == kind]
-        where = ", ".join(f"{k}={rows.iloc[0][k]}" for k in OTHER_KNOBS)
-        label = "device kernels" if kind == "kernel" else "operators (self time)"
-        out += [f"**{head}** ({where}): top {label} inside the box-head backward, per step", "",
+        what = "device kernels" if kind == "kernel" else "operators (self time)"
+        out += [f"**{head}** ({label}): top {what} inside the box-head backward, per step", "",
                 rows[["name", "ms", "calls", "share"]].round(3).to_markdown(index=False), ""]
     return out
 
@@ -107,61 +265,125 @@ def drift_line(summary: dict) -> str:
     drift = summary.get("drift")
     if not drift:
         return "No baseline drift measured (nothing new was measured in the last run)."
-    point = ", ".join(f"{k}={v}" for k, v in drift["point"].items())
-    return (f"Baseline ({point}) step time {drift['start']['step_ms']:.1f} ms at the start, "
-            f"{drift['end']['step_ms']:.1f} ms at the end: drift {drift['step_drift']:+.1%}.")
+    point = setting_label({k: "n/a" if v is None else v for k, v in drift["point"].items()})
+    return (f"Baseline ({drift['point']['head']} head, {point}) step time {drift['start']['step_ms']:.1f} ms at the "
+            f"start of the sweep, {drift['end']['step_ms']:.1f} ms at the end: drift {drift['step_drift']:+.1%}.")
 
 
-ROOFLINE = ["head", *OTHER_KNOBS, "head_backward_ms", "isolated_head_backward_ms", "head_backward_gflop",
-            "head_backward_tflops", "head_backward_peak_fraction", "iterations", "precision", "precision_met"]
+def inputs_hash(lock: Path | None) -> str:
+    """A hash of the sweep's inputs as dvc.lock records them (deps, params), or why there is none."""
+    if lock is None or not lock.exists():
+        return "n/a (run without DVC)"
+    sweep = (yaml.safe_load(lock.read_text()) or {}).get("stages", {}).get("sweep")
+    if not sweep:
+        return "n/a (dvc.lock has no sweep stage)"
+    inputs = {"deps": sweep.get("deps"), "params": sweep.get("params")}
+    return hashlib.sha256(yaml.safe_dump(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def render(trials: pd.DataFrame, comparisons: pd.DataFrame, kernels: pd.DataFrame, summary: dict,
-           env: dict) -> str:
-    fp, ceilings = env.get("fingerprint", {}), env.get("ceilings", {})
-    device = fp.get("gpu", fp.get("cpu_model", "?"))
-    skipped = summary.get("skipped", [])
-    notes = [f"{summary[k]} {k.replace('_', ' ')}" for k in ("failed", "not_run") if summary.get(k)]
-    done = trials[trials["status"] == "complete"]
+def environment_section(r: Results, lock: Path | None) -> list[str]:
+    fp = r.env["fingerprint"]
+    rows = pd.DataFrame({"key": list(fp), "value": [str(v) for v in fp.values()]})
+    ceilings = r.env["ceilings"]
+    return [rows.to_markdown(index=False), "",
+            f"Measured ceilings: matmul {ceilings.get('matmul_tflops')} TFLOP/s, copy {ceilings.get('copy_gbps')} GB/s.",
+            "", f"- git commit: `{r.summary.get('git_commit', 'unknown')}`",
+            f"- Optuna study: `{r.summary.get('study')}`; MLflow parent run: `{r.summary.get('mlflow_parent_run_id')}`",
+            f"- sweep inputs (dvc.lock deps and params): `{inputs_hash(lock)}`", "",
+            "Reproduce: `make repro` (fresh `.venv`, then `dvc repro`); a variant: "
+            "`.venv/bin/dvc exp run -S sweep.space.batch_size='[4]'`; without DVC: "
+            "`python -m pipeline.run --params params.yaml --workdir run/`; compare machines: "
+            "`python -m pipeline.compare results reports/h200`."]
+
+
+def render(r: Results, lock: Path | None) -> str:
+    s = r.summary
+    effects = knob_effects(r.trials)
+    notes = [f"{s[k]} {k.replace('_', ' ')}" for k in ("failed", "not_run") if s.get(k)]
+    setting = setting_label(r.setting)
+    figure = lambda name, caption: f"![{caption}](figures/{name}.png)"  # noqa: E731
+    done = complete(r.trials)
     out = [
         "# Why the conv box head's backward is slow, and what fixes it", "",
-        f"Device: {fp.get('device')} ({device}); torch {fp.get('torch')}, torchvision {fp.get('torchvision')}; "
-        f"{summary['complete']} of {summary['trials']} trials complete"
-        + (f" (partial sweep: {', '.join(notes)})" if notes else "") + ".",
-        "", "## Verdict", "", "Geometric means over knob settings, 95% CIs from a nested bootstrap:", "",
-        *verdict(summary), "",
-        "## Head ratios per knob setting", "",
-        "Box-head backward, median over steps of one head divided by the other's, same other knobs; "
-        "bootstrap 95% CI and the Mann-Whitney p-value.", "",
-        comparison_table(comparisons).to_markdown(index=False), "",
-        "## Box-head backward by head and setting", "", f"![box-head backward]({FIGURE})", "",
-        "## Why: kernels inside the box-head backward", "", *kernel_section(kernels),
-        "## Against the limit, and a cross-check", "",
-        f"Measured ceilings: matmul {ceilings.get('matmul_tflops')} TFLOP/s, copy {ceilings.get('copy_gbps')} GB/s. "
-        "`isolated_head_backward_ms` times the head alone with torch.utils.benchmark at the same shapes.", "",
-        done.reindex(columns=ROOFLINE).round(3).to_markdown(index=False), "",
-        "## Measurement", "", drift_line(summary), "",
-        "## Knobs not swept on this device", "",
-        *([f"- {s['knob']}={s['value']}: {s['reason']}" for s in skipped] or ["- none"]), "",
+        f"{r.env['fingerprint'].get('device')} ({r.device}); torch {r.env['fingerprint'].get('torch')}; "
+        f"{s['complete']} of {s['trials']} trials complete" + (f" (partial sweep: {', '.join(notes)})" if notes else "")
+        + ". Ratios are geometric means over knob settings with 95% CIs from a nested bootstrap.", "",
+        "## Verdict", "", *verdict(r, effects), "",
+        "## Knob effects", "",
+        "Switching one knob from PyTorch's default (batch size: the smallest), all else equal (factorial grid): "
+        "the step-time ratio with a bootstrap 95% CI over the paired settings, and the conv/linear box-head "
+        "backward gap before and after (the head x knob interaction).", "",
+        effects_table(effects).to_markdown(index=False) if not effects.empty else "No knob had two values.", "",
+        "Knobs not swept on this device:", "",
+        *([f"- {x['knob']}={x['value']}: {x['reason']}" for x in s.get("skipped", [])] or ["- none"]), "",
+        "Per setting, box-head backward ratios with bootstrap 95% CIs and Mann-Whitney p-values:", "",
+        comparison_table(r.comparisons).to_markdown(index=False) if len(r.comparisons)
+        else "None: no setting has two heads with per-step samples.", "",
+        figure("head_backward", "box-head backward by head and setting"), "",
+        "## Where the time goes", "", f"At {setting}.", "", figure("time_split", "time split per head"), "",
+        "## Batch-size scaling", "", f"At {setting_label(r.setting, skip=('batch_size',))}.", "",
+        figure("batch_scaling", "ms per image against batch size"), "",
+        "## Speed vs memory", "", "Every complete trial; the line is the Pareto front.", "",
+        figure("pareto", "step time against peak memory"), "",
+        "## Against the limit", "", f"At {setting}; FLOPs counted by torch's FlopCounterMode.", "",
+        figure("roofline", "achieved FLOP/s against the peak"), "",
+        done.reindex(columns=["head", *OTHER_KNOBS, "head_backward_ms", "isolated_head_backward_ms",
+                              "head_backward_gflop", "head_backward_tflops", "head_backward_peak_fraction"])
+        .round(3).to_markdown(index=False), "",
+        "`isolated_head_backward_ms` times the head alone with torch.utils.benchmark (a cross-check of the hooks).", "",
+        "## Why", "", *kernel_section(r.kernels),
+        "## Environment and reproduction", "", drift_line(s), "", *environment_section(r, lock), "",
         "## Trials", "", "Times are medians per training step, in ms.", "",
-        trials.reindex(columns=SHOWN).round(2).to_markdown(index=False), "",
+        r.trials.reindex(columns=SHOWN).round(2).to_markdown(index=False), "",
     ]
     return "\n".join(out)
 
 
+def to_html(text: str, out: Path, title: str) -> str:
+    """The report as one HTML file: markdown rendered, figures embedded as data URIs."""
+    body = markdown.markdown(text, extensions=["tables"])
+
+    def embed(match: re.Match) -> str:
+        data = base64.b64encode((out / match.group(1)).read_bytes()).decode()
+        return f'src="data:image/png;base64,{data}"'
+
+    body = re.sub(r'src="(figures/[\w.-]+\.png)"', embed, body)
+    style = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;line-height:1.45}"
+             "table{border-collapse:collapse;font-size:.85em;margin:1em 0}td,th{border:1px solid #ccc;padding:.2em .5em}"
+             "th{background:#f3f3f3}img{max-width:100%}code{background:#f6f6f6;padding:0 .2em}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title><style>{style}</style>"
+            f"</head><body>{body}</body></html>\n")
+
+
+def log_to_mlflow(r: Results, out: Path, uri: str, trials_path: str) -> None:
+    import mlflow  # only this step needs it
+
+    run_id = r.summary.get("mlflow_parent_run_id")
+    mlflow.set_tracking_uri(uri)
+    try:
+        mlflow.get_run(run_id)
+    except Exception:  # another store, or a report regenerated elsewhere: nothing to attach to
+        print(f"note: MLflow run {run_id} not found in {uri}; report not attached")
+        return
+    with mlflow.start_run(run_id=run_id):
+        mlflow.log_artifact(str(out / "report.html"))
+        mlflow.log_artifacts(str(out / "figures"), artifact_path="figures")
+        mlflow.log_artifact(trials_path)
+
+
 def stage(args: argparse.Namespace, params: Params) -> None:
-    trials = read_trials(args.trials)
-    comparisons = read_table(args.comparisons, COMPARISON_COLUMNS, "sweep")
-    kernels = read_table(args.kernels, KERNEL_COLUMNS, "sweep")
-    summary, env = read_json(args.summary), read_env(args.env)
-    out = Path(args.out)
-    plot = head_backward_plot(trials)
-    if plot.empty:
+    r = load_results(args.trials, args.comparisons, args.kernels, args.summary, args.env)
+    if complete(r.trials).empty:
         raise ValueError(f"{args.trials}: no complete trial to report")
-    draw_head_backward(plot, env.get("fingerprint", {}).get("device", "?"), out / FIGURE)
-    write_atomic(out / PLOT_CSV, plot.to_csv(index=False))
-    write_atomic(out / "report.md", render(trials, comparisons, kernels, summary, env))
-    print(f"wrote {out / 'report.md'}")
+    out = Path(args.out)
+    for figure in FIGURES:
+        render_figure(figure, r, out)
+    text = render(r, Path(args.lock) if args.lock else None)
+    write_atomic(out / "report.md", text)
+    write_atomic(out / "report.html", to_html(text, out, f"RoI-head backward: {r.device}"))
+    if args.mlflow:
+        log_to_mlflow(r, out, params.tracking.mlflow_uri, args.trials)
+    print(f"wrote {out / 'report.md'} and {out / 'report.html'}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summary", required=True, help="summary.json from the sweep")
     parser.add_argument("--env", required=True, help="env.json from the env stage")
     parser.add_argument("--out", required=True, help="report folder")
+    parser.add_argument("--lock", help="dvc.lock, for the hash of the sweep's inputs")
+    parser.add_argument("--mlflow", action="store_true", help="attach the report to the sweep's MLflow parent run")
     return run_stage(stage, parser, argv)
 
 

@@ -286,7 +286,8 @@ def stage(args: argparse.Namespace, params: Params) -> None:
         comparisons = comparisons_table(trials, samples_by_trial, seed=params.sweep.seed)
         summary = summarize_trials(trials, comparisons) | {
             "device": device.type, "study": name, "skipped": [asdict(s) for s in skipped],
-            "drift": study.user_attrs.get("drift"), "profile_at": profiled}
+            "drift": study.user_attrs.get("drift"), "profile_at": profiled, "git_commit": tags["git_commit"],
+            "mlflow_parent_run_id": parent.info.run_id}
         mlflow.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float)) and v == v})
     write_trials(trials, args.trials)
     write_table(comparisons, args.comparisons)

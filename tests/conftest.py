@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 import yaml
 
@@ -41,3 +43,32 @@ def tiny_params(tmp_path: Path):
         path.write_text(yaml.safe_dump(raw))
         return path
     return write
+
+
+FAKE_HEADS = {"linear": (10.0, 100.0), "conv": (40.0, 130.0), "conv_as_linear": (11.0, 101.0)}  # head bwd, bwd
+
+
+def fake_trials(scale: float = 1.0) -> tuple[pd.DataFrame, dict]:
+    """A fixed trials table with per-step samples: two settings (batch 1 and 2, twice the time), three heads
+    with known medians (conv/linear head backward 4x), and one failed trial. All times times ``scale``."""
+    from pipeline.results import TRIAL_COLUMNS
+
+    rng = np.random.default_rng(0)
+    rows, samples = [], {}
+    for bs, factor in ((1, 1.0), (2, 2.0)):
+        for head, (head_bwd, bwd) in FAKE_HEADS.items():
+            n, f = len(rows), factor * scale
+            samples[n] = {"head_backward": list(head_bwd * f * rng.uniform(0.99, 1.01, 15)),
+                          "backward": list(bwd * f * rng.uniform(0.99, 1.01, 15)),
+                          "step": list(2 * bwd * f * rng.uniform(0.99, 1.01, 15))}
+            medians = {f"{p}_ms": float(np.median(v)) for p, v in samples[n].items()}
+            rows.append({"trial": n, "status": "complete", "device": "cpu", "head": head, "cudnn_benchmark": "n/a",
+                         "onednn": True, "amp": "off", "channels_last": False, "batch_size": bs, **medians,
+                         "forward_ms": 0.5 * bwd * f, "optimizer_ms": 5.0 * f, "head_forward_ms": head_bwd * f / 2,
+                         "peak_mem_mb": 1000.0 + 100 * bs + (50 if head == "conv" else 0),
+                         "head_forward_tflops": 0.2, "head_backward_tflops": 0.4 / (head_bwd / 10),
+                         "head_forward_peak_fraction": 0.5, "head_backward_peak_fraction": 1.0 / (head_bwd / 10),
+                         "head_backward_gflop": 4.0, "isolated_head_backward_ms": head_bwd * f, "iterations": 15})
+    rows.append({"trial": len(rows), "status": "failed", "device": "cpu", "head": "conv", "cudnn_benchmark": "n/a",
+                 "onednn": True, "amp": "off", "channels_last": True, "batch_size": 1, "error": "RuntimeError: boom"})
+    return pd.DataFrame(rows).reindex(columns=TRIAL_COLUMNS), samples

@@ -1,35 +1,9 @@
-import math
-
-import numpy as np
-import pandas as pd
 import pytest
 
 from pipeline.results import (ALL_SETTINGS, TRIAL_COLUMNS, comparisons_table, geomean_ratio, read_trials,
                               summarize_trials, write_trials)
 from rcnn.data import DataError
-
-HEADS = {"linear": (10.0, 100.0), "conv": (40.0, 130.0), "conv_as_linear": (11.0, 101.0)}  # head bwd, bwd
-
-
-def fixture():
-    """Two settings (batch 1 and 2, twice the time), three heads, a failed trial; samples around the medians."""
-    rng = np.random.default_rng(0)
-    rows, samples = [], {}
-    for bs, scale in ((1, 1.0), (2, 2.0)):
-        for head, (head_bwd, bwd) in HEADS.items():
-            n = len(rows)
-            samples[n] = {"head_backward": list(head_bwd * scale * rng.uniform(0.99, 1.01, 15)),
-                          "backward": list(bwd * scale * rng.uniform(0.99, 1.01, 15)),
-                          "step": list(2 * bwd * scale * rng.uniform(0.99, 1.01, 15))}
-            rows.append({"trial": n, "status": "complete", "head": head, "cudnn_benchmark": "n/a", "onednn": True,
-                         "amp": "off", "channels_last": False, "batch_size": bs,
-                         "head_backward_ms": float(np.median(samples[n]["head_backward"])),
-                         "backward_ms": float(np.median(samples[n]["backward"])),
-                         "step_ms": float(np.median(samples[n]["step"]))})
-    rows.append({"trial": len(rows), "status": "failed", "head": "conv", "cudnn_benchmark": "n/a", "onednn": True,
-                 "amp": "off", "channels_last": True, "batch_size": 1, "error": "RuntimeError: boom"})
-    return pd.DataFrame(rows).reindex(columns=TRIAL_COLUMNS), samples
-
+from tests.conftest import fake_trials as fixture
 
 def test_comparisons_per_setting_and_pooled():
     trials, samples = fixture()

@@ -108,19 +108,21 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
     assert read_trials(paths["trials"])["mlflow_run_id"].tolist() == trials["mlflow_run_id"].tolist()
 
     out = tmp_path / "reports"
-    assert report.main(["--params", str(params), "--out", str(out)] + [
+    assert report.main(["--params", str(params), "--out", str(out), "--mlflow"] + [
         a for k in ("trials", "comparisons", "kernels", "summary", "env") for a in (f"--{k}", str(paths[k]))]) == 0
     text = (out / "report.md").read_text()
     assert "## Verdict" in text and f"{summary['conv_over_linear_head_backward']:.2f}x" in text
     assert "aten::convolution_backward" in text and "Baseline" in text
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(parents["run_id"].iloc[0])}
+    assert {"report.html", "figures", "trials.csv"} <= artifacts
     assert (out / "figures" / "head_backward.png").stat().st_size > 1000
-    assert len(pd.read_csv(out / "head_backward.csv")) == 2
+    assert len(pd.read_csv(out / "plots" / "head_backward.csv")) == 2
 
 
 def test_report_on_malformed_trials_is_one_line(tmp_path, tiny_params):
     (tmp_path / "trials.csv").write_text("just,a,header\n")
     (tmp_path / "s.json").write_text("{}")
-    (tmp_path / "e.json").write_text("{}")
+    (tmp_path / "e.json").write_text('{"fingerprint": {}, "ceilings": {}}')
     result = stage_cli("report", "--params", tiny_params(), "--trials", tmp_path / "trials.csv", "--summary",
                        tmp_path / "s.json", "--env", tmp_path / "e.json", "--comparisons", tmp_path / "c.csv",
                        "--kernels", tmp_path / "k.csv", "--out", tmp_path / "r")

@@ -1,0 +1,120 @@
+"""Tables the report is drawn from, computed from the trials table alone (pandas; no files, no plots)."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import scipy.stats
+
+from pipeline.results import OTHER_KNOBS
+
+HEAD_ORDER = ["linear", "conv", "conv_as_linear"]
+DEFAULTS = {"cudnn_benchmark": False, "onednn": True, "amp": "off", "channels_last": False}  # PyTorch's own
+
+
+def baseline_first(knob: str, values: list) -> list:
+    """A knob's values with PyTorch's default (batch size: the smallest) first, the rest sorted."""
+    values = sorted(values, key=str) if knob != "batch_size" else sorted(values)
+    default = DEFAULTS.get(knob)
+    return sorted(values, key=lambda v: str(v) != str(default)) if knob in DEFAULTS else values
+
+
+def complete(trials: pd.DataFrame) -> pd.DataFrame:
+    return trials[trials["status"] == "complete"]
+
+
+def reference_setting(trials: pd.DataFrame, preferred: list[dict] | None = None) -> dict:
+    """The setting of the other knobs the per-head figures use: the first profiled setting where all its
+    heads completed, else the complete setting with the most heads (ties: the first in the table)."""
+    done = complete(trials)
+    counts = done.groupby(OTHER_KNOBS, dropna=False, sort=False)["head"].nunique()
+    for setting in preferred or []:
+        key = tuple("n/a" if setting.get(k) is None else setting.get(k) for k in OTHER_KNOBS)  # as the table reads
+        if key in counts.index and counts[key] == counts.max():
+            return dict(zip(OTHER_KNOBS, key))
+    return dict(zip(OTHER_KNOBS, counts.idxmax()))
+
+
+def at_setting(trials: pd.DataFrame, setting: dict, skip: tuple[str, ...] = ()) -> pd.DataFrame:
+    done = complete(trials)
+    mask = np.ones(len(done), dtype=bool)
+    for k, v in setting.items():
+        if k not in skip:
+            mask &= done[k].astype(str).to_numpy() == str(v)
+    return done[mask]
+
+
+def _log_ratio_ci(log_ratios: np.ndarray, seed: int = 0) -> tuple[float, float, float]:
+    """Geometric mean of ratios with a bootstrap 95% CI over the pairs (NaN CI for fewer than 3 pairs)."""
+    mean = float(np.exp(log_ratios.mean()))
+    if len(log_ratios) < 3 or np.ptp(log_ratios) == 0:
+        return mean, float("nan"), float("nan")
+    ci = scipy.stats.bootstrap((log_ratios,), np.mean, n_resamples=2000, method="percentile",
+                               rng=np.random.default_rng(seed)).confidence_interval
+    return mean, float(np.exp(ci.low)), float(np.exp(ci.high))
+
+
+def knob_effects(trials: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
+    """Main effect of each swept knob, from the factorial grid: switching the knob from PyTorch's default to
+    another value, all else equal. Step time ratio (geometric mean over the paired settings, bootstrap CI), and
+    the conv/linear box-head backward gap at the first value and at the other (the head x knob interaction)."""
+    done = complete(trials)
+    step = done.pivot_table(index=["head", *OTHER_KNOBS], values="step_ms", aggfunc="median")["step_ms"]
+    gap = (done[done["head"] == "conv"].set_index(OTHER_KNOBS)["head_backward_ms"]
+           / done[done["head"] == "linear"].set_index(OTHER_KNOBS)["head_backward_ms"]).dropna()
+    rows = []
+    for knob in OTHER_KNOBS:
+        values = baseline_first(knob, list(dict.fromkeys(done[knob])))
+        if len(values) < 2:
+            continue
+        base = values[0]
+        for value in values[1:]:
+            level = step.index.names.index(knob)
+            at_base = step.xs(base, level=level)
+            at_value = step.xs(value, level=level)
+            paired = np.log((at_value / at_base).dropna().to_numpy(dtype=float))
+            ratio, low, high = _log_ratio_ci(paired, seed) if len(paired) else (np.nan,) * 3
+            g_level = gap.index.names.index(knob)
+            gaps = [gap.xs(v, level=g_level) for v in (base, value)]
+            common = gaps[0].index.intersection(gaps[1].index)
+            gap_base = float(np.exp(np.log(gaps[0][common]).mean())) if len(common) else np.nan
+            gap_value = float(np.exp(np.log(gaps[1][common]).mean())) if len(common) else np.nan
+            rows.append({"knob": knob, "from": base, "to": value, "step_ratio": ratio, "ci_low": low,
+                         "ci_high": high, "pairs": len(paired), "gap_from": gap_base, "gap_to": gap_value,
+                         "gap_change": gap_value / gap_base if gap_base == gap_base else np.nan})
+    return pd.DataFrame(rows, columns=["knob", "from", "to", "step_ratio", "ci_low", "ci_high", "pairs",
+                                       "gap_from", "gap_to", "gap_change"])
+
+
+def time_split(trials: pd.DataFrame, setting: dict) -> pd.DataFrame:
+    """Per head at one setting: box-head backward, the rest of the backward, forward, optimizer (ms)."""
+    rows = at_setting(trials, setting).set_index("head")
+    table = pd.DataFrame({"box-head backward": rows["head_backward_ms"],
+                          "rest of backward": rows["backward_ms"] - rows["head_backward_ms"],
+                          "forward": rows["forward_ms"], "optimizer": rows["optimizer_ms"]})
+    return table.reindex([h for h in HEAD_ORDER if h in table.index]).rename_axis("head").reset_index()
+
+
+def batch_scaling(trials: pd.DataFrame, setting: dict) -> pd.DataFrame:
+    """ms per image of the whole step against batch size, per head, other knobs at ``setting``."""
+    rows = at_setting(trials, setting, skip=("batch_size",))
+    return pd.DataFrame({"head": rows["head"], "batch_size": rows["batch_size"],
+                         "ms_per_image": rows["step_ms"] / rows["batch_size"]}).sort_values(["head", "batch_size"])
+
+
+def pareto_front(trials: pd.DataFrame) -> pd.DataFrame:
+    """Every complete trial's step time and peak memory, flagged when no other trial is both faster and leaner."""
+    done = complete(trials)[["trial", "head", *OTHER_KNOBS, "step_ms", "peak_mem_mb"]].dropna(
+        subset=["step_ms", "peak_mem_mb"]).sort_values(["step_ms", "peak_mem_mb"])
+    best_memory, on_front = np.inf, []
+    for memory in done["peak_mem_mb"]:
+        on_front.append(memory < best_memory)
+        best_memory = min(best_memory, memory)
+    return done.assign(pareto=on_front)
+
+
+def roofline(trials: pd.DataFrame, setting: dict) -> pd.DataFrame:
+    """Per head at one setting: achieved box-head TFLOP/s forward and backward, and the fraction of peak."""
+    rows = at_setting(trials, setting).set_index("head")
+    columns = ["head_forward_tflops", "head_backward_tflops", "head_forward_peak_fraction",
+               "head_backward_peak_fraction"]
+    return rows.reindex([h for h in HEAD_ORDER if h in rows.index])[columns].rename_axis("head").reset_index()

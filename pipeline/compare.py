@@ -1,0 +1,97 @@
+"""Compare machines or runs: one report from two or more results folders, side by side, with ratios.
+
+``python -m pipeline.compare results reports/h200 --out reports/compare`` reads from each folder the
+trials table, summary.json and env.json (the sweep's and env stage's outputs), and writes compare.md with
+the headline ratios per machine, per-head medians with their ratio to the first folder, and a figure.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from pipeline.analysis import HEAD_ORDER, complete
+from pipeline.common import read_json, write_atomic
+from pipeline.env import read_env
+from pipeline.report import ratio_text
+from pipeline.results import read_table
+from rcnn.data import DataError
+
+NEEDED = ("status", "head", "forward_ms", "backward_ms", "step_ms", "head_backward_ms")
+HEADLINES = ("conv_over_linear_head_backward", "conv_over_linear_backward", "conv_as_linear_over_linear_head_backward",
+             "conv_as_linear_over_linear_backward")
+
+
+def machine_name(env: dict, folder: Path) -> str:
+    fp = env["fingerprint"]
+    return f"{fp.get('gpu', fp.get('cpu_model', '?'))} ({folder})"
+
+
+def per_head(trials: pd.DataFrame) -> pd.DataFrame:
+    """Median over the complete trials of each head (all its settings) of the timed phases, in ms."""
+    return complete(trials).groupby("head")[list(NEEDED[2:])].median().reindex(HEAD_ORDER).dropna(how="all")
+
+
+def compare(folders: list[Path], out: Path) -> str:
+    runs = []
+    for folder in folders:
+        trials = read_table(folder / "trials.csv", NEEDED, "sweep")
+        runs.append((machine_name(read_env(folder / "env.json"), folder), trials, read_json(folder / "summary.json")))
+    names = [name for name, _, _ in runs]
+    headline = pd.DataFrame({name: {"trials complete": f"{s.get('complete')} of {s.get('trials')}",
+                                    **{k.replace("_over_", " / ").replace("_", " "): ratio_text(s, k) for k in HEADLINES},
+                                    "fastest step (ms)": (s.get("best") or {}).get("step_ms")}
+                             for name, _, s in runs})
+    heads = {name: per_head(trials) for name, trials, _ in runs}
+    base = names[0]
+    lines = ["# RoI-head backward across machines", "",
+             f"{len(runs)} result folders; ratios are against the first, {base}. Medians pool every complete "
+             "trial of a head, so they compare like with like only where the grids match.", "",
+             "## Headline, per machine", "", headline.to_markdown(), ""]
+    for phase in ("head_backward_ms", "step_ms"):
+        table = pd.DataFrame({name: h[phase] for name, h in heads.items()})
+        for name in names[1:]:
+            table[f"{name} / first"] = table[name] / table[base]
+        lines += [f"## {phase} per head (median ms)", "", table.round(3).to_markdown(), ""]
+    data = pd.concat([h["head_backward_ms"].rename(name) for name, h in heads.items()], axis=1)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    data.plot.bar(ax=ax, rot=0, logy=True)
+    ax.set_title("Box-head backward per head, per machine (median over settings)")
+    ax.set_xlabel("head")
+    ax.set_ylabel("box-head backward per step (ms, log scale)")
+    ax.legend(title="machine", fontsize=8)
+    fig.tight_layout()
+    (out / "figures").mkdir(parents=True, exist_ok=True)
+    fig.savefig(out / "figures" / "head_backward_by_machine.png", dpi=110)
+    plt.close(fig)
+    write_atomic(out / "head_backward_by_machine.csv", data.rename_axis("head").reset_index().to_csv(index=False))
+    lines += ["![box-head backward per machine](figures/head_backward_by_machine.png)", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folders", nargs="+", type=Path, help="results folders (trials.csv, summary.json, env.json)")
+    parser.add_argument("--out", type=Path, default=Path("reports/compare"), help="folder for compare.md")
+    args = parser.parse_args(argv)
+    if len(args.folders) < 2:
+        print("error: folders: give at least two results folders to compare", file=sys.stderr)
+        return 2
+    try:
+        text = compare(args.folders, args.out)
+    except (DataError, ValueError, OSError) as err:
+        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+    write_atomic(args.out / "compare.md", text)
+    print(f"wrote {args.out / 'compare.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The report and the compare command, generated from a small fixed results folder (no sweep)."""
+import json
+import re
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from pipeline import compare, report
+from pipeline.results import KERNEL_COLUMNS, comparisons_table, summarize_trials, write_table, write_trials
+from tests.conftest import ROOT, fake_trials
+
+SECTIONS = ["## Verdict", "## Knob effects", "## Where the time goes", "## Batch-size scaling", "## Speed vs memory",
+            "## Against the limit", "## Why", "## Environment and reproduction", "## Trials"]
+FIGURES = ["head_backward", "time_split", "batch_scaling", "pareto", "roofline"]
+
+
+def write_results(folder, scale=1.0):
+    trials, samples = fake_trials(scale)
+    comparisons = comparisons_table(trials, samples)
+    kernels = pd.DataFrame([{"trial": 1, "head": "conv", "cudnn_benchmark": "n/a", "onednn": True, "amp": "off",
+                             "channels_last": False, "batch_size": 1, "kind": "op",
+                             "name": "aten::convolution_backward", "ms": 30.0, "calls": 4, "share": 0.9}],
+                           columns=KERNEL_COLUMNS)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_trials(trials, folder / "trials.csv")
+    write_table(comparisons, folder / "comparisons.csv")
+    write_table(kernels, folder / "kernels.csv")
+    summary = summarize_trials(trials, comparisons) | {"skipped": [], "study": "s", "git_commit": "abc123"}
+    (folder / "summary.json").write_text(json.dumps(summary))
+    (folder / "env.json").write_text(json.dumps({"fingerprint": {"device": "cpu", "cpu_model": "Test CPU",
+                                                                 "torch": "2.x"},
+                                                 "ceilings": {"matmul_tflops": {"fp32": 0.5}, "copy_gbps": 20}}))
+    return folder
+
+
+def report_args(folder, out):
+    return ["--out", str(out)] + [a for name in ("trials", "comparisons", "kernels", "summary", "env")
+                                  for a in (f"--{name}", str(folder / (f"{name}.json" if name in ("summary", "env")
+                                                                       else f"{name}.csv")))]
+
+
+def test_report_has_every_section_figure_and_the_verdict_numbers(tmp_path, tiny_params):
+    folder = write_results(tmp_path / "results")
+    out = tmp_path / "reports"
+    assert report.main(["--params", str(tiny_params())] + report_args(folder, out)) == 0
+    text = (out / "report.md").read_text()
+    positions = [text.index(section) for section in SECTIONS]
+    assert positions == sorted(positions)  # in the documented order
+    # Hand-computed from the medians (samples jitter by 1%): head backward conv 40 / linear 10 -> 4x, whole
+    # backward 130 / 100 -> 1.3x, conv_as_linear 11 / 10 -> 1.1x.
+    conv = re.search(r"conv / linear, box-head backward: \*\*([\d.]+)x \(95% CI ([\d.]+)-([\d.]+)\)", text)
+    assert float(conv[1]) == pytest.approx(4.0, rel=0.01) and float(conv[2]) < float(conv[1]) < float(conv[3])
+    assert float(re.search(r"; whole backward ([\d.]+)x", text)[1]) == pytest.approx(1.3, rel=0.01)
+    fix = re.search(r"conv_as_linear / linear, box-head backward: \*\*([\d.]+)x", text)
+    assert float(fix[1]) == pytest.approx(1.1, rel=0.01) and "it closes the gap" in text
+    assert "batch_size 1 -> 2" in text and "aten::convolution_backward" in text and "`abc123`" in text
+    for name in FIGURES:
+        assert (out / "figures" / f"{name}.png").stat().st_size > 5000
+        assert len(pd.read_csv(out / "plots" / f"{name}.csv")) > 0
+        assert f"figures/{name}.png" in text
+    html = (out / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == len(FIGURES) and 'src="figures/' not in html
+    assert "<table>" in html
+
+
+def test_time_split_and_pareto_numbers(tmp_path, tiny_params):
+    folder = write_results(tmp_path / "results")
+    out = tmp_path / "reports"
+    report.main(["--params", str(tiny_params())] + report_args(folder, out))
+    split = pd.read_csv(out / "plots" / "time_split.csv").pivot(index="head", columns="part", values="ms")
+    assert split.loc["conv", "box-head backward"] == pytest.approx(40, rel=0.02)
+    assert split.loc["conv", "rest of backward"] == pytest.approx(90, rel=0.03)
+    pareto = pd.read_csv(out / "plots" / "pareto.csv")
+    assert pareto[pareto["pareto"]]["head"].tolist() == ["linear"]  # fastest and leanest at batch 1
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda f: (f / "trials.csv").unlink(), "trials.csv: missing; run the sweep stage first"),
+    (lambda f: (f / "summary.json").write_text("{oops"), "summary.json: not valid JSON"),
+    (lambda f: (f / "comparisons.csv").write_text("a,b\n1,2\n"), "comparisons.csv: missing columns"),
+    (lambda f: (f / "env.json").write_text("{}"), "env.json: needs 'fingerprint' and 'ceilings'"),
+])
+def test_missing_or_malformed_results_give_one_line(tmp_path, tiny_params, damage, message):
+    folder = write_results(tmp_path / "results")
+    damage(folder)
+    result = subprocess.run([sys.executable, "-m", "pipeline.report", "--params", str(tiny_params())]
+                            + report_args(folder, tmp_path / "out"), cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out" / "report.md").exists()
+
+
+def test_compare_two_machines(tmp_path):
+    fast, slow = write_results(tmp_path / "fast", scale=0.5), write_results(tmp_path / "slow", scale=1.0)
+    out = tmp_path / "compare"
+    assert compare.main([str(slow), str(fast), "--out", str(out)]) == 0
+    text = (out / "compare.md").read_text()
+    assert text.count("conv / linear head backward") == 1 and (out / "figures" / "head_backward_by_machine.png").exists()
+    table = pd.read_csv(out / "head_backward_by_machine.csv").set_index("head")
+    assert (table.iloc[:, 1] / table.iloc[:, 0]).round(2).eq(0.5).all()
+    assert compare.main([str(slow), "--out", str(out)]) == 2
+    assert compare.main([str(slow), str(tmp_path / "none"), "--out", str(out)]) == 2
