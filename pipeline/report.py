@@ -50,6 +50,11 @@ class Results:
         return fp.get("gpu", fp.get("cpu_model", fp.get("device", "?")))
 
     @property
+    def ceilings(self) -> dict:
+        """The peaks the sweep measured its fractions against (env.json's are re-measured on every run)."""
+        return self.summary.get("ceilings") or self.env["ceilings"]
+
+    @property
     def setting(self) -> dict:
         profiled = self.summary.get("profile_at") or []
         return reference_setting(self.trials, [profiled] if isinstance(profiled, dict) else profiled)
@@ -143,7 +148,7 @@ def draw_roofline(data: pd.DataFrame, ax: plt.Axes, r: Results) -> None:
     table.columns = ["forward", "backward"]
     table.plot.bar(ax=ax, rot=0, color=["tab:gray", "tab:red"])
     dtype = {"off": "fp32", "bf16": "bf16", "fp16": "fp16"}[str(r.setting["amp"])]
-    peak = r.env["ceilings"].get("matmul_tflops", {}).get(dtype)
+    peak = r.ceilings.get("matmul_tflops", {}).get(dtype)
     if peak:
         ax.axhline(peak, color="black", linestyle="--", label=f"measured {dtype} matmul peak ({peak:.2f})")
     ax.set_xlabel("head")
@@ -284,7 +289,7 @@ def inputs_hash(lock: Path | None) -> str:
 def environment_section(r: Results, lock: Path | None) -> list[str]:
     fp = r.env["fingerprint"]
     rows = pd.DataFrame({"key": list(fp), "value": [str(v) for v in fp.values()]})
-    ceilings = r.env["ceilings"]
+    ceilings = r.ceilings
     return [rows.to_markdown(index=False), "",
             f"Measured ceilings: matmul {ceilings.get('matmul_tflops')} TFLOP/s, copy {ceilings.get('copy_gbps')} GB/s.",
             "", f"- git commit: `{r.summary.get('git_commit', 'unknown')}`",

@@ -274,6 +274,7 @@ def stage(args: argparse.Namespace, params: Params) -> None:
         if n_trials > 0:
             if params.sweep.sampler == "grid":
                 enqueue_grid(study, points)
+            study.set_user_attr("ceilings", ceilings)  # what this run's fraction-of-peak columns use
             drift["start"] = sweep.baseline(points[0], "start")
             # timeout: no new trial starts after it; the one running finishes.
             study.optimize(sweep.objective(grid), n_trials=n_trials, timeout=params.sweep.timeout_s,
@@ -287,6 +288,7 @@ def stage(args: argparse.Namespace, params: Params) -> None:
         summary = summarize_trials(trials, comparisons) | {
             "device": device.type, "study": name, "skipped": [asdict(s) for s in skipped],
             "drift": study.user_attrs.get("drift"), "profile_at": profiled, "git_commit": tags["git_commit"],
+            "ceilings": study.user_attrs.get("ceilings", ceilings),
             "mlflow_parent_run_id": parent.info.run_id}
         mlflow.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float)) and v == v})
     write_trials(trials, args.trials)
