@@ -53,6 +53,11 @@ def _log_ratio_ci(log_ratios: np.ndarray, seed: int = 0) -> tuple[float, float, 
     return mean, float(np.exp(ci.low)), float(np.exp(ci.high))
 
 
+def _where(series: pd.Series, knob: str, value: object) -> pd.Series:
+    """The entries at one value of an index level, that level dropped (empty where the value is absent)."""
+    return series[series.index.get_level_values(knob) == value].droplevel(knob)
+
+
 def knob_effects(trials: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
     """Main effect of each swept knob, from the factorial grid: switching the knob from PyTorch's default to
     another value, all else equal. Step time ratio (geometric mean over the paired settings, bootstrap CI), and
@@ -68,13 +73,10 @@ def knob_effects(trials: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
             continue
         base = values[0]
         for value in values[1:]:
-            level = step.index.names.index(knob)
-            at_base = step.xs(base, level=level)
-            at_value = step.xs(value, level=level)
+            at_base, at_value = (_where(step, knob, v) for v in (base, value))
             paired = np.log((at_value / at_base).dropna().to_numpy(dtype=float))
             ratio, low, high = _log_ratio_ci(paired, seed) if len(paired) else (np.nan,) * 3
-            g_level = gap.index.names.index(knob)
-            gaps = [gap.xs(v, level=g_level) for v in (base, value)]
+            gaps = [_where(gap, knob, v) for v in (base, value)]
             common = gaps[0].index.intersection(gaps[1].index)
             gap_base = float(np.exp(np.log(gaps[0][common]).mean())) if len(common) else np.nan
             gap_value = float(np.exp(np.log(gaps[1][common]).mean())) if len(common) else np.nan

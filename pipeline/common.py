@@ -23,19 +23,19 @@ def stage_parser(description: str | None) -> argparse.ArgumentParser:
     return parser
 
 
-def run_stage(main: Callable[[argparse.Namespace, Params], None], parser: argparse.ArgumentParser,
+def run_stage(main: Callable[[argparse.Namespace, Params], int | None], parser: argparse.ArgumentParser,
               argv: list[str] | None = None) -> int:
-    """Parse arguments and params, run the stage; a user error exits 2 with one line on stderr."""
+    """Parse arguments and params, run the stage and return its exit code (0 unless it returns one);
+    a user error exits 2 with one line on stderr."""
     args = parser.parse_args(argv)
     try:
-        main(args, load_params(args.params))
+        return main(args, load_params(args.params)) or 0
     except USER_ERRORS as err:
         if os.environ.get("RCNN_DEBUG"):
             raise
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         print(f"error: {message}", file=sys.stderr)
         return 2
-    return 0
 
 
 def write_atomic(path: str | Path, text: str) -> None:

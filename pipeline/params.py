@@ -83,6 +83,8 @@ class SweepParams:
     n_trials: int | None = _field(None, minimum=1)  # None: the whole applicable grid (grid sampler only)
     seed: int = _field(0, minimum=0)
     timeout_s: float | None = _field(None, minimum=1)  # no new trial starts after this many seconds
+    trial_timeout_s: float | None = _field(None, minimum=1)  # a trial still running then stops: status timeout
+    fail_on_trial_error: bool = False  # exit 3 when a trial of this run failed or timed out
     storage: str = "optuna.journal"   # a journal file path, or an RDB URL such as postgresql://...
     allow_tf32: bool = False          # CUDA: one value for matmul and cuDNN, a fair fp32 comparison
     cross_check: bool = True          # also time each head alone with torch.utils.benchmark

@@ -304,7 +304,7 @@ def environment_section(r: Results, lock: Path | None) -> list[str]:
 def render(r: Results, lock: Path | None) -> str:
     s = r.summary
     effects = knob_effects(r.trials)
-    notes = [f"{s[k]} {k.replace('_', ' ')}" for k in ("failed", "not_run") if s.get(k)]
+    notes = [f"{s[k]} {k.replace('_', ' ')}" for k in ("failed", "timeout", "not_run") if s.get(k)]
     setting = setting_label(r.setting)
     figure = lambda name, caption: f"![{caption}](figures/{name}.png)"  # noqa: E731
     done = complete(r.trials)

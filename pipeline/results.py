@@ -106,8 +106,10 @@ def comparisons_table(trials: pd.DataFrame, samples: dict[int, dict[str, list[fl
 def summarize_trials(trials: pd.DataFrame, comparisons: pd.DataFrame) -> dict:
     """Headline metrics for ``dvc metrics``: trial counts, pooled head ratios with CIs, the fastest setting."""
     done = trials[trials["status"] == "complete"]
-    summary: dict = {"trials": len(trials), "complete": len(done), "failed": int((trials["status"] == "failed").sum()),
-                     "not_run": int(trials["status"].isin(["not run", "running"]).sum())}
+    status = trials["status"]
+    summary: dict = {"trials": len(trials), "complete": len(done), "failed": int((status == "failed").sum()),
+                     "timeout": int((status == "timeout").sum()),
+                     "not_run": int(status.isin(["not run", "running"]).sum())}
     pooled = comparisons[comparisons[OTHER_KNOBS[0]] == ALL_SETTINGS]
     for num, den in PAIRS:
         for phase in COMPARED_PHASES:

@@ -8,14 +8,18 @@ rerun resumes the same study instead of measuring again.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import hashlib
 import itertools
 import json
 import random
+import signal
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Iterator
 
 import mlflow
 import optuna
@@ -23,6 +27,7 @@ import pandas as pd
 import torch
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
+from tqdm import tqdm
 
 from pipeline.common import git_commit, run_stage, stage_parser, write_json
 from pipeline.env import read_env
@@ -104,14 +109,30 @@ def enqueue_grid(study: optuna.Study, points: list[dict]) -> None:
             study.enqueue_trial(point)
 
 
-def trials_to_run(params: Params, study: optuna.Study, points: list[dict]) -> int:
-    """``n_trials`` counts the whole study, so a rerun only adds what is missing; grid: its unvisited points."""
-    finished = [t for t in study.get_trials(deepcopy=False) if t.state.is_finished()]
-    budget = params.sweep.n_trials - len(finished) if params.sweep.n_trials else float("inf")
+def trials_to_run(params: Params, study: optuna.Study) -> int:
+    """``n_trials`` counts the whole study, so a rerun only adds what is missing; grid: its queue."""
+    trials = study.get_trials(deepcopy=False)
+    budget = params.sweep.n_trials - sum(t.state.is_finished() for t in trials) if params.sweep.n_trials else float("inf")
     if params.sweep.sampler == "grid":
-        visited = {point_key(trial_params(t)) for t in finished}
-        budget = min(budget, sum(point_key(p) not in visited for p in points))
+        budget = min(budget, sum(t.state == optuna.trial.TrialState.WAITING for t in trials))
     return int(budget)
+
+
+INTERRUPTED = "interrupted: the sweep process ended during this trial"
+
+
+def recover_interrupted(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """Mark the trials a dead sweep left running as failed and queue their points again.
+
+    One sweep process per study is assumed (a journal file on one host): a trial still RUNNING when a
+    sweep starts belongs to a process that was killed. Returns those trials (their MLflow runs too must be
+    marked failed)."""
+    stale = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.RUNNING]
+    for t in stale:
+        study._storage.set_trial_user_attr(t._trial_id, "error", INTERRUPTED)
+        study._storage.set_trial_state_values(t._trial_id, state=optuna.trial.TrialState.FAIL)
+        study.enqueue_trial(trial_params(t), skip_if_exists=False)
+    return stale
 
 
 def profile_settings(params: Params, grid: dict) -> list[dict]:
@@ -147,6 +168,8 @@ class Sweep:
                  ceilings: dict, tags: dict[str, str], profiled: list[dict]) -> None:
         self.params, self.samples, self.config, self.device = params, samples, config, device
         self.ceilings, self.tags, self.profiled = ceilings, tags, profiled
+        self.progress = Progress(0)
+        self.failures = 0
         t = params.timing
         self.policy = TimingPolicy(warmup=t.warmup, max_warmup=t.max_warmup, iterations=t.iterations,
                                    max_iterations=t.max_iterations, max_seconds=t.max_seconds,
@@ -154,7 +177,8 @@ class Sweep:
 
     def measure(self, knobs: Knobs, run_name: str, tags: dict[str, str],
                 trial: optuna.Trial | None = None) -> tuple[TrialResult, dict]:
-        """One trial in a nested MLflow run (FAILED, with the error, if it raises): (result, table row)."""
+        """One trial in a nested MLflow run (FAILED with the error if it raises, KILLED on the trial time
+        limit): (result, table row)."""
         setting = {k: v for k, v in asdict(knobs).items() if k != "head"}
         profile = setting in self.profiled
         with mlflow.start_run(run_name=run_name, nested=True, tags=self.tags | tags) as run:
@@ -162,13 +186,12 @@ class Sweep:
                 trial.set_user_attr("mlflow_run_id", run.info.run_id)
             mlflow.log_params(asdict(knobs) | asdict(self.config))
             try:
-                result = run_trial(self.config, knobs, self.samples, device=self.device, policy=self.policy,
-                                   seed=self.params.sweep.seed,
-                                   profile_steps=self.params.sweep.profile_steps if profile else 0)
-                row = result_columns(result, knobs, self.config, self.ceilings)
-                if self.params.sweep.cross_check:
-                    forward, backward = isolated_head_ms(self.config, knobs, rois=result.rois, device=self.device)
-                    row |= {"isolated_head_forward_ms": forward, "isolated_head_backward_ms": backward}
+                with time_limit(self.params.sweep.trial_timeout_s):
+                    result, row = self._measure(knobs, profile)
+            except TrialTimeout as err:
+                mlflow.set_tags({"error": first_line(err), "status": "timeout"})
+                mlflow.end_run(status="KILLED")
+                raise
             except Exception as err:
                 mlflow.set_tag("error", first_line(err))
                 raise
@@ -179,21 +202,36 @@ class Sweep:
             mlflow.log_metrics({k: float(v) for k, v in row.items() if v == v})  # NaN is not a metric
             if result.kernels:
                 mlflow.log_table(pd.DataFrame(result.kernels), artifact_file=f"kernels/{knobs.head}.json")
-        print(f"  step {result.median('step'):.0f} ms, backward {result.median('backward'):.0f} ms, head backward "
-              f"{result.median('head_backward'):.1f} ms ({result.iterations} steps, precision "
-              f"{'n/a' if result.precision == float('inf') else format(result.precision, '.1%')})",
-              flush=True)
+        self.progress.line(
+            f"  step {result.median('step'):.0f} ms, backward {result.median('backward'):.0f} ms, head backward "
+            f"{result.median('head_backward'):.1f} ms ({result.iterations} steps, precision "
+            f"{'n/a' if result.precision == float('inf') else format(result.precision, '.1%')})")
         return result, row | {"mlflow_run_id": run.info.run_id}
+
+    def _measure(self, knobs: Knobs, profile: bool) -> tuple[TrialResult, dict]:
+        result = run_trial(self.config, knobs, self.samples, device=self.device, policy=self.policy,
+                           seed=self.params.sweep.seed, profile_steps=self.params.sweep.profile_steps if profile else 0)
+        row = result_columns(result, knobs, self.config, self.ceilings)
+        if self.params.sweep.cross_check:
+            forward, backward = isolated_head_ms(self.config, knobs, rois=result.rois, device=self.device)
+            row |= {"isolated_head_forward_ms": forward, "isolated_head_backward_ms": backward}
+        return result, row
 
     def objective(self, grid: dict):
         def objective(trial: optuna.Trial) -> float:
             knobs = Knobs(**{name: trial.suggest_categorical(name, grid[name]) for name in KNOB_NAMES})
-            print(f"trial {trial.number}: {knobs}", flush=True)
+            self.progress.start(f"trial {trial.number}: {knobs}")
             try:
                 result, row = self.measure(knobs, f"trial-{trial.number}", {"trial": str(trial.number)}, trial)
             except Exception as err:  # recorded on the trial, then the sweep goes on
                 trial.set_user_attr("error", first_line(err))
+                if isinstance(err, TrialTimeout):
+                    trial.set_user_attr("status", "timeout")
+                self.failures += 1
+                self.progress.line(f"  {first_line(err)}")
                 raise
+            finally:
+                self.progress.done()
             trial.set_user_attr("result", row)
             trial.set_user_attr("samples", result.samples)
             if result.kernels:
@@ -201,12 +239,69 @@ class Sweep:
             return result.median("step")
         return objective
 
-    def baseline(self, point: dict, when: str) -> dict[str, float]:
-        """Measure the run-order's first point again, outside the study, to see drift over the sweep."""
-        print(f"baseline ({when}): {point}", flush=True)
-        result, row = self.measure(Knobs(**point), f"baseline-{when}", {"role": f"baseline-{when}"})
+    def baseline(self, point: dict, when: str) -> dict[str, float] | None:
+        """Measure the run-order's first point again, outside the study, to see drift over the sweep;
+        None if it fails (its MLflow run says why): drift is then unknown, the sweep goes on."""
+        self.progress.line(f"baseline ({when}): {point}")
+        try:
+            result, row = self.measure(Knobs(**point), f"baseline-{when}", {"role": f"baseline-{when}"})
+        except Exception as err:
+            self.progress.line(f"  baseline failed: {first_line(err)}")
+            return None
         return {"step_ms": result.median("step"), "head_backward_ms": result.median("head_backward"),
                 "mlflow_run_id": row["mlflow_run_id"]}
+
+
+class TrialTimeout(Exception):
+    """A trial ran past sweep.trial_timeout_s."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise TrialTimeout in this (main) thread after ``seconds``. A single long operation (one kernel, one
+    conv) finishes first: Python sees the signal between operations."""
+    if not seconds:
+        yield
+        return
+
+    def expire(signum: int, frame: object) -> None:
+        raise TrialTimeout(f"trial ran past sweep.trial_timeout_s = {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class Progress:
+    """Trial i of N, the configuration, elapsed and estimated time left: a tqdm bar on a terminal, plain
+    lines elsewhere (logs, CI, dvc repro's pipe)."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.finished, self.started = total, 0, time.monotonic()
+        self.bar = tqdm(total=total, unit="trial", disable=not sys.stdout.isatty() or not total)
+
+    def line(self, text: str) -> None:
+        if self.bar.disable:
+            print(text, flush=True)
+        else:
+            self.bar.write(text)
+
+    def start(self, text: str) -> None:
+        elapsed = time.monotonic() - self.started
+        left = elapsed / self.finished * (self.total - self.finished) if self.finished else float("nan")
+        eta = f", ~{left:.0f} s left" if left == left else ""
+        self.line(f"[{self.finished + 1}/{self.total}, {elapsed:.0f} s elapsed{eta}] {text}")
+
+    def done(self) -> None:
+        self.finished += 1
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def first_line(err: BaseException) -> str:
@@ -223,7 +318,7 @@ def trials_table(study: optuna.Study, config: DetectorConfig, device: torch.devi
     rows = []
     for t in study.get_trials(deepcopy=False):
         knobs = knob_values(t)
-        rows.append({"trial": t.number, "status": STATUS[t.state], "device": device.type,
+        rows.append({"trial": t.number, "status": t.user_attrs.get("status", STATUS[t.state]), "device": device.type,
                      "backbone": config.backbone, "image_size": config.image_size,
                      "rois_per_image": config.rois_per_image, **knobs, **t.user_attrs.get("result", {}),
                      "mlflow_run_id": t.user_attrs.get("mlflow_run_id"), "error": t.user_attrs.get("error")})
@@ -236,7 +331,7 @@ def kernels_table(study: optuna.Study) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=KERNEL_COLUMNS)
 
 
-def stage(args: argparse.Namespace, params: Params) -> None:
+def stage(args: argparse.Namespace, params: Params) -> int:
     device = resolve_device(params.sweep.device)
     grid, skipped = applicable_space(params.sweep.space.as_dict(), device)
     profiled = profile_settings(params, grid) if params.sweep.profile_steps else []
@@ -269,19 +364,26 @@ def stage(args: argparse.Namespace, params: Params) -> None:
                         | {"matmul_allow_tf32": str(torch.backends.cuda.matmul.allow_tf32),
                            "cudnn_allow_tf32": str(torch.backends.cudnn.allow_tf32)})
         sweep = Sweep(params, samples, config, device, ceilings, tags, profiled)
-        n_trials = trials_to_run(params, study, points)
+        for t in recover_interrupted(study):
+            print(f"trial {t.number} was interrupted: marked failed, its point queued again")
+            if run_id := t.user_attrs.get("mlflow_run_id"):
+                mlflow.MlflowClient().set_terminated(run_id, status="FAILED")
+        if params.sweep.sampler == "grid":
+            enqueue_grid(study, points)
+        n_trials = trials_to_run(params, study)
         drift = {}
         if n_trials > 0:
-            if params.sweep.sampler == "grid":
-                enqueue_grid(study, points)
+            sweep.progress = Progress(n_trials)
             study.set_user_attr("ceilings", ceilings)  # what this run's fraction-of-peak columns use
             drift["start"] = sweep.baseline(points[0], "start")
             # timeout: no new trial starts after it; the one running finishes.
             study.optimize(sweep.objective(grid), n_trials=n_trials, timeout=params.sweep.timeout_s,
                            catch=(Exception,))
+            sweep.progress.close()
             drift["end"] = sweep.baseline(points[0], "end")
-            drift["step_drift"] = drift["end"]["step_ms"] / drift["start"]["step_ms"] - 1
-            study.set_user_attr("drift", drift | {"point": points[0]})
+            if drift["start"] and drift["end"]:
+                drift["step_drift"] = drift["end"]["step_ms"] / drift["start"]["step_ms"] - 1
+                study.set_user_attr("drift", drift | {"point": points[0]})
         trials = trials_table(study, config, device)
         samples_by_trial = {t.number: t.user_attrs.get("samples") for t in study.get_trials(deepcopy=False)}
         comparisons = comparisons_table(trials, samples_by_trial, seed=params.sweep.seed)
@@ -296,6 +398,11 @@ def stage(args: argparse.Namespace, params: Params) -> None:
     write_table(kernels_table(study), args.kernels)
     write_json(args.summary, summary)
     print(f"{summary['complete']} of {summary['trials']} trials complete; study {name}")
+    if sweep.failures and params.sweep.fail_on_trial_error:
+        print(f"error: {sweep.failures} trial(s) failed or timed out in this run (sweep.fail_on_trial_error)",
+              file=sys.stderr)
+        return 3
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

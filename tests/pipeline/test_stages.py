@@ -81,7 +81,8 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
     assert sorted(trials["head"]) == ["conv", "linear"]  # exactly the applicable grid
     assert trials["status"].eq("complete").all() and trials["cudnn_benchmark"].eq("n/a").all()
     assert (trials["head_backward_ms"] > 0).all() and (trials["rois"] == 16).all()
-    assert (trials["head_backward_ci_low_ms"] <= trials["head_backward_ms"]).all()
+    ci_low = trials["head_backward_ci_low_ms"]  # NaN where too few steps for an interval
+    assert (ci_low.isna() | (ci_low <= trials["head_backward_ms"])).all()
     assert (trials["head_backward_gflop"] > 0).all() and (trials["head_backward_peak_fraction"] > 0).all()
     assert (trials["isolated_head_backward_ms"] > 0).all() and trials["iterations"].between(2, 3).all()
     summary = json.loads(paths["summary"].read_text())

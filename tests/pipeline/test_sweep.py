@@ -45,8 +45,8 @@ def test_queue_keeps_heads_side_by_side_and_a_cut_short_sweep_is_recorded():
     enqueue_grid(study, points)  # a resume queues nothing twice
     assert len(study.trials) == 18
     params = parse_params({"sweep": {"n_trials": 6}})
-    assert trials_to_run(params, study, points) == 6
-    study.optimize(objective, n_trials=trials_to_run(params, study, points))
+    assert trials_to_run(params, study) == 6
+    study.optimize(objective, n_trials=trials_to_run(params, study))
 
     table = trials_table(study, TINY_CONFIG, CPU)
     assert table["status"].value_counts().to_dict() == {"not run": 12, "complete": 6}
@@ -59,6 +59,6 @@ def test_queue_keeps_heads_side_by_side_and_a_cut_short_sweep_is_recorded():
     summary = summarize_trials(table, comparisons_table(table, samples))
     assert summary["complete"] == 6 and summary["not_run"] == 12 and summary["failed"] == 0
     assert summary["conv_over_linear_head_backward"] == 2.0
-    assert trials_to_run(params, study, points) == 0 and trials_to_run(parse_params({}), study, points) == 12
+    assert trials_to_run(params, study) == 0 and trials_to_run(parse_params({}), study) == 12
     kernels = kernels_table(study)
     assert len(kernels) == 6 and kernels["cudnn_benchmark"].eq("n/a").all()
