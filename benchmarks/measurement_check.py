@@ -12,6 +12,7 @@ Run by hand (minutes): python benchmarks/measurement_check.py [--device cpu] [--
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import statistics
 
@@ -24,8 +25,8 @@ from rcnn.model import DetectorConfig
 from rcnn.timing import TimingPolicy
 
 
-def knobs_for(device: torch.device, **kwargs) -> Knobs:
-    backend = {"cudnn_benchmark": False} if device.type == "cuda" else {"onednn": True}
+def knobs_for(device: torch.device, onednn: bool = True, **kwargs) -> Knobs:
+    backend = {"cudnn_benchmark": False} if device.type == "cuda" else {"onednn": onednn}
     return Knobs(**backend, **kwargs)
 
 
@@ -37,19 +38,22 @@ def main() -> None:
     parser.add_argument("--rois-per-image", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds for checks 1 and 2")
     parser.add_argument("--fixed", type=int, default=30, help="the fixed step count adaptive stopping is held to")
+    parser.add_argument("--no-onednn", action="store_true",
+                        help="CPU: run without oneDNN, where the conv head's cost dwarfs step-to-step noise")
     args = parser.parse_args()
     device = resolve_device(args.device)
+    knobs = functools.partial(knobs_for, device, onednn=not args.no_onednn)
     config = DetectorConfig(backbone=args.backbone, image_size=args.image_size, rois_per_image=args.rois_per_image)
     samples = synthetic_samples(num_images=8, image_size=args.image_size, num_classes=config.num_classes, seed=0)
     fixed = TimingPolicy(warmup=3, iterations=args.fixed, max_iterations=args.fixed)
     adaptive = TimingPolicy(warmup=3, iterations=6, max_iterations=args.fixed, rel_precision=0.05)
-    print(f"device {device}, {config}")
+    print(f"device {device}, {config}, oneDNN {'off' if args.no_onednn else 'on'}")
 
     # 1 and 2: interleaved rounds (linear, conv, linear without hooks), so drift hits all alike.
     runs: dict[str, list] = {"linear": [], "conv": [], "linear_nohooks": []}
     for _ in range(args.rounds):
         for name, head, probe in (("linear", "linear", True), ("conv", "conv", True), ("linear_nohooks", "linear", False)):
-            runs[name].append(run_trial(config, knobs_for(device, head=head), samples, device=device,
+            runs[name].append(run_trial(config, knobs(head=head), samples, device=device,
                                         policy=fixed, probe=probe))
 
     def median_of(name: str, phase: str) -> float:
@@ -61,7 +65,7 @@ def main() -> None:
     overhead = median_of("linear", "step") / median_of("linear_nohooks", "step")
 
     # 3: the same six configurations, fixed count against adaptive stopping; rank by head backward.
-    configs = [knobs_for(device, head=h, channels_last=cl) for h, cl in itertools.product(
+    configs = [knobs(head=h, channels_last=cl) for h, cl in itertools.product(
         ("linear", "conv", "conv_as_linear"), (False, True))]
     by_policy = {name: [run_trial(config, k, samples, device=device, policy=policy) for k in configs]
                  for name, policy in (("fixed", fixed), ("adaptive", adaptive))}
