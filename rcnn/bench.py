@@ -7,13 +7,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from rcnn.data import Sample, device_batches, read_coco, synthetic_samples
 from rcnn.heads import HEADS, build_box_head
-from rcnn.knobs import AMP_DTYPES, Knobs, autocast, backend_flags, grad_scaler, memory_format, resolve_device, why_not
+from rcnn.knobs import (AMP_DTYPES, Knobs, autocast, backend_flags, grad_scaler, memory_format, resolve_device,
+                        why_not, why_not_together)
 from rcnn.kernels import capture, head_backward_table
 from rcnn.model import BACKBONE_CHANNELS, BACKBONES, ROI_RESOLUTION, DetectorConfig, build_detector
 from rcnn.timing import Clock, ModuleSpanProbe, PeakMemory, Stats, TimingPolicy, median_precision, summarize
@@ -64,6 +65,8 @@ def run_trial(config: DetectorConfig, knobs: Knobs, samples: list[Sample], *, de
         value = getattr(knobs, knob)
         if value is not None and (reason := why_not(knob, value, device)):
             raise ValueError(f"{knob}={value} does not apply on {device.type}: {reason}")
+    if together := why_not_together(asdict(knobs), device):
+        raise ValueError(f"{' with '.join(together[0])} as set do not apply on {device.type}: {together[1]}")
     torch.manual_seed(seed)
     watched = WATCHED if probe else ("backward",)
     clock, memory = Clock(device), PeakMemory(device)

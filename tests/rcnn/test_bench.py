@@ -46,9 +46,11 @@ def test_isolated_head_times_are_positive(head):
     assert forward > 0 and backward > 0
 
 
-def test_fp16_on_cpu_is_refused_before_any_work():
+def test_settings_that_do_not_apply_are_refused_before_any_work():
     with pytest.raises(ValueError, match="amp=fp16 does not apply on cpu"):
         run_trial(TINY_CONFIG, Knobs(amp="fp16"), SAMPLES, device=CPU, policy=QUICK)
+    with pytest.raises(ValueError, match="amp with onednn as set do not apply on cpu"):
+        run_trial(TINY_CONFIG, Knobs(amp="bf16", onednn=False), SAMPLES, device=CPU, policy=QUICK)
 
 
 @pytest.mark.slow
