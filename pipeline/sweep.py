@@ -304,6 +304,14 @@ class Progress:
         self.bar.close()
 
 
+def mlflow_run_exists(run_id: str) -> bool:
+    try:
+        mlflow.get_run(run_id)
+    except mlflow.exceptions.MlflowException:
+        return False
+    return True
+
+
 def first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
@@ -356,6 +364,8 @@ def stage(args: argparse.Namespace, params: Params) -> int:
     tags = {"device": device.type, "torch": torch.__version__, "torchvision": fingerprint["torchvision"],
             "git_commit": git_commit(), "study": name}
     parent_id = study.user_attrs.get("mlflow_parent_run_id")
+    if parent_id and not mlflow_run_exists(parent_id):  # a new or emptied tracking store: a new parent run
+        parent_id = None
     with mlflow.start_run(run_id=parent_id, run_name=None if parent_id else name, tags=tags) as parent:
         study.set_user_attr("mlflow_parent_run_id", parent.info.run_id)
         mlflow.log_params({"grid": json.dumps(grid), "skipped": json.dumps([asdict(s) for s in skipped], default=str)})

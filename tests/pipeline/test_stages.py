@@ -116,6 +116,11 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
     assert "aten::convolution_backward" in text and "Baseline" in text
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(parents["run_id"].iloc[0])}
     assert {"report.html", "figures", "trials.csv"} <= artifacts
+
+    # A tracking store pointed elsewhere: the study still resumes, under a new parent run there.
+    elsewhere = tiny_params({"tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'other.db'}"}})
+    assert sweep.main(["--params", str(elsewhere)] + sweep_args[2:]) == 0
+    assert json.loads(paths["summary"].read_text())["complete"] == 2
     assert (out / "figures" / "head_backward.png").stat().st_size > 1000
     assert len(pd.read_csv(out / "plots" / "head_backward.csv")) == 2
 
