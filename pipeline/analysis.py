@@ -5,9 +5,9 @@ import numpy as np
 import pandas as pd
 import scipy.stats
 
-from pipeline.results import OTHER_KNOBS
+from pipeline.results import OTHER_KNOBS, complete
+from rcnn.heads import HEADS
 
-HEAD_ORDER = ["linear", "conv", "conv_as_linear"]
 DEFAULTS = {"cudnn_benchmark": False, "onednn": True, "amp": "off", "channels_last": False}  # PyTorch's own
 
 
@@ -18,8 +18,9 @@ def baseline_first(knob: str, values: list) -> list:
     return sorted(values, key=lambda v: str(v) != str(default)) if knob in DEFAULTS else values
 
 
-def complete(trials: pd.DataFrame) -> pd.DataFrame:
-    return trials[trials["status"] == "complete"]
+def head_order(present) -> list[str]:
+    """The heads among ``present`` in the library's order (linear, conv, conv_as_linear)."""
+    return [h for h in HEADS if h in set(present)]
 
 
 def reference_setting(trials: pd.DataFrame, preferred: list[dict] | None = None) -> dict:
@@ -78,8 +79,7 @@ def knob_effects(trials: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
             ratio, low, high = _log_ratio_ci(paired, seed) if len(paired) else (np.nan,) * 3
             gaps = [_where(gap, knob, v) for v in (base, value)]
             common = gaps[0].index.intersection(gaps[1].index)
-            gap_base = float(np.exp(np.log(gaps[0][common]).mean())) if len(common) else np.nan
-            gap_value = float(np.exp(np.log(gaps[1][common]).mean())) if len(common) else np.nan
+            gap_base, gap_value = (float(scipy.stats.gmean(g[common])) if len(common) else np.nan for g in gaps)
             rows.append({"knob": knob, "from": base, "to": value, "step_ratio": ratio, "ci_low": low,
                          "ci_high": high, "pairs": len(paired), "gap_from": gap_base, "gap_to": gap_value,
                          "gap_change": gap_value / gap_base if gap_base == gap_base else np.nan})
@@ -93,7 +93,7 @@ def time_split(trials: pd.DataFrame, setting: dict) -> pd.DataFrame:
     table = pd.DataFrame({"box-head backward": rows["head_backward_ms"],
                           "rest of backward": rows["backward_ms"] - rows["head_backward_ms"],
                           "forward": rows["forward_ms"], "optimizer": rows["optimizer_ms"]})
-    return table.reindex([h for h in HEAD_ORDER if h in table.index]).rename_axis("head").reset_index()
+    return table.reindex(head_order(table.index)).rename_axis("head").reset_index()
 
 
 def batch_scaling(trials: pd.DataFrame, setting: dict) -> pd.DataFrame:
@@ -119,4 +119,4 @@ def roofline(trials: pd.DataFrame, setting: dict) -> pd.DataFrame:
     rows = at_setting(trials, setting).set_index("head")
     columns = ["head_forward_tflops", "head_backward_tflops", "head_forward_peak_fraction",
                "head_backward_peak_fraction"]
-    return rows.reindex([h for h in HEAD_ORDER if h in rows.index])[columns].rename_axis("head").reset_index()
+    return rows.reindex(head_order(rows.index))[columns].rename_axis("head").reset_index()

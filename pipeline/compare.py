@@ -16,11 +16,11 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from pipeline.analysis import HEAD_ORDER, complete
+from pipeline.analysis import head_order
 from pipeline.common import read_json, write_atomic
 from pipeline.env import read_env
 from pipeline.report import ratio_text
-from pipeline.results import read_table
+from pipeline.results import complete, read_table
 from rcnn.data import DataError
 
 NEEDED = ("status", "head", "forward_ms", "backward_ms", "step_ms", "head_backward_ms")
@@ -35,7 +35,8 @@ def machine_name(env: dict, folder: Path) -> str:
 
 def per_head(trials: pd.DataFrame) -> pd.DataFrame:
     """Median over the complete trials of each head (all its settings) of the timed phases, in ms."""
-    return complete(trials).groupby("head")[list(NEEDED[2:])].median().reindex(HEAD_ORDER).dropna(how="all")
+    medians = complete(trials).groupby("head")[list(NEEDED[2:])].median()
+    return medians.reindex(head_order(medians.index))
 
 
 def compare(folders: list[Path], out: Path) -> str:

@@ -23,12 +23,12 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import yaml
 
-from pipeline.analysis import (HEAD_ORDER, batch_scaling, complete, knob_effects, pareto_front,
-                               reference_setting, roofline, time_split)
+from pipeline.analysis import (batch_scaling, head_order, knob_effects, pareto_front, reference_setting, roofline,
+                               time_split)
 from pipeline.common import read_json, run_stage, stage_parser, write_atomic
 from pipeline.env import read_env
 from pipeline.params import Params
-from pipeline.results import COMPARISON_COLUMNS, KERNEL_COLUMNS, OTHER_KNOBS, read_table, read_trials
+from pipeline.results import COMPARISON_COLUMNS, KERNEL_COLUMNS, OTHER_KNOBS, complete, read_table, read_trials
 
 HEAD_COLORS = {"linear": "tab:green", "conv": "tab:blue", "conv_as_linear": "tab:orange"}
 SHOWN = ["trial", "status", "head", *OTHER_KNOBS, "forward_ms", "backward_ms", "optimizer_ms", "step_ms",
@@ -88,7 +88,7 @@ def head_backward_data(r: Results) -> pd.DataFrame:
 
 def draw_head_backward(data: pd.DataFrame, ax: plt.Axes, r: Results) -> None:
     table = data.pivot_table(index="setting", columns="head", values="head_backward_ms")
-    table = table[[h for h in HEAD_ORDER if h in table.columns]]
+    table = table[head_order(table.columns)]
     table.plot.barh(ax=ax, width=0.8, logx=True, color=[HEAD_COLORS[h] for h in table.columns])
     ax.set_xlabel("box-head backward per training step (ms, median, log scale)")  # heads differ up to 100x
     ax.set_ylabel("knob setting")
@@ -101,7 +101,7 @@ def time_split_data(r: Results) -> pd.DataFrame:
 
 def draw_time_split(data: pd.DataFrame, ax: plt.Axes, r: Results) -> None:
     table = data.pivot(index="head", columns="part", values="ms")
-    table = table.reindex([h for h in HEAD_ORDER if h in table.index])
+    table = table.reindex(head_order(table.index))
     table = table[["box-head backward", "rest of backward", "forward", "optimizer"]]
     table.plot.barh(ax=ax, stacked=True, color=["tab:red", "tab:pink", "tab:gray", "tab:olive"])
     ax.set_xlabel("time per training step (ms, medians)")

@@ -33,6 +33,10 @@ COMPARISON_COLUMNS = (*OTHER_KNOBS, "numerator", "denominator", "phase", "ratio"
 KERNEL_COLUMNS = ("trial", *KNOB_NAMES, "kind", "name", "ms", "calls", "share")
 
 
+def complete(trials: pd.DataFrame) -> pd.DataFrame:
+    return trials[trials["status"] == "complete"]
+
+
 def write_table(table: pd.DataFrame, path: str | Path) -> None:
     write_atomic(path, table.to_csv(index=False))
 
@@ -81,7 +85,8 @@ def comparisons_table(trials: pd.DataFrame, samples: dict[int, dict[str, list[fl
                       seed: int = 0) -> pd.DataFrame:
     """Per setting of the other knobs, each head pair's ratio of medians per phase with a bootstrap CI and
     the Mann-Whitney p-value; then one pooled row per pair and phase (knobs = 'all', geometric mean)."""
-    done = trials[(trials["status"] == "complete") & trials["trial"].map(lambda t: bool(samples.get(t)))]
+    done = complete(trials)
+    done = done[done["trial"].isin([t for t, kept in samples.items() if kept])]
     rows, pooled = [], {}
     for setting, group in done.groupby(OTHER_KNOBS, dropna=False, sort=True):
         trial_of = dict(zip(group["head"], group["trial"]))
@@ -105,7 +110,7 @@ def comparisons_table(trials: pd.DataFrame, samples: dict[int, dict[str, list[fl
 
 def summarize_trials(trials: pd.DataFrame, comparisons: pd.DataFrame) -> dict:
     """Headline metrics for ``dvc metrics``: trial counts, pooled head ratios with CIs, the fastest setting."""
-    done = trials[trials["status"] == "complete"]
+    done = complete(trials)
     status = trials["status"]
     summary: dict = {"trials": len(trials), "complete": len(done), "failed": int((status == "failed").sum()),
                      "timeout": int((status == "timeout").sum()),
