@@ -3,13 +3,15 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: repro test ui clean-stores
+.PHONY: install repro test ui clean-stores
 
 $(BIN)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -r requirements.txt
 	touch $@
+
+install: $(BIN)/.installed
 
 repro: $(BIN)/.installed
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro

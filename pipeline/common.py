@@ -52,6 +52,16 @@ def write_atomic(path: str | Path, text: str) -> None:
         raise
 
 
+def check_writable(*paths: str | Path) -> None:
+    """Raise OSError naming the first output path whose folder cannot be created or written to."""
+    for path in map(Path, paths):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=path.parent).close()
+        except OSError as err:
+            raise OSError(f"{path}: cannot write there ({err.strerror or err})") from None
+
+
 def write_json(path: str | Path, obj: Any) -> None:
     write_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 

@@ -85,7 +85,9 @@ class SweepParams:
     timeout_s: float | None = _field(None, minimum=1)  # no new trial starts after this many seconds
     trial_timeout_s: float | None = _field(None, minimum=1)  # a trial still running then stops: status timeout
     fail_on_trial_error: bool = False  # exit 3 when a trial of this run failed or timed out
-    storage: str = "optuna.journal"   # a journal file path, or an RDB URL such as postgresql://...
+    storage: str = "optuna.journal"   # a journal file path (one host), or postgresql://... (many machines)
+    workers: int = _field(1, minimum=1)  # processes on this host sharing the study (and its CPU threads or GPUs)
+    heartbeat_s: int = _field(60, minimum=1)  # RDB storage: a trial silent for 3x this is failed and queued again
     allow_tf32: bool = False          # CUDA: one value for matmul and cuDNN, a fair fp32 comparison
     cross_check: bool = True          # also time each head alone with torch.utils.benchmark
     profile_steps: int = _field(3, minimum=0)  # torch.profiler steps per head at profile_at; 0: no kernel tables

@@ -23,7 +23,7 @@ TRIAL_COLUMNS = (
     "peak_mem_mb", "warmup_iterations", "iterations", "precision", "precision_met", "rois",
     "head_forward_gflop", "head_backward_gflop", "head_forward_tflops", "head_backward_tflops",
     "head_forward_peak_fraction", "head_backward_peak_fraction",
-    "isolated_head_forward_ms", "isolated_head_backward_ms", "mlflow_run_id", "error",
+    "isolated_head_forward_ms", "isolated_head_backward_ms", "mlflow_run_id", "worker", "error",
 )
 PAIRS = (("conv", "linear"), ("conv_as_linear", "linear"))
 COMPARED_PHASES = ("head_backward", "backward", "step")

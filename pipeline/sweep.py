@@ -8,30 +8,38 @@ rerun resumes the same study instead of measuring again.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import gc
 import hashlib
 import itertools
 import json
+import multiprocessing
+import os
 import random
 import signal
+import socket
 import sys
 import time
-from dataclasses import asdict
+import urllib.request
+import warnings
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import mlflow
 import optuna
 import pandas as pd
 import torch
-from optuna.storages import JournalStorage
+from optuna.storages import JournalStorage, RDBStorage
+from optuna.storages._heartbeat import get_heartbeat_thread, is_heartbeat_enabled  # what study.optimize uses
 from optuna.storages.journal import JournalFileBackend
+from optuna.trial import TrialState
 from tqdm import tqdm
 
-from pipeline.common import git_commit, run_stage, stage_parser, write_json
+from pipeline.common import check_writable, git_commit, run_stage, stage_parser, write_json
 from pipeline.env import read_env
-from pipeline.params import Params
+from pipeline.params import Params, ParamsError, SweepParams, TrackingParams
 from pipeline.results import comparisons_table, summarize_trials, write_table, write_trials, KERNEL_COLUMNS
 from rcnn.bench import TrialResult, isolated_head_ms, run_trial
 from rcnn.data import Sample, read_coco
@@ -40,17 +48,51 @@ from rcnn.model import BACKBONE_CHANNELS, ROI_RESOLUTION, DetectorConfig
 from rcnn.roofline import AMP_TO_DTYPE_NAME, achieved, head_flops
 from rcnn.timing import TimingPolicy
 
-STATUS = {optuna.trial.TrialState.COMPLETE: "complete", optuna.trial.TrialState.FAIL: "failed",
-          optuna.trial.TrialState.RUNNING: "running", optuna.trial.TrialState.PRUNED: "pruned",
-          optuna.trial.TrialState.WAITING: "not run"}  # queued, but the time budget ran out first
+STATUS = {TrialState.COMPLETE: "complete", TrialState.FAIL: "failed", TrialState.RUNNING: "running",
+          TrialState.PRUNED: "pruned", TrialState.WAITING: "not run"}  # queued, but the time budget ran out first
+INTERRUPTED = "interrupted: the process running this trial ended"
 
 
-def open_storage(spec: str) -> optuna.storages.BaseStorage | str:
-    """An RDB URL (``postgresql://...``) as is; anything else is a journal file path."""
-    if "://" in spec:
-        return spec
-    Path(spec).parent.mkdir(parents=True, exist_ok=True)
-    return JournalStorage(JournalFileBackend(spec))
+def is_rdb(spec: str) -> bool:
+    return "://" in spec
+
+
+def open_storage(sweep: SweepParams) -> optuna.storages.BaseStorage:
+    """A journal file (one host: its workers share it through file locks), or an RDB URL such as
+    ``postgresql://user@host/db`` (many machines), with heartbeats: the trial of a worker that died is
+    failed and its point queued again."""
+    if not is_rdb(sweep.storage):
+        Path(sweep.storage).parent.mkdir(parents=True, exist_ok=True)
+        return JournalStorage(JournalFileBackend(sweep.storage))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats: stable since 2.9
+        try:
+            return RDBStorage(sweep.storage, heartbeat_interval=sweep.heartbeat_s, grace_period=3 * sweep.heartbeat_s,
+                              heartbeat_stale_trial_callback=requeue)
+        except Exception as err:  # SQLAlchemy's: no driver, host unreachable, authentication failed
+            import sqlalchemy.engine
+            url = sqlalchemy.engine.make_url(sweep.storage).render_as_string(hide_password=True)
+            raise ParamsError(f"sweep.storage: cannot open {url} ({first_line(err)}); allowed: a journal file "
+                              "path or a reachable database URL such as postgresql://user@host/db") from None
+
+
+def connect_tracking(tracking: TrackingParams) -> None:
+    """Point MLflow at the tracking store and experiment, or stop with one line naming the URI."""
+    uri = tracking.mlflow_uri
+    if uri.startswith(("http://", "https://")):  # fail at once, not after MLflow's minutes of retries
+        try:
+            urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=10).close()
+        except OSError as err:
+            raise ParamsError(f"tracking.mlflow_uri: no MLflow server answers at {uri} ({err}); "
+                              "start one (mlflow server) or use a local store such as sqlite:///mlflow.db") from None
+    mlflow.set_tracking_uri(uri)
+    try:
+        experiment = mlflow.set_experiment(tracking.experiment)
+        # Again by id: when another machine created the experiment at the same moment, MLflow returns it
+        # but leaves the default experiment active.
+        mlflow.set_experiment(experiment_id=experiment.experiment_id)
+    except mlflow.exceptions.MlflowException as err:
+        raise ParamsError(f"tracking.mlflow_uri: cannot use {uri} ({first_line(err)})") from None
 
 
 def study_name(params: Params, grid: dict, fingerprint: dict, data_dir: Path) -> str:
@@ -109,30 +151,57 @@ def enqueue_grid(study: optuna.Study, points: list[dict]) -> None:
             study.enqueue_trial(point)
 
 
+def requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+    """Queue the point of a trial whose process died again, and mark its MLflow run failed (the trial
+    itself is already failed: by recover_interrupted, or by Optuna when its heartbeat went stale)."""
+    study.enqueue_trial(trial_params(trial), skip_if_exists=False)
+    if run_id := trial.user_attrs.get("mlflow_run_id"):
+        mlflow.MlflowClient().set_terminated(run_id, status="FAILED")
+
+
+def recover_interrupted(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """Journal storage: fail the trials a killed sweep left running and queue their points again.
+
+    Only for a journal file, which serves one host whose workers this process starts and outlives: a trial
+    RUNNING when it starts was left by a dead process. (An RDB storage is shared by machines that come and
+    go; there heartbeats tell a dead worker's trial from a live one.)"""
+    stale = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    for t in stale:
+        study._storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
+        requeue(study, t)
+    return stale
+
+
+def claim_queued(study: optuna.Study) -> optuna.Trial | None:
+    """Take a queued trial, or None when the queue is empty. Unlike ``study.ask()``, never falls back to
+    the sampler, so workers racing for the last points cannot add a trial outside the grid. The storage's
+    RUNNING transition is atomic: of two workers claiming one trial, one wins."""
+    for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+        try:
+            if study._storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
+                return optuna.Trial(study, t._trial_id)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # another worker claimed and finished it meanwhile
+    return None
+
+
+def next_trial(study: optuna.Study, params: Params) -> optuna.Trial | None:
+    """The next trial this worker runs, or None when the sweep has nothing left for it: grid, the queue;
+    tpe, a new sampled trial while the study holds fewer than ``n_trials`` (workers finishing at once may
+    overshoot by one each)."""
+    if params.sweep.sampler == "grid":
+        return claim_queued(study)
+    started = study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE, TrialState.FAIL))
+    return study.ask() if len(started) < params.sweep.n_trials else None
+
+
 def trials_to_run(params: Params, study: optuna.Study) -> int:
     """``n_trials`` counts the whole study, so a rerun only adds what is missing; grid: its queue."""
     trials = study.get_trials(deepcopy=False)
     budget = params.sweep.n_trials - sum(t.state.is_finished() for t in trials) if params.sweep.n_trials else float("inf")
     if params.sweep.sampler == "grid":
-        budget = min(budget, sum(t.state == optuna.trial.TrialState.WAITING for t in trials))
+        budget = min(budget, sum(t.state == TrialState.WAITING for t in trials))
     return int(budget)
-
-
-INTERRUPTED = "interrupted: the sweep process ended during this trial"
-
-
-def recover_interrupted(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    """Mark the trials a dead sweep left running as failed and queue their points again.
-
-    One sweep process per study is assumed (a journal file on one host): a trial still RUNNING when a
-    sweep starts belongs to a process that was killed. Returns those trials (their MLflow runs too must be
-    marked failed)."""
-    stale = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.RUNNING]
-    for t in stale:
-        study._storage.set_trial_user_attr(t._trial_id, "error", INTERRUPTED)
-        study._storage.set_trial_state_values(t._trial_id, state=optuna.trial.TrialState.FAIL)
-        study.enqueue_trial(trial_params(t), skip_if_exists=False)
-    return stale
 
 
 def profile_settings(params: Params, grid: dict) -> list[dict]:
@@ -161,14 +230,46 @@ def result_columns(result: TrialResult, knobs: Knobs, config: DetectorConfig, ce
                            "head_forward_peak_fraction": fwd_fraction, "head_backward_peak_fraction": bwd_fraction}
 
 
-class Sweep:
-    """Runs trials of one study inside the active MLflow parent run."""
+@dataclass(frozen=True)
+class Setup:
+    """What every process of a sweep derives alike from params, the data folder and env.json."""
+    device: torch.device
+    grid: dict
+    skipped: list[Skipped]
+    points: list[dict]    # the grid in run order
+    profiled: list[dict]  # settings whose heads get kernel tables
+    samples: list[Sample]
+    config: DetectorConfig
+    fingerprint: dict
+    ceilings: dict
+    study_name: str
 
-    def __init__(self, params: Params, samples: list[Sample], config: DetectorConfig, device: torch.device,
-                 ceilings: dict, tags: dict[str, str], profiled: list[dict]) -> None:
-        self.params, self.samples, self.config, self.device = params, samples, config, device
-        self.ceilings, self.tags, self.profiled = ceilings, tags, profiled
-        self.progress = Progress(0)
+    @classmethod
+    def of(cls, params: Params, data_dir: str | Path, env_path: str | Path) -> "Setup":
+        device = resolve_device(params.sweep.device)
+        grid, skipped = applicable_space(params.sweep.space.as_dict(), device)
+        profiled = profile_settings(params, grid) if params.sweep.profile_steps else []
+        points, skipped_together = grid_points(grid, device, params.sweep.seed, first=profiled)
+        samples, num_classes = read_coco(data_dir, image_size=params.model.image_size)
+        env = read_env(env_path)
+        return cls(device=device, grid=grid, skipped=skipped + skipped_together, points=points, profiled=profiled,
+                   samples=samples, config=DetectorConfig(**asdict(params.model), num_classes=num_classes),
+                   fingerprint=env["fingerprint"], ceilings=env["ceilings"],
+                   study_name=study_name(params, grid, env["fingerprint"], Path(data_dir)))
+
+    def tags(self) -> dict[str, str]:
+        return {"device": self.device.type, "torch": torch.__version__,
+                "torchvision": self.fingerprint["torchvision"], "git_commit": git_commit(), "study": self.study_name}
+
+
+class Sweep:
+    """Runs trials of one study, each as an MLflow child run of the sweep's parent run."""
+
+    def __init__(self, params: Params, setup: Setup, parent_run_id: str, progress: "Progress") -> None:
+        self.params, self.setup, self.parent_run_id, self.progress = params, setup, parent_run_id, progress
+        self.samples, self.config, self.device = setup.samples, setup.config, setup.device
+        self.ceilings, self.tags, self.profiled = setup.ceilings, setup.tags(), setup.profiled
+        self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self.failures = 0
         t = params.timing
         self.policy = TimingPolicy(warmup=t.warmup, max_warmup=t.max_warmup, iterations=t.iterations,
@@ -181,10 +282,12 @@ class Sweep:
         limit): (result, table row)."""
         setting = {k: v for k, v in asdict(knobs).items() if k != "head"}
         profile = setting in self.profiled
-        with mlflow.start_run(run_name=run_name, nested=True, tags=self.tags | tags) as run:
+        with mlflow.start_run(run_name=run_name, nested=True, parent_run_id=self.parent_run_id,
+                              tags=self.tags | tags | {"worker": self.worker}) as run:
             if trial is not None:
                 trial.set_user_attr("mlflow_run_id", run.info.run_id)
-            mlflow.log_params(asdict(knobs) | asdict(self.config))
+                trial.set_user_attr("worker", self.worker)
+            mlflow.log_params(asdict(knobs) | asdict(self.config) | {"threads": torch.get_num_threads()})
             try:
                 with time_limit(self.params.sweep.trial_timeout_s):
                     result, row = self._measure(knobs, profile)
@@ -217,27 +320,53 @@ class Sweep:
             row |= {"isolated_head_forward_ms": forward, "isolated_head_backward_ms": backward}
         return result, row
 
-    def objective(self, grid: dict):
-        def objective(trial: optuna.Trial) -> float:
-            knobs = Knobs(**{name: trial.suggest_categorical(name, grid[name]) for name in KNOB_NAMES})
-            self.progress.start(f"trial {trial.number}: {knobs}")
-            try:
-                result, row = self.measure(knobs, f"trial-{trial.number}", {"trial": str(trial.number)}, trial)
-            except Exception as err:  # recorded on the trial, then the sweep goes on
-                trial.set_user_attr("error", first_line(err))
-                if isinstance(err, TrialTimeout):
-                    trial.set_user_attr("status", "timeout")
-                self.failures += 1
-                self.progress.line(f"  {first_line(err)}")
-                raise
-            finally:
-                self.progress.done()
-            trial.set_user_attr("result", row)
-            trial.set_user_attr("samples", result.samples)
-            if result.kernels:
-                trial.set_user_attr("kernels", result.kernels)
-            return result.median("step")
-        return objective
+    def run(self, trial: optuna.Trial) -> float:
+        """The objective: measure the trial's knobs; the error is recorded on the trial if it raises."""
+        grid = self.setup.grid
+        knobs = Knobs(**{name: trial.suggest_categorical(name, grid[name]) for name in KNOB_NAMES})
+        self.progress.start(f"trial {trial.number}: {knobs}")
+        try:
+            result, row = self.measure(knobs, f"trial-{trial.number}", {"trial": str(trial.number)}, trial)
+        except Exception as err:
+            trial.set_user_attr("error", first_line(err))
+            if isinstance(err, TrialTimeout):
+                trial.set_user_attr("status", "timeout")
+            self.failures += 1
+            self.progress.line(f"  {first_line(err)}")
+            raise
+        finally:
+            self.progress.done()
+        trial.set_user_attr("result", row)
+        trial.set_user_attr("samples", result.samples)
+        if result.kernels:
+            trial.set_user_attr("kernels", result.kernels)
+        return result.median("step")
+
+    def work(self, study: optuna.Study, deadline: float) -> int:
+        """Run trials until the sweep has none left for this worker or the deadline (wall clock) passes: no
+        new trial starts after it. Returns the count of trials that failed or timed out. Where heartbeats
+        are on (RDB storage), a worker with nothing queued waits while other machines' trials run, since a
+        dead one's point comes back to the queue."""
+        storage = study._storage
+        while time.time() < deadline:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                optuna.storages.fail_stale_trials(study)  # heartbeats only; requeue() queues their points again
+            trial = next_trial(study, self.params)
+            if trial is None:
+                running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                if not running or not is_heartbeat_enabled(storage):
+                    break
+                time.sleep(min(self.params.sweep.heartbeat_s, max(0.0, deadline - time.time())))
+                continue
+            with get_heartbeat_thread(trial._trial_id, storage):
+                try:
+                    value = self.run(trial)
+                except Exception:  # recorded on the trial and its MLflow run; the sweep goes on
+                    study.tell(trial, state=TrialState.FAIL)
+                    continue
+            study.tell(trial, value)
+        return self.failures
 
     def baseline(self, point: dict, when: str) -> dict[str, float] | None:
         """Measure the run-order's first point again, outside the study, to see drift over the sweep;
@@ -280,21 +409,25 @@ class Progress:
     """Trial i of N, the configuration, elapsed and estimated time left: a tqdm bar on a terminal, plain
     lines elsewhere (logs, CI, dvc repro's pipe)."""
 
-    def __init__(self, total: int) -> None:
-        self.total, self.finished, self.started = total, 0, time.monotonic()
-        self.bar = tqdm(total=total, unit="trial", disable=not sys.stdout.isatty() or not total)
+    def __init__(self, total: int, label: str = "", count: Callable[[], int] | None = None) -> None:
+        """``count``: trials finished so far by all workers together (they share the queue), for an honest
+        i of N and time left; default: this process's own count."""
+        self.total, self.finished, self.started, self.label, self.count = total, 0, time.monotonic(), label, count
+        # Several workers share one terminal: labelled plain lines, no bars.
+        self.bar = tqdm(total=total, unit="trial", disable=bool(label) or not sys.stdout.isatty() or not total)
 
     def line(self, text: str) -> None:
         if self.bar.disable:
-            print(text, flush=True)
+            print(f"{self.label}{text}", flush=True)
         else:
             self.bar.write(text)
 
     def start(self, text: str) -> None:
         elapsed = time.monotonic() - self.started
-        left = elapsed / self.finished * (self.total - self.finished) if self.finished else float("nan")
+        finished = self.count() if self.count else self.finished
+        left = elapsed / finished * max(0, self.total - finished) if finished else float("nan")
         eta = f", ~{left:.0f} s left" if left == left else ""
-        self.line(f"[{self.finished + 1}/{self.total}, {elapsed:.0f} s elapsed{eta}] {text}")
+        self.line(f"[{min(finished + 1, self.total)}/{self.total}, {elapsed:.0f} s elapsed{eta}] {text}")
 
     def done(self) -> None:
         self.finished += 1
@@ -329,7 +462,9 @@ def trials_table(study: optuna.Study, config: DetectorConfig, device: torch.devi
         rows.append({"trial": t.number, "status": t.user_attrs.get("status", STATUS[t.state]), "device": device.type,
                      "backbone": config.backbone, "image_size": config.image_size,
                      "rois_per_image": config.rois_per_image, **knobs, **t.user_attrs.get("result", {}),
-                     "mlflow_run_id": t.user_attrs.get("mlflow_run_id"), "error": t.user_attrs.get("error")})
+                     "mlflow_run_id": t.user_attrs.get("mlflow_run_id"), "worker": t.user_attrs.get("worker"),
+                     # A failed trial without an error was failed for its dead process (recovery, heartbeat).
+                     "error": t.user_attrs.get("error") or (INTERRUPTED if t.state == TrialState.FAIL else None)})
     return pd.DataFrame(rows)
 
 
@@ -339,68 +474,143 @@ def kernels_table(study: optuna.Study) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=KERNEL_COLUMNS)
 
 
+def finished_count(study: optuna.Study) -> int:
+    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)))
+
+
+def worker_process(args: argparse.Namespace, params: Params, index: int, parent_run_id: str, deadline: float,
+                   total: int) -> int:
+    """One of ``sweep.workers`` processes on this host: its share of the CPU threads, or a GPU of its own
+    where there are several, working the same study. Returns its count of failed trials."""
+    torch.set_num_threads(max(1, torch.get_num_threads() // params.sweep.workers))
+    setup = Setup.of(params, args.data, args.env)
+    if setup.device.type == "cuda":
+        torch.cuda.set_device(index % torch.cuda.device_count())
+        set_tf32(params.sweep.allow_tf32)
+    mlflow.set_tracking_uri(params.tracking.mlflow_uri)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(study_name=setup.study_name, storage=open_storage(params.sweep),
+                              sampler=make_sampler(params))
+    at_start = finished_count(study)
+    progress = Progress(total, label=f"worker {index}: ", count=lambda: finished_count(study) - at_start)
+    return Sweep(params, setup, parent_run_id, progress).work(study, deadline)
+
+
+def work_on_this_host(args: argparse.Namespace, params: Params, setup: Setup, study: optuna.Study,
+                      parent_run_id: str, deadline: float) -> int:
+    """Run this host's workers on the study until it has nothing left for them; the count of failed trials.
+    One worker runs in this process; more are spawned processes (fresh CUDA and thread state each)."""
+    total = trials_to_run(params, study)
+    workers = params.sweep.workers
+    if workers == 1:
+        progress = Progress(total)
+        try:
+            return Sweep(params, setup, parent_run_id, progress).work(study, deadline)
+        finally:
+            progress.close()
+    print(f"{workers} workers, {max(1, torch.get_num_threads() // workers)} CPU thread(s) each"
+          + (f", {min(workers, torch.cuda.device_count())} GPU(s)" if setup.device.type == "cuda" else ""))
+    failures = 0
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(worker_process, args, params, i, parent_run_id, deadline, total) for i in range(workers)]
+        for i, future in enumerate(futures):
+            try:
+                failures += future.result()
+            except Exception as err:  # a worker that died (killed, out of memory): its trial is recovered below
+                print(f"worker {i} ended abnormally: {first_line(err)}")
+    return failures
+
+
+def wait_for_study(storage: optuna.storages.BaseStorage, params: Params, name: str, wait_s: float) -> optuna.Study:
+    """The study the sweep stage created and queued, once it is there (machines may start in any order)."""
+    give_up = time.time() + wait_s
+    while True:
+        if name in optuna.get_all_study_names(storage):
+            study = optuna.load_study(study_name=name, storage=storage, sampler=make_sampler(params))
+            if "queued" in study.user_attrs:
+                return study
+        if time.time() >= give_up:
+            raise ParamsError(
+                f"--join: no study {name} ready in sweep.storage after {wait_s:g} s; start the sweep stage on one "
+                "machine first, with the same params, data and code (another kind of machine or library version "
+                "makes another study: env.json's fingerprint is part of its name)")
+        time.sleep(2)
+
+
+def join(args: argparse.Namespace, params: Params, setup: Setup, storage: optuna.storages.BaseStorage) -> int:
+    """Lend this machine's workers to a sweep another machine's sweep stage runs; that stage writes the
+    tables. Exit 3 as the stage would when a trial here failed and sweep.fail_on_trial_error is set."""
+    study = wait_for_study(storage, params, setup.study_name, args.wait_s)
+    before = {t.number for t in study.get_trials(deepcopy=False)}
+    failures = work_on_this_host(args, params, setup, study, study.user_attrs["mlflow_parent_run_id"],
+                                 study.user_attrs.get("deadline", float("inf")))
+    here = [t for t in study.get_trials(deepcopy=False)
+            if t.number not in before or t.user_attrs.get("worker", "").startswith(f"{socket.gethostname()}:")]
+    print(f"joined study {setup.study_name}: {len(here)} trial(s) run on this machine, {failures} failed")
+    return 3 if failures and params.sweep.fail_on_trial_error else 0
+
+
 def stage(args: argparse.Namespace, params: Params) -> int:
-    device = resolve_device(params.sweep.device)
-    grid, skipped = applicable_space(params.sweep.space.as_dict(), device)
-    profiled = profile_settings(params, grid) if params.sweep.profile_steps else []
-    points, skipped_together = grid_points(grid, device, params.sweep.seed, first=profiled)
-    skipped += skipped_together
-    data_dir = Path(args.data)
-    samples, num_classes = read_coco(data_dir, image_size=params.model.image_size)
-    env = read_env(args.env)
-    fingerprint, ceilings = env["fingerprint"], env["ceilings"]
+    if args.join and not is_rdb(params.sweep.storage):
+        raise ParamsError(f"sweep.storage: --join needs a database every machine reaches, such as "
+                          f"postgresql://user@host/db, not the journal file {params.sweep.storage} "
+                          "(one host: use sweep.workers)")
+    if not args.join:  # before measuring anything: results that cannot be written would be lost
+        check_writable(args.trials, args.comparisons, args.kernels, args.summary)
+    setup = Setup.of(params, args.data, args.env)
+    device, grid, skipped, points, name = setup.device, setup.grid, setup.skipped, setup.points, setup.study_name
     if device.type == "cuda":
         set_tf32(params.sweep.allow_tf32)
-    name = study_name(params, grid, fingerprint, data_dir)
+    storage = open_storage(params.sweep)
+    connect_tracking(params.tracking)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(study_name=name, storage=open_storage(params.sweep.storage),
-                                sampler=make_sampler(params), direction="minimize", load_if_exists=True)
+    if args.join:
+        return join(args, params, setup, storage)
+    study = optuna.create_study(study_name=name, storage=storage, sampler=make_sampler(params),
+                                direction="minimize", load_if_exists=True)
     for s in skipped:
         print(f"not swept on {device.type}: {s.knob}={s.value} ({s.reason})")
-    config = DetectorConfig(**asdict(params.model), num_classes=num_classes)
 
-    mlflow.set_tracking_uri(params.tracking.mlflow_uri)
-    mlflow.set_experiment(params.tracking.experiment)
-    tags = {"device": device.type, "torch": torch.__version__, "torchvision": fingerprint["torchvision"],
-            "git_commit": git_commit(), "study": name}
+    tags = setup.tags()
     parent_id = study.user_attrs.get("mlflow_parent_run_id")
     if parent_id and not mlflow_run_exists(parent_id):  # a new or emptied tracking store: a new parent run
         parent_id = None
     with mlflow.start_run(run_id=parent_id, run_name=None if parent_id else name, tags=tags) as parent:
         study.set_user_attr("mlflow_parent_run_id", parent.info.run_id)
         mlflow.log_params({"grid": json.dumps(grid), "skipped": json.dumps([asdict(s) for s in skipped], default=str)})
-        mlflow.set_tags({f"env.{k}": str(v) for k, v in fingerprint.items()}
-                        | {f"ceiling.{k}": str(v) for k, v in ceilings.items()}
+        mlflow.set_tags({f"env.{k}": str(v) for k, v in setup.fingerprint.items()}
+                        | {f"ceiling.{k}": str(v) for k, v in setup.ceilings.items()}
                         | {"matmul_allow_tf32": str(torch.backends.cuda.matmul.allow_tf32),
-                           "cudnn_allow_tf32": str(torch.backends.cudnn.allow_tf32)})
-        sweep = Sweep(params, samples, config, device, ceilings, tags, profiled)
-        for t in recover_interrupted(study):
-            print(f"trial {t.number} was interrupted: marked failed, its point queued again")
-            if run_id := t.user_attrs.get("mlflow_run_id"):
-                mlflow.MlflowClient().set_terminated(run_id, status="FAILED")
+                           "cudnn_allow_tf32": str(torch.backends.cudnn.allow_tf32),
+                           "workers": str(params.sweep.workers)})
+        if not is_rdb(params.sweep.storage):
+            for t in recover_interrupted(study):
+                print(f"trial {t.number} was interrupted: marked failed, its point queued again")
         if params.sweep.sampler == "grid":
             enqueue_grid(study, points)
-        n_trials = trials_to_run(params, study)
-        drift = {}
-        if n_trials > 0:
-            sweep.progress = Progress(n_trials)
-            study.set_user_attr("ceilings", ceilings)  # what this run's fraction-of-peak columns use
-            drift["start"] = sweep.baseline(points[0], "start")
-            # timeout: no new trial starts after it; the one running finishes.
-            study.optimize(sweep.objective(grid), n_trials=n_trials, timeout=params.sweep.timeout_s,
-                           catch=(Exception,))
-            sweep.progress.close()
-            drift["end"] = sweep.baseline(points[0], "end")
+        deadline = time.time() + params.sweep.timeout_s if params.sweep.timeout_s else float("inf")
+        study.set_user_attr("deadline", deadline)  # joining machines start no trial after it either
+        study.set_user_attr("queued", True)        # joining machines may start
+        failures, drift = 0, {}
+        if trials_to_run(params, study) > 0:
+            study.set_user_attr("ceilings", setup.ceilings)  # what this run's fraction-of-peak columns use
+            baseline = Sweep(params, setup, parent.info.run_id, Progress(0))
+            drift["start"] = baseline.baseline(points[0], "start")
+            failures = work_on_this_host(args, params, setup, study, parent.info.run_id, deadline)
+            if not is_rdb(params.sweep.storage):  # a worker process that died left its trial running
+                for t in recover_interrupted(study):
+                    print(f"trial {t.number} was interrupted: marked failed, its point queued for the next run")
+            drift["end"] = baseline.baseline(points[0], "end")
             if drift["start"] and drift["end"]:
                 drift["step_drift"] = drift["end"]["step_ms"] / drift["start"]["step_ms"] - 1
                 study.set_user_attr("drift", drift | {"point": points[0]})
-        trials = trials_table(study, config, device)
+        trials = trials_table(study, setup.config, device)
         samples_by_trial = {t.number: t.user_attrs.get("samples") for t in study.get_trials(deepcopy=False)}
         comparisons = comparisons_table(trials, samples_by_trial, seed=params.sweep.seed)
         summary = summarize_trials(trials, comparisons) | {
             "device": device.type, "study": name, "skipped": [asdict(s) for s in skipped],
-            "drift": study.user_attrs.get("drift"), "profile_at": profiled, "git_commit": tags["git_commit"],
-            "ceilings": study.user_attrs.get("ceilings", ceilings),
+            "drift": study.user_attrs.get("drift"), "profile_at": setup.profiled, "git_commit": tags["git_commit"],
+            "ceilings": study.user_attrs.get("ceilings", setup.ceilings), "workers": params.sweep.workers,
             "mlflow_parent_run_id": parent.info.run_id}
         mlflow.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float)) and v == v})
     write_trials(trials, args.trials)
@@ -408,8 +618,8 @@ def stage(args: argparse.Namespace, params: Params) -> int:
     write_table(kernels_table(study), args.kernels)
     write_json(args.summary, summary)
     print(f"{summary['complete']} of {summary['trials']} trials complete; study {name}")
-    if sweep.failures and params.sweep.fail_on_trial_error:
-        print(f"error: {sweep.failures} trial(s) failed or timed out in this run (sweep.fail_on_trial_error)",
+    if failures and params.sweep.fail_on_trial_error:
+        print(f"error: {failures} trial(s) failed or timed out in this run (sweep.fail_on_trial_error)",
               file=sys.stderr)
         return 3
     return 0
@@ -419,10 +629,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = stage_parser(__doc__)
     parser.add_argument("--data", required=True, help="COCO-format folder the data stage wrote")
     parser.add_argument("--env", required=True, help="env.json from the env stage")
-    parser.add_argument("--trials", required=True, help="trials table to write (CSV)")
-    parser.add_argument("--comparisons", required=True, help="head comparisons to write (CSV)")
-    parser.add_argument("--kernels", required=True, help="head-backward kernel tables to write (CSV)")
-    parser.add_argument("--summary", required=True, help="headline metrics to write (JSON)")
+    parser.add_argument("--trials", help="trials table to write (CSV)")
+    parser.add_argument("--comparisons", help="head comparisons to write (CSV)")
+    parser.add_argument("--kernels", help="head-backward kernel tables to write (CSV)")
+    parser.add_argument("--summary", help="headline metrics to write (JSON)")
+    parser.add_argument("--join", action="store_true",
+                        help="another machine: work the study the sweep stage runs elsewhere (sweep.storage must be "
+                             "a database URL); writes no tables")
+    parser.add_argument("--wait-s", type=float, default=600, help="--join: how long to wait for the study to appear")
+    args = parser.parse_args(argv)
+    outputs = ("trials", "comparisons", "kernels", "summary")
+    if not args.join and (missing := [f"--{k}" for k in outputs if getattr(args, k) is None]):
+        parser.error(f"the following arguments are required: {', '.join(missing)}")
     return run_stage(stage, parser, argv)
 
 

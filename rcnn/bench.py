@@ -51,77 +51,100 @@ class TrialResult:
                       "precision_met": self.precision_met, "rois": self.rois}
 
 
+class Trainer:
+    """One knob setting's detector, optimizer and batches (already on the device): ``step()`` runs one
+    training step and returns its phase times in ms. Build and step it inside ``backend_flags(knobs)``.
+
+    ``probe=False`` leaves the head's hooks out (its times read NaN): to measure what the hooks cost.
+    Raises ValueError for a knob setting that does not apply on ``device``.
+    """
+
+    def __init__(self, config: DetectorConfig, knobs: Knobs, samples: list[Sample], *, device: torch.device,
+                 seed: int = 0, probe: bool = True) -> None:
+        for knob in ("cudnn_benchmark", "amp", "onednn"):
+            value = getattr(knobs, knob)
+            if value is not None and (reason := why_not(knob, value, device)):
+                raise ValueError(f"{knob}={value} does not apply on {device.type}: {reason}")
+        if together := why_not_together(asdict(knobs), device):
+            raise ValueError(f"{' with '.join(together[0])} as set do not apply on {device.type}: {together[1]}")
+        torch.manual_seed(seed)
+        self.knobs, self.device, self.probe = knobs, device, probe
+        self.clock = Clock(device)
+        self.model = build_detector(config, knobs.head).to(device=device, memory_format=memory_format(knobs))
+        self.model.train()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
+        self.scaler = grad_scaler(knobs, device)
+        self.batches = device_batches(samples, batch_size=knobs.batch_size, device=device)
+        self.head = ModuleSpanProbe(self.model.roi_heads.box_head, self.model.roi_heads.box_predictor, self.clock)
+        if not probe:
+            self.head.remove()
+
+    def step(self, number: int) -> dict[str, float]:
+        """Train on batch ``number`` (cycling); raises FloatingPointError on a non-finite loss."""
+        clock, knobs = self.clock, self.knobs
+        images, targets = self.batches[number % len(self.batches)]
+        self.head.reset()
+        start = clock.mark()
+        with autocast(knobs, self.device):
+            loss = sum(self.model(images, targets).values())
+        forward_end = clock.mark()
+        self.scaler.scale(loss).backward()
+        backward_end = clock.mark()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        end = clock.mark()
+        clock.sync()
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss {loss.item()} at step {number}")
+        head_forward, head_backward = self.head.spans_ms() if self.probe else (float("nan"), float("nan"))
+        return dict(zip(PHASES, (clock.ms(start, forward_end), clock.ms(forward_end, backward_end),
+                                 clock.ms(backward_end, end), clock.ms(start, end), head_forward, head_backward)))
+
+    @property
+    def rois(self) -> int:
+        """Box-head input rows of the last step."""
+        return self.head.rows
+
+    def close(self) -> None:
+        self.head.remove()
+
+
 def run_trial(config: DetectorConfig, knobs: Knobs, samples: list[Sample], *, device: torch.device,
               policy: TimingPolicy, seed: int = 0, profile_steps: int = 0, probe: bool = True) -> TrialResult:
     """Warm up until step times settle, then time training steps until ``policy`` says stop; with
     ``profile_steps``, then profile that many more steps and keep the head-backward kernel table.
-    ``probe=False`` leaves the head's hooks out (its times read NaN): to measure what the hooks cost.
 
     Batches are on the device before the first step, so data loading is never timed. Raises
     ValueError for a knob setting that does not apply on ``device`` and FloatingPointError on a
     non-finite loss.
     """
-    for knob in ("cudnn_benchmark", "amp", "onednn"):
-        value = getattr(knobs, knob)
-        if value is not None and (reason := why_not(knob, value, device)):
-            raise ValueError(f"{knob}={value} does not apply on {device.type}: {reason}")
-    if together := why_not_together(asdict(knobs), device):
-        raise ValueError(f"{' with '.join(together[0])} as set do not apply on {device.type}: {together[1]}")
-    torch.manual_seed(seed)
     watched = WATCHED if probe else ("backward",)
-    clock, memory = Clock(device), PeakMemory(device)
+    memory = PeakMemory(device)
     with backend_flags(knobs):
-        model = build_detector(config, knobs.head).to(device=device, memory_format=memory_format(knobs))
-        model.train()
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-        scaler = grad_scaler(knobs, device)
-        batches = device_batches(samples, batch_size=knobs.batch_size, device=device)
-        head = ModuleSpanProbe(model.roi_heads.box_head, model.roi_heads.box_predictor, clock)
-        if not probe:
-            head.remove()
-
-        def step(number: int) -> dict[str, float]:
-            images, targets = batches[number % len(batches)]
-            head.reset()
-            start = clock.mark()
-            with autocast(knobs, device):
-                loss = sum(model(images, targets).values())
-            forward_end = clock.mark()
-            scaler.scale(loss).backward()
-            backward_end = clock.mark()
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            end = clock.mark()
-            clock.sync()
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"non-finite loss {loss.item()} at step {number}")
-            head_forward, head_backward = head.spans_ms() if probe else (float("nan"), float("nan"))
-            return dict(zip(PHASES, (clock.ms(start, forward_end), clock.ms(forward_end, backward_end),
-                                     clock.ms(backward_end, end), clock.ms(start, end), head_forward, head_backward)))
-
+        trainer = Trainer(config, knobs, samples, device=device, seed=seed, probe=probe)
         try:
             warm: list[float] = []
             while not policy.warmed_up(warm):  # burn-in: allocator, kernel choice, autotuning
-                warm.append(step(len(warm))["step"])
+                warm.append(trainer.step(len(warm))["step"])
             memory.reset()
             times: dict[str, list[float]] = {phase: [] for phase in PHASES}
             started = time.perf_counter()
             while not policy.done([times[p] for p in watched], time.perf_counter() - started):
-                for phase, ms in step(len(warm) + len(times["step"])).items():
+                for phase, ms in trainer.step(len(warm) + len(times["step"])).items():
                     times[phase].append(ms)
             kernels = []
             if profile_steps:  # after measuring: the profiler's own overhead never reaches the numbers
-                events = capture(lambda: step(0), device, profile_steps)
+                events = capture(lambda: trainer.step(0), device, profile_steps)
                 kernels = head_backward_table(events, profile_steps)
         finally:
-            head.remove()
+            trainer.close()
     return TrialResult(
         samples=times, stats={phase: summarize(values, seed=seed) for phase, values in times.items()},
         peak_mem_mb=memory.peak_mb(), warmup_iterations=len(warm), iterations=len(times["step"]),
         precision=max(median_precision(times[p]) for p in watched),
         precision_met=policy.precision_met([times[p] for p in watched]),
-        rois=head.rows, kernels=kernels,
+        rois=trainer.rois, kernels=kernels,
     )
 
 

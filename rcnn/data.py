@@ -100,6 +100,9 @@ def read_coco(folder: str | Path, *, image_size: int, limit: int | None = None) 
         path = folder / info["file_name"]
         try:
             with Image.open(path) as im:
+                if (im.width, im.height) != (info.get("width", im.width), info.get("height", im.height)):
+                    raise DataError(f"{path}: image is {im.width}x{im.height}, {ann_path.name} says "
+                                    f"{info['width']}x{info['height']} (its boxes are in those pixels)")
                 im = im.convert("RGB")
                 scale_x, scale_y = image_size / im.width, image_size / im.height
                 im = im.resize((image_size, image_size), Image.BILINEAR)

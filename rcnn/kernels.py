@@ -7,7 +7,9 @@ from typing import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-HEAD_BACKWARD = "box_head.backward"  # the record_function range ModuleSpanProbe opens around the head's backward
+from rcnn.timing import BACKWARD_RANGE
+
+HEAD_BACKWARD = BACKWARD_RANGE.format(label="box_head")  # ModuleSpanProbe's default label
 
 
 def capture(step: Callable[[], None], device: torch.device, steps: int) -> torch.autograd.profiler_util.EventList:

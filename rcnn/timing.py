@@ -135,6 +135,9 @@ class TimingPolicy:
         return n >= self.max_iterations or elapsed_s >= self.max_seconds or self.precision_met(watched)
 
 
+BACKWARD_RANGE = "{label}.backward"  # the torch.profiler range ModuleSpanProbe opens around the chain's backward
+
+
 class ModuleSpanProbe:
     """Marks the forward and backward spans of a chain of modules inside a larger model.
 
@@ -163,7 +166,7 @@ class ModuleSpanProbe:
     def _on_backward_start(self) -> None:
         self._mark("backward_start")
         # A named range for torch.profiler (rcnn.kernels); costs nothing when no profiler runs.
-        self._range = torch.autograd.profiler.record_function(f"{self.label}.backward")
+        self._range = torch.autograd.profiler.record_function(BACKWARD_RANGE.format(label=self.label))
         self._range.__enter__()
 
     def _on_backward_end(self) -> None:

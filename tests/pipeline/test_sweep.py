@@ -5,7 +5,8 @@ import torch
 from pipeline.params import parse_params
 from pipeline.results import summarize_trials
 from pipeline.results import comparisons_table
-from pipeline.sweep import enqueue_grid, grid_points, kernels_table, trials_table, trials_to_run
+from pipeline.sweep import (INTERRUPTED, claim_queued, enqueue_grid, grid_points, kernels_table, recover_interrupted,
+                            trials_table, trials_to_run)
 from rcnn.knobs import KNOB_NAMES
 from tests.conftest import TINY_CONFIG
 
@@ -62,3 +63,21 @@ def test_queue_keeps_heads_side_by_side_and_a_cut_short_sweep_is_recorded():
     assert trials_to_run(params, study) == 0 and trials_to_run(parse_params({}), study) == 12
     kernels = kernels_table(study)
     assert len(kernels) == 6 and kernels["cudnn_benchmark"].eq("n/a").all()
+
+
+def test_workers_claim_queued_points_only_and_a_dead_ones_point_is_queued_again():
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    points, _ = grid_points(GRID, CPU, seed=0)
+    enqueue_grid(study, points[:2])
+    first, second = claim_queued(study), claim_queued(study)
+    assert {first.number, second.number} == {0, 1}
+    assert claim_queued(study) is None and len(study.trials) == 2  # an empty queue: no sampled trial added
+    study.tell(first, objective(first))
+
+    # The process running `second` died: the next sweep fails it and queues its point again.
+    assert [t.number for t in recover_interrupted(study)] == [second.number]
+    table = trials_table(study, TINY_CONFIG, CPU).set_index("trial")
+    assert table.loc[second.number, "status"] == "failed" and table.loc[second.number, "error"] == INTERRUPTED
+    retry = claim_queued(study)
+    assert retry.number == 2 and study.trials[2].system_attrs["fixed_params"] == points[1]
