@@ -2,7 +2,10 @@
 
 1. Attribution: the hooks' head-backward difference between conv and linear heads against the A/B
    difference of whole backward times (target: within 10%).
-2. Hook overhead: step time with the head's hooks against without, trials interleaved (target <= 1.02).
+2. Hook overhead: step time with the head's hooks against without (target <= 1.02).
+   For 1 and 2 the three detectors (linear, conv, linear without hooks) are built side by side and
+   stepped in turn, a fresh order each round, so drift and background load hit all alike and every
+   round gives one paired difference or ratio; each figure comes with a bootstrap 95% CI over rounds.
 3. Adaptive stopping: steps used against a fixed count, and whether both rank the configurations alike
    (target: at least 2x fewer steps, same ranking).
 4. Cross-check: the head alone under torch.utils.benchmark against the in-detector hooks (within 15%).
@@ -14,13 +17,15 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import statistics
+import random
 
+import numpy as np
 import torch
+from scipy import stats
 
-from rcnn.bench import isolated_head_ms, run_trial
-from rcnn.data import synthetic_samples
-from rcnn.knobs import Knobs, resolve_device
+from rcnn.bench import PHASES, Trainer, isolated_head_ms, run_trial
+from rcnn.data import Sample, synthetic_samples
+from rcnn.knobs import Knobs, backend_flags, resolve_device
 from rcnn.model import DetectorConfig
 from rcnn.timing import TimingPolicy
 
@@ -30,13 +35,44 @@ def knobs_for(device: torch.device, onednn: bool = True, **kwargs) -> Knobs:
     return Knobs(**backend, **kwargs)
 
 
+def interleaved(config: DetectorConfig, knobs: dict[str, tuple[Knobs, bool]], samples: list[Sample],
+                device: torch.device, rounds: int, warmup: int, seed: int = 0) -> dict[str, dict[str, np.ndarray]]:
+    """Build one detector per entry (knobs, hooks on) and step each once per round in a shuffled order:
+    name -> phase -> per-round times (ms). The backend knobs (oneDNN, cuDNN) must be the same for all."""
+    rng = random.Random(seed)
+    with backend_flags(next(iter(knobs.values()))[0]):
+        trainers = {name: Trainer(config, k, samples, device=device, seed=seed, probe=probe)
+                    for name, (k, probe) in knobs.items()}
+        for trainer in trainers.values():
+            for number in range(warmup):
+                trainer.step(number)
+        times = {name: {phase: [] for phase in PHASES} for name in trainers}
+        for number in range(warmup, warmup + rounds):
+            for name in rng.sample(list(trainers), len(trainers)):
+                for phase, ms in trainers[name].step(number).items():
+                    times[name][phase].append(ms)
+        for trainer in trainers.values():
+            trainer.close()
+    return {name: {phase: np.asarray(v) for phase, v in phases.items()} for name, phases in times.items()}
+
+
+def median_ratio(numerator: np.ndarray, denominator: np.ndarray) -> tuple[float, float, float]:
+    """median(numerator) / median(denominator) of paired per-round values, with a paired bootstrap 95% CI."""
+    def ratio(a, b, axis=-1):
+        return np.median(a, axis=axis) / np.median(b, axis=axis)
+    ci = stats.bootstrap((numerator, denominator), ratio, paired=True, vectorized=True, n_resamples=2000,
+                         method="percentile", random_state=np.random.default_rng(0)).confidence_interval
+    return float(ratio(numerator, denominator)), float(ci.low), float(ci.high)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--backbone", default="resnet18_fpn")
     parser.add_argument("--image-size", type=int, default=256)
     parser.add_argument("--rois-per-image", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds for checks 1 and 2")
+    parser.add_argument("--rounds", type=int, default=40, help="steps of each detector for checks 1 and 2")
+    parser.add_argument("--checks", default="1234", help="which checks to run, e.g. 12")
     parser.add_argument("--fixed", type=int, default=30, help="the fixed step count adaptive stopping is held to")
     parser.add_argument("--no-onednn", action="store_true",
                         help="CPU: run without oneDNN, where the conv head's cost dwarfs step-to-step noise")
@@ -49,26 +85,31 @@ def main() -> None:
     adaptive = TimingPolicy(warmup=3, iterations=6, max_iterations=args.fixed, rel_precision=0.05)
     print(f"device {device}, {config}, oneDNN {'off' if args.no_onednn else 'on'}")
 
-    # 1 and 2: interleaved rounds (linear, conv, linear without hooks), so drift hits all alike.
-    runs: dict[str, list] = {"linear": [], "conv": [], "linear_nohooks": []}
-    for _ in range(args.rounds):
-        for name, head, probe in (("linear", "linear", True), ("conv", "conv", True), ("linear_nohooks", "linear", False)):
-            runs[name].append(run_trial(config, knobs(head=head), samples, device=device,
-                                        policy=fixed, probe=probe))
+    print(f"\n{'check':<46}{'value':>12}  target")
+    if "1" in args.checks or "2" in args.checks:  # three detectors stepped in turn
+        runs = interleaved(config, {"linear": (knobs(head="linear"), True), "conv": (knobs(head="conv"), True),
+                                    "linear_nohooks": (knobs(head="linear"), False)},
+                           samples, device, rounds=args.rounds, warmup=3)
+        hooks_diff = runs["conv"]["head_backward"] - runs["linear"]["head_backward"]
+        ab_diff = runs["conv"]["backward"] - runs["linear"]["backward"]
+        ratio, low, high = median_ratio(hooks_diff, ab_diff)
+        print(f"{'1 attribution: hooks diff / A-B diff':<46}{ratio:>12.3f}  0.90-1.10 (CI {low:.3f}-{high:.3f}; "
+              f"{np.median(hooks_diff):.1f} ms vs {np.median(ab_diff):.1f} ms, {args.rounds} paired steps)")
+        ratio, low, high = median_ratio(runs["linear"]["step"], runs["linear_nohooks"]["step"])
+        print(f"{'2 hook overhead: step with / without hooks':<46}{ratio:>12.3f}  <= 1.02 (CI {low:.3f}-{high:.3f})",
+              flush=True)
+    if "3" not in args.checks and "4" not in args.checks:
+        return
 
-    def median_of(name: str, phase: str) -> float:
-        return statistics.median(r.median(phase) for r in runs[name])
-
-    hooks_diff = median_of("conv", "head_backward") - median_of("linear", "head_backward")
-    ab_diff = median_of("conv", "backward") - median_of("linear", "backward")
-    attribution = hooks_diff / ab_diff
-    overhead = median_of("linear", "step") / median_of("linear_nohooks", "step")
-
-    # 3: the same six configurations, fixed count against adaptive stopping; rank by head backward.
+    # 3 and 4, per configuration in turn (so drift between them stays small): a fixed step count, the isolated
+    # head at the same shapes (4), then adaptive stopping (3); ranked by head backward.
     configs = [knobs(head=h, channels_last=cl) for h, cl in itertools.product(
         ("linear", "conv", "conv_as_linear"), (False, True))]
-    by_policy = {name: [run_trial(config, k, samples, device=device, policy=policy) for k in configs]
-                 for name, policy in (("fixed", fixed), ("adaptive", adaptive))}
+    by_policy, isolated = {"fixed": [], "adaptive": []}, []
+    for k in configs:
+        by_policy["fixed"].append(run_trial(config, k, samples, device=device, policy=fixed))
+        isolated.append(isolated_head_ms(config, k, rois=by_policy["fixed"][-1].rois, device=device)[1])
+        by_policy["adaptive"].append(run_trial(config, k, samples, device=device, policy=adaptive))
     steps = {name: sum(r.iterations for r in results) for name, results in by_policy.items()}
     # Same ranking: every pair of configurations the fixed count separates by more than 10% is ordered
     # alike by adaptive stopping (linear and conv_as_linear run the same GEMMs and may tie).
@@ -76,23 +117,14 @@ def main() -> None:
     pairs = [(i, j) for i, j in itertools.combinations(range(len(configs)), 2)
              if abs(med["fixed"][i] / med["fixed"][j] - 1) > 0.10]
     agree = sum((med["fixed"][i] < med["fixed"][j]) == (med["adaptive"][i] < med["adaptive"][j]) for i, j in pairs)
-
-    # 4: the isolated head, same shapes, against the in-detector hooks of the fixed runs.
-    cross = []
-    for result, k in zip(by_policy["fixed"], configs):
-        _, isolated = isolated_head_ms(config, k, rois=result.rois, device=device)
-        cross.append((k.head, k.channels_last, isolated / result.median("head_backward")))
-
-    print(f"\n{'check':<46}{'value':>12}  target")
-    print(f"{'1 attribution: hooks diff / A-B diff':<46}{attribution:>12.3f}  0.90-1.10 "
-          f"({hooks_diff:.1f} ms vs {ab_diff:.1f} ms)")
-    print(f"{'2 hook overhead: step with / without hooks':<46}{overhead:>12.3f}  <= 1.02")
     print(f"{'3 steps saved: fixed / adaptive':<46}{steps['fixed'] / steps['adaptive']:>12.2f}  >= 2 "
           f"({steps['fixed']} vs {steps['adaptive']} steps)")
-    print(f"{'3 same ranking: separated pairs ordered alike':<46}{f'{agree}/{len(pairs)}':>12}  all")
-    for head, cl, ratio in cross:
-        label = f"4 cross-check {head}{' NHWC' if cl else ''}: isolated / hooks"
-        print(f"{label:<46}{ratio:>12.3f}  0.85-1.15")
+    print(f"{'3 same ranking: separated pairs ordered alike':<46}{f'{agree}/{len(pairs)}':>12}  all", flush=True)
+
+    for k, result, alone in zip(configs, by_policy["fixed"], isolated):
+        label = f"4 cross-check {k.head}{' NHWC' if k.channels_last else ''}: isolated / hooks"
+        hooks = result.median("head_backward")
+        print(f"{label:<46}{alone / hooks:>12.3f}  0.85-1.15 ({alone:.1f} vs {hooks:.1f} ms)")
 
 
 if __name__ == "__main__":

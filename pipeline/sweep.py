@@ -136,7 +136,8 @@ def grid_points(grid: dict, device: torch.device, seed: int,
 
 
 def trial_params(trial: optuna.trial.FrozenTrial) -> dict:
-    return trial.params or trial.system_attrs.get("fixed_params", {})  # queued trials have no params yet
+    """The trial's point: the queued one (whole even when a process died while suggesting), else the sampled."""
+    return trial.system_attrs.get("fixed_params") or trial.params
 
 
 def point_key(params: dict) -> tuple:
@@ -153,10 +154,13 @@ def enqueue_grid(study: optuna.Study, points: list[dict]) -> None:
 
 def requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
     """Queue the point of a trial whose process died again, and mark its MLflow run failed (the trial
-    itself is already failed: by recover_interrupted, or by Optuna when its heartbeat went stale)."""
+    itself is already failed: by recover_interrupted, or by Optuna when its heartbeat went stale). The run
+    is found by its tags, since the process may have died before recording the run's id on the trial."""
     study.enqueue_trial(trial_params(trial), skip_if_exists=False)
-    if run_id := trial.user_attrs.get("mlflow_run_id"):
-        mlflow.MlflowClient().set_terminated(run_id, status="FAILED")
+    running = mlflow.search_runs(search_all_experiments=True, output_format="list", filter_string=(
+        f"tags.study = '{study.study_name}' and tags.trial = '{trial.number}' and attributes.status = 'RUNNING'"))
+    for run in running:
+        mlflow.MlflowClient().set_terminated(run.info.run_id, status="FAILED")
 
 
 def recover_interrupted(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
@@ -487,7 +491,7 @@ def worker_process(args: argparse.Namespace, params: Params, index: int, parent_
     if setup.device.type == "cuda":
         torch.cuda.set_device(index % torch.cuda.device_count())
         set_tf32(params.sweep.allow_tf32)
-    mlflow.set_tracking_uri(params.tracking.mlflow_uri)
+    connect_tracking(params.tracking)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.load_study(study_name=setup.study_name, storage=open_storage(params.sweep),
                               sampler=make_sampler(params))
@@ -541,11 +545,12 @@ def join(args: argparse.Namespace, params: Params, setup: Setup, storage: optuna
     """Lend this machine's workers to a sweep another machine's sweep stage runs; that stage writes the
     tables. Exit 3 as the stage would when a trial here failed and sweep.fail_on_trial_error is set."""
     study = wait_for_study(storage, params, setup.study_name, args.wait_s)
-    before = {t.number for t in study.get_trials(deepcopy=False)}
+    finished_before = {t.number for t in study.get_trials(deepcopy=False) if t.state.is_finished()}
     failures = work_on_this_host(args, params, setup, study, study.user_attrs["mlflow_parent_run_id"],
                                  study.user_attrs.get("deadline", float("inf")))
-    here = [t for t in study.get_trials(deepcopy=False)
-            if t.number not in before or t.user_attrs.get("worker", "").startswith(f"{socket.gethostname()}:")]
+    host = f"{socket.gethostname()}:"
+    here = [t for t in study.get_trials(deepcopy=False) if t.state.is_finished()
+            and t.number not in finished_before and t.user_attrs.get("worker", "").startswith(host)]
     print(f"joined study {setup.study_name}: {len(here)} trial(s) run on this machine, {failures} failed")
     return 3 if failures and params.sweep.fail_on_trial_error else 0
 

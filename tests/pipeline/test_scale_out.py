@@ -36,6 +36,7 @@ def test_workers_on_one_host_run_exactly_the_grid(tmp_path, tiny_params):
     children = runs[runs["tags.trial"].notna()]
     assert sorted(children["run_id"]) == sorted(trials["mlflow_run_id"])
     assert set(children["params.threads"]) == {str(max(1, os.cpu_count() // 2))}
+    print(f"2 workers: {trials['worker'].value_counts().tolist()} trials each, {points(trials).duplicated().sum()} duplicates")
 
 
 def study_trials(url):
@@ -87,3 +88,5 @@ def test_two_machines_on_postgresql_and_an_mlflow_server(tmp_path, tiny_params):
         assert (children.loc[done["mlflow_run_id"], "status"] == "FINISHED").all()
         assert (children.loc[killed["mlflow_run_id"], "status"] == "FAILED").all()
         assert len(children) == 9  # 8 complete + the killed one: nothing logged twice
+        print(f"2 machines: {done['worker'].value_counts().tolist()} complete trials each, 1 killed mid-trial and "
+              f"re-run, {points(done).duplicated().sum()} duplicates, {len(children)} child runs")

@@ -75,9 +75,12 @@ def test_workers_claim_queued_points_only_and_a_dead_ones_point_is_queued_again(
     assert claim_queued(study) is None and len(study.trials) == 2  # an empty queue: no sampled trial added
     study.tell(first, objective(first))
 
-    # The process running `second` died: the next sweep fails it and queues its point again.
+    # The process running `second` died while suggesting its knobs: the next sweep fails it and queues its
+    # whole point again.
+    second.suggest_categorical("head", GRID["head"])
     assert [t.number for t in recover_interrupted(study)] == [second.number]
     table = trials_table(study, TINY_CONFIG, CPU).set_index("trial")
     assert table.loc[second.number, "status"] == "failed" and table.loc[second.number, "error"] == INTERRUPTED
+    assert table.loc[second.number, list(KNOB_NAMES)].notna().all()
     retry = claim_queued(study)
     assert retry.number == 2 and study.trials[2].system_attrs["fixed_params"] == points[1]
