@@ -38,6 +38,11 @@ def run_stage(main: Callable[[argparse.Namespace, Params], int | None], parser: 
         return 2
 
 
+def first_line(err: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
 def write_atomic(path: str | Path, text: str) -> None:
     """Write through a temporary file and rename, so readers never see half a file."""
     path = Path(path)

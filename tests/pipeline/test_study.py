@@ -1,11 +1,10 @@
-"""The sweep's queueing and bookkeeping on an in-memory study (no detector)."""
+"""The study as a work queue, and its bookkeeping, on an in-memory study (no detector)."""
 import optuna
 import torch
 
 from pipeline.params import parse_params
-from pipeline.results import summarize_trials
-from pipeline.results import comparisons_table
-from pipeline.sweep import (INTERRUPTED, claim_queued, enqueue_grid, grid_points, kernels_table, recover_interrupted,
+from pipeline.results import comparisons_table, summarize_trials
+from pipeline.study import (INTERRUPTED, claim_queued, enqueue_grid, grid_points, kernels_table, recover_interrupted,
                             trials_table, trials_to_run)
 from rcnn.knobs import KNOB_NAMES
 from tests.conftest import TINY_CONFIG

@@ -1,0 +1,202 @@
+"""The Optuna study as the sweep's shared work queue: its storage, the grid queued point by point,
+trials claimed by any number of workers, and the trials of a dead worker failed and queued again.
+
+A journal file serves one host (its workers share it through file locks); a database URL such as
+postgresql://user@host/db serves many machines, with heartbeats telling a dead worker's trial from a live one.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+import time
+import warnings
+from pathlib import Path
+
+import mlflow
+import optuna
+import pandas as pd
+import torch
+from optuna.storages import JournalStorage, RDBStorage
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import TrialState
+
+from pipeline.common import first_line
+from pipeline.params import Params, ParamsError, SweepParams
+from pipeline.results import KERNEL_COLUMNS
+from rcnn.knobs import DEVICE_KNOBS, KNOB_NAMES, Skipped, why_not_together
+from rcnn.model import DetectorConfig
+
+STATUS = {TrialState.COMPLETE: "complete", TrialState.FAIL: "failed", TrialState.RUNNING: "running",
+          TrialState.PRUNED: "pruned", TrialState.WAITING: "not run"}  # queued, but the time budget ran out first
+INTERRUPTED = "interrupted: the process running this trial ended"
+
+
+def is_rdb(spec: str) -> bool:
+    return "://" in spec
+
+
+def open_storage(sweep: SweepParams) -> optuna.storages.BaseStorage:
+    """A journal file (one host: its workers share it through file locks), or an RDB URL such as
+    ``postgresql://user@host/db`` (many machines), with heartbeats: the trial of a worker that died is
+    failed and its point queued again."""
+    if not is_rdb(sweep.storage):
+        Path(sweep.storage).parent.mkdir(parents=True, exist_ok=True)
+        return JournalStorage(JournalFileBackend(sweep.storage))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats: stable since 2.9
+        try:
+            return RDBStorage(sweep.storage, heartbeat_interval=sweep.heartbeat_s, grace_period=3 * sweep.heartbeat_s,
+                              heartbeat_stale_trial_callback=requeue)
+        except Exception as err:  # SQLAlchemy's: no driver, host unreachable, authentication failed
+            import sqlalchemy.engine
+            url = sqlalchemy.engine.make_url(sweep.storage).render_as_string(hide_password=True)
+            raise ParamsError(f"sweep.storage: cannot open {url} ({first_line(err)}); allowed: a journal file "
+                              "path or a reachable database URL such as postgresql://user@host/db") from None
+
+
+def make_sampler(params: Params) -> optuna.samplers.BaseSampler:
+    if params.sweep.sampler == "grid":
+        # The grid is queued point by point (enqueue_grid), so this sampler never draws. Optuna's
+        # GridSampler would pick points at random, which a time budget turns into unpaired heads.
+        return optuna.samplers.RandomSampler(seed=params.sweep.seed)
+    return optuna.samplers.TPESampler(seed=params.sweep.seed)
+
+
+def grid_points(grid: dict, device: torch.device, seed: int,
+                first: list[dict] = ()) -> tuple[list[dict], list[Skipped]]:
+    """Every applicable grid point in run order: the ``first`` settings (the profiled ones, which a time
+    budget must not cut), then the other settings shuffled (seeded); the heads of one setting side by side
+    in a shuffled order, so drift spreads evenly and a sweep cut short still holds complete head
+    comparisons. Also returns the combinations left out, with reasons."""
+    rng = random.Random(seed)
+    others = [k for k in grid if k != "head"]
+    settings = list(itertools.product(*(grid[k] for k in others)))
+    rng.shuffle(settings)
+    leading = [tuple(f[k] for k in others) for f in first]
+    settings = leading + [s for s in settings if s not in leading]
+    points, skipped = [], []
+    for setting in settings:
+        point = dict(zip(others, setting))
+        if reason := why_not_together(point, device):
+            skipped.append(Skipped("+".join(reason[0]), "+".join(str(point[k]) for k in reason[0]), reason[1]))
+            continue
+        points += [point | {"head": head} for head in rng.sample(grid["head"], len(grid["head"]))]
+    return points, list({(s.knob, s.reason): s for s in skipped}.values())
+
+
+def trial_params(trial: optuna.trial.FrozenTrial) -> dict:
+    """The trial's point: the queued one (whole even when a process died while suggesting), else the sampled."""
+    return trial.system_attrs.get("fixed_params") or trial.params
+
+
+def point_key(params: dict) -> tuple:
+    return tuple(params.get(k) for k in KNOB_NAMES)
+
+
+def enqueue_grid(study: optuna.Study, points: list[dict]) -> None:
+    """Queue the points not yet in the study (a resumed study keeps its queue)."""
+    known = {point_key(trial_params(t)) for t in study.get_trials(deepcopy=False)}
+    for point in points:
+        if point_key(point) not in known:
+            study.enqueue_trial(point)
+
+
+def requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+    """Queue the point of a trial whose process died again, and mark its MLflow run failed (the trial
+    itself is already failed: by recover_interrupted, or by Optuna when its heartbeat went stale). The run
+    is found by its tags, since the process may have died before recording the run's id on the trial."""
+    study.enqueue_trial(trial_params(trial), skip_if_exists=False)
+    running = mlflow.search_runs(search_all_experiments=True, output_format="list", filter_string=(
+        f"tags.study = '{study.study_name}' and tags.trial = '{trial.number}' and attributes.status = 'RUNNING'"))
+    for run in running:
+        mlflow.MlflowClient().set_terminated(run.info.run_id, status="FAILED")
+
+
+def recover_interrupted(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """Journal storage: fail the trials a killed sweep left running and queue their points again.
+
+    Only for a journal file, which serves one host whose workers this process starts and outlives: a trial
+    RUNNING when it starts was left by a dead process. (An RDB storage is shared by machines that come and
+    go; there heartbeats tell a dead worker's trial from a live one.)"""
+    stale = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    for t in stale:
+        study._storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
+        requeue(study, t)
+    return stale
+
+
+def claim_queued(study: optuna.Study) -> optuna.Trial | None:
+    """Take a queued trial, or None when the queue is empty. Unlike ``study.ask()``, never falls back to
+    the sampler, so workers racing for the last points cannot add a trial outside the grid. The storage's
+    RUNNING transition is atomic: of two workers claiming one trial, one wins."""
+    for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+        try:
+            if study._storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
+                return optuna.Trial(study, t._trial_id)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # another worker claimed and finished it meanwhile
+    return None
+
+
+def next_trial(study: optuna.Study, params: Params) -> optuna.Trial | None:
+    """The next trial this worker runs, or None when the sweep has nothing left for it: grid, the queue;
+    tpe, a new sampled trial while the study holds fewer than ``n_trials`` (workers finishing at once may
+    overshoot by one each)."""
+    if params.sweep.sampler == "grid":
+        return claim_queued(study)
+    started = study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE, TrialState.FAIL))
+    return study.ask() if len(started) < params.sweep.n_trials else None
+
+
+def trials_to_run(params: Params, study: optuna.Study) -> int:
+    """``n_trials`` counts the whole study, so a rerun only adds what is missing; grid: its queue."""
+    trials = study.get_trials(deepcopy=False)
+    budget = params.sweep.n_trials - sum(t.state.is_finished() for t in trials) if params.sweep.n_trials else float("inf")
+    if params.sweep.sampler == "grid":
+        budget = min(budget, sum(t.state == TrialState.WAITING for t in trials))
+    return int(budget)
+
+
+def knob_values(trial: optuna.trial.FrozenTrial) -> dict:
+    """The trial's knobs as the tables show them: a backend switch that does not apply reads 'n/a'."""
+    values = {k: trial_params(trial).get(k) for k in KNOB_NAMES}
+    return values | {k: "n/a" for k, v in values.items() if v is None and k in DEVICE_KNOBS}
+
+
+def trials_table(study: optuna.Study, config: DetectorConfig, device: torch.device) -> pd.DataFrame:
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        knobs = knob_values(t)
+        rows.append({"trial": t.number, "status": t.user_attrs.get("status", STATUS[t.state]), "device": device.type,
+                     "backbone": config.backbone, "image_size": config.image_size,
+                     "rois_per_image": config.rois_per_image, **knobs, **t.user_attrs.get("result", {}),
+                     "mlflow_run_id": t.user_attrs.get("mlflow_run_id"), "worker": t.user_attrs.get("worker"),
+                     # A failed trial without an error was failed for its dead process (recovery, heartbeat).
+                     "error": t.user_attrs.get("error") or (INTERRUPTED if t.state == TrialState.FAIL else None)})
+    return pd.DataFrame(rows)
+
+
+def kernels_table(study: optuna.Study) -> pd.DataFrame:
+    rows = [{"trial": t.number, **knob_values(t), **row}
+            for t in study.get_trials(deepcopy=False) for row in t.user_attrs.get("kernels", [])]
+    return pd.DataFrame(rows, columns=KERNEL_COLUMNS)
+
+
+def finished_count(study: optuna.Study) -> int:
+    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)))
+
+
+def wait_for_study(storage: optuna.storages.BaseStorage, params: Params, name: str, wait_s: float) -> optuna.Study:
+    """The study the sweep stage created and queued, once it is there (machines may start in any order)."""
+    give_up = time.time() + wait_s
+    while True:
+        if name in optuna.get_all_study_names(storage):
+            study = optuna.load_study(study_name=name, storage=storage, sampler=make_sampler(params))
+            if "queued" in study.user_attrs:
+                return study
+        if time.time() >= give_up:
+            raise ParamsError(
+                f"--join: no study {name} ready in sweep.storage after {wait_s:g} s; start the sweep stage on one "
+                "machine first, with the same params, data and code (another kind of machine or library version "
+                "makes another study: env.json's fingerprint is part of its name)")
+        time.sleep(2)
