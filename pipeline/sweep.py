@@ -117,6 +117,7 @@ class Setup:
     fingerprint: dict
     ceilings: dict
     study_name: str
+    tags: dict[str, str]  # on every MLflow run of the sweep
 
     @classmethod
     def of(cls, params: Params, data_dir: str | Path, env_path: str | Path) -> "Setup":
@@ -126,14 +127,12 @@ class Setup:
         points, skipped_together = grid_points(grid, device, params.sweep.seed, first=profiled)
         samples, num_classes = read_coco(data_dir, image_size=params.model.image_size)
         env = read_env(env_path)
+        name = study_name(params, grid, env["fingerprint"], Path(data_dir))
         return cls(device=device, grid=grid, skipped=skipped + skipped_together, points=points, profiled=profiled,
                    samples=samples, config=DetectorConfig(**asdict(params.model), num_classes=num_classes),
-                   fingerprint=env["fingerprint"], ceilings=env["ceilings"],
-                   study_name=study_name(params, grid, env["fingerprint"], Path(data_dir)))
-
-    def tags(self) -> dict[str, str]:
-        return {"device": self.device.type, "torch": torch.__version__,
-                "torchvision": self.fingerprint["torchvision"], "git_commit": git_commit(), "study": self.study_name}
+                   fingerprint=env["fingerprint"], ceilings=env["ceilings"], study_name=name,
+                   tags={"device": device.type, "torch": torch.__version__,
+                         "torchvision": env["fingerprint"]["torchvision"], "git_commit": git_commit(), "study": name})
 
 
 class Sweep:
@@ -142,7 +141,7 @@ class Sweep:
     def __init__(self, params: Params, setup: Setup, parent_run_id: str, progress: "Progress") -> None:
         self.params, self.setup, self.parent_run_id, self.progress = params, setup, parent_run_id, progress
         self.samples, self.config, self.device = setup.samples, setup.config, setup.device
-        self.ceilings, self.tags, self.profiled = setup.ceilings, setup.tags(), setup.profiled
+        self.ceilings, self.tags, self.profiled = setup.ceilings, setup.tags, setup.profiled
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self.failures = 0
         t = params.timing
@@ -319,11 +318,11 @@ def mlflow_run_exists(run_id: str) -> bool:
     return True
 
 
-def worker_process(args: argparse.Namespace, params: Params, index: int, parent_run_id: str, deadline: float,
-                   total: int) -> int:
-    """One of ``sweep.workers`` processes on this host: its share of the CPU threads, or a GPU of its own
-    where there are several, working the same study. Returns its count of failed trials."""
-    torch.set_num_threads(max(1, torch.get_num_threads() // params.sweep.workers))
+def worker_process(args: argparse.Namespace, params: Params, index: int, threads: int, parent_run_id: str,
+                   deadline: float, total: int) -> int:
+    """One of ``sweep.workers`` processes on this host: ``threads`` CPU threads, or a GPU of its own where
+    there are several, working the same study. Returns its count of failed trials."""
+    torch.set_num_threads(threads)
     setup = Setup.of(params, args.data, args.env)
     if setup.device.type == "cuda":
         torch.cuda.set_device(index % torch.cuda.device_count())
@@ -349,11 +348,13 @@ def work_on_this_host(args: argparse.Namespace, params: Params, setup: Setup, st
             return Sweep(params, setup, parent_run_id, progress).work(study, deadline)
         finally:
             progress.close()
-    print(f"{workers} workers, {max(1, torch.get_num_threads() // workers)} CPU thread(s) each"
+    threads = max(1, torch.get_num_threads() // workers)  # this host's threads, shared out
+    print(f"{workers} workers, {threads} CPU thread(s) each"
           + (f", {min(workers, torch.cuda.device_count())} GPU(s)" if setup.device.type == "cuda" else ""))
     failures = 0
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(worker_process, args, params, i, parent_run_id, deadline, total) for i in range(workers)]
+        futures = [pool.submit(worker_process, args, params, i, threads, parent_run_id, deadline, total)
+                   for i in range(workers)]
         for i, future in enumerate(futures):
             try:
                 failures += future.result()
@@ -397,7 +398,7 @@ def stage(args: argparse.Namespace, params: Params) -> int:
     for s in skipped:
         print(f"not swept on {device.type}: {s.knob}={s.value} ({s.reason})")
 
-    tags = setup.tags()
+    tags = setup.tags
     parent_id = study.user_attrs.get("mlflow_parent_run_id")
     if parent_id and not mlflow_run_exists(parent_id):  # a new or emptied tracking store: a new parent run
         parent_id = None

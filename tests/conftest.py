@@ -31,18 +31,21 @@ def merged(base: dict, override: dict) -> dict:
     return out
 
 
+def write_tiny_params(folder: Path, override: dict | None = None) -> Path:
+    """The repo's params.yaml shrunk to TINY_PARAMS, stores under ``folder``, plus ``override``: its path."""
+    raw = merged(yaml.safe_load((ROOT / "params.yaml").read_text()), TINY_PARAMS)
+    raw = merged(raw, {"sweep": {"storage": str(folder / "optuna.journal")},
+                       "tracking": {"mlflow_uri": f"sqlite:///{folder / 'mlflow.db'}", "experiment": "test"}})
+    raw = merged(raw, override or {})
+    path = folder / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
 @pytest.fixture
 def tiny_params(tmp_path: Path):
     """Write a tiny params.yaml (stores under tmp_path) with optional overrides; returns its path."""
-    def write(override: dict | None = None) -> Path:
-        raw = merged(yaml.safe_load((ROOT / "params.yaml").read_text()), TINY_PARAMS)
-        raw = merged(raw, {"sweep": {"storage": str(tmp_path / "optuna.journal")},
-                           "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "test"}})
-        raw = merged(raw, override or {})
-        path = tmp_path / "params.yaml"
-        path.write_text(yaml.safe_dump(raw))
-        return path
-    return write
+    return lambda override=None: write_tiny_params(tmp_path, override)
 
 
 FAKE_HEADS = {"linear": (10.0, 100.0), "conv": (40.0, 130.0), "conv_as_linear": (11.0, 101.0)}  # head bwd, bwd

@@ -7,6 +7,7 @@ import pytest
 from PIL import Image
 
 from pipeline import data, env, sweep
+from tests.conftest import write_tiny_params
 
 OUTPUTS = {"trials": "trials.csv", "comparisons": "comparisons.csv", "kernels": "kernels.csv",
            "summary": "summary.json"}
@@ -15,12 +16,8 @@ OUTPUTS = {"trials": "trials.csv", "comparisons": "comparisons.csv", "kernels": 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     """One data folder and env.json for every case (each case works on its own copy)."""
-    from tests.conftest import TINY_PARAMS, merged, ROOT
-    import yaml
-
     folder = tmp_path_factory.mktemp("prepared")
-    params = folder / "params.yaml"
-    params.write_text(yaml.safe_dump(merged(yaml.safe_load((ROOT / "params.yaml").read_text()), TINY_PARAMS)))
+    params = write_tiny_params(folder)
     assert data.main(["--params", str(params), "--out", str(folder / "data")]) == 0
     assert env.main(["--params", str(params), "--out", str(folder / "env.json")]) == 0
     return folder
@@ -114,4 +111,7 @@ def test_bad_input_stops_with_one_line_and_keeps_earlier_results(tmp_path, tiny_
     assert code == 2
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
     assert {path: path.read_text() for path in earlier} == earlier
+
+
+def test_the_catalogue_holds_at_least_15_bad_inputs():
     assert len(CASES) >= 15

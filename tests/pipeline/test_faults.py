@@ -4,6 +4,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Callable
 
 import mlflow
 import optuna
@@ -29,6 +30,25 @@ def prepare(tmp_path, tiny_params, override):
     return args
 
 
+def kill_mid_trial(proc: subprocess.Popen, trials: Callable[[], list[optuna.trial.FrozenTrial]],
+                   timeout_s: float = 240) -> list[optuna.trial.FrozenTrial]:
+    """SIGKILL ``proc`` in the middle of a trial, once ``trials()`` (its trials) holds a completed and a
+    running one; returns them as last seen."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        seen = trials()
+        states = {t.state for t in seen}
+        if optuna.trial.TrialState.COMPLETE in states and optuna.trial.TrialState.RUNNING in states:
+            break
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("the process never had a completed and a running trial at once")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return seen
+
+
 def runs(tmp_path):
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     found = mlflow.search_runs(experiment_names=["test"])
@@ -41,19 +61,12 @@ def test_killed_sweep_resumes_without_losing_or_repeating_a_trial(tmp_path, tiny
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.sweep", *args], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     storage = JournalStorage(JournalFileBackend(str(tmp_path / "optuna.journal")))
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:  # kill in the middle of a trial, after at least one completed
+
+    def trials():
         names = optuna.get_all_study_names(storage) if (tmp_path / "optuna.journal").exists() else []
-        states = [t.state for t in optuna.load_study(study_name=names[0], storage=storage).trials] if names else []
-        if optuna.trial.TrialState.COMPLETE in states and optuna.trial.TrialState.RUNNING in states:
-            break
-        time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail("the sweep never had a completed and a running trial at once")
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    before = sum(s == optuna.trial.TrialState.COMPLETE for s in states)
+        return optuna.load_study(study_name=names[0], storage=storage).trials if names else []
+
+    before = sum(t.state == optuna.trial.TrialState.COMPLETE for t in kill_mid_trial(proc, trials))
 
     assert sweep.main(args) == 0
     trials = read_trials(tmp_path / "trials.csv")

@@ -1,10 +1,8 @@
 """One study, several workers: processes on one host (journal file), and machines on PostgreSQL with an MLflow
 tracking server, where a worker killed mid-trial has its point re-run through Optuna's heartbeats."""
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import mlflow
 import optuna
@@ -13,7 +11,7 @@ import pytest
 from pipeline import sweep
 from pipeline.results import read_trials
 from tests.conftest import ROOT
-from tests.pipeline.test_faults import SLOW, prepare
+from tests.pipeline.test_faults import SLOW, kill_mid_trial, prepare
 from tests.services import mlflow_server, postgres
 
 GRID = {"head": ["linear", "conv"], "batch_size": [1, 2], "channels_last": [False, True]}  # 8 points
@@ -57,18 +55,12 @@ def test_two_machines_on_postgresql_and_an_mlflow_server(tmp_path, tiny_params):
         second = subprocess.Popen([sys.executable, "-m", "pipeline.sweep", *args[:6], "--join", "--wait-s", "120"],
                                   cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         mark = f":{second.pid}"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:  # kill the second in a trial, after it completed one
-            mine = [t for t in study_trials(db["optuna"]) if t.user_attrs.get("worker", "").endswith(mark)]
-            states = [t.state for t in mine]
-            if optuna.trial.TrialState.COMPLETE in states and optuna.trial.TrialState.RUNNING in states:
-                break
-            time.sleep(0.2)
-        else:
-            first.kill(), second.kill()
-            pytest.fail("the joining worker never had a completed and a running trial at once")
-        os.kill(second.pid, signal.SIGKILL)
-        second.wait()
+        try:  # kill the second in a trial, after it completed one
+            kill_mid_trial(second, lambda: [t for t in study_trials(db["optuna"])
+                                            if t.user_attrs.get("worker", "").endswith(mark)], timeout_s=300)
+        except BaseException:
+            first.kill()
+            raise
         output, _ = first.communicate(timeout=300)
         assert first.returncode == 0, output
 
