@@ -20,7 +20,7 @@ test: $(BIN)/.installed
 	$(BIN)/python -m pytest
 
 ui: $(BIN)/.installed
-	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db
+	$(BIN)/mlflow ui --host 127.0.0.1 --backend-store-uri sqlite:///mlflow.db  # this machine only: no authentication
 
 clean-stores:  # the MLflow database and the Optuna journal: every measurement they hold is lost
 	rm -f mlflow.db optuna.journal*

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from rcnn.cli import Parser
 from rcnn.data import DataError
 from pipeline.params import Params, ParamsError, load_params
 
@@ -17,8 +18,13 @@ from pipeline.params import Params, ParamsError, load_params
 USER_ERRORS = (ParamsError, DataError, ValueError, OSError)
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, carrying the one line run_stage prints for it (what was done, how to resume)."""
+
+
 def stage_parser(description: str | None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description)
+    """The stage's parser: a bad argument ends as one line ``error: ...`` and exit 2, as a bad param does."""
+    parser = Parser(description=description)
     parser.add_argument("--params", default="params.yaml", help="the params file")
     return parser
 
@@ -26,10 +32,15 @@ def stage_parser(description: str | None) -> argparse.ArgumentParser:
 def run_stage(main: Callable[[argparse.Namespace, Params], int | None], parser: argparse.ArgumentParser,
               argv: list[str] | None = None) -> int:
     """Parse arguments and params, run the stage and return its exit code (0 unless it returns one);
-    a user error exits 2 with one line on stderr."""
+    a user error exits 2 with one line on stderr, Ctrl-C 130 (as a shell reports SIGINT) with one line."""
     args = parser.parse_args(argv)
     try:
         return main(args, load_params(args.params)) or 0
+    except KeyboardInterrupt as err:  # Ctrl-C: one line, not a traceback from wherever it landed
+        if os.environ.get("RCNN_DEBUG"):
+            raise
+        print(str(err) or "interrupted", file=sys.stderr)
+        return 130
     except USER_ERRORS as err:
         if os.environ.get("RCNN_DEBUG"):
             raise

@@ -19,11 +19,15 @@ import pandas as pd
 from pipeline.analysis import head_order
 from pipeline.common import read_json, write_atomic
 from pipeline.env import read_env
+from pipeline.outputs import CSV, PNG, check_folder, project_root, text_start
 from pipeline.report import ratio_text
 from pipeline.results import complete, read_table
 from rcnn.data import DataError
 
 NEEDED = ("status", "head", "forward_ms", "backward_ms", "step_ms", "head_backward_ms")
+TITLE = "# RoI-head backward across machines"
+WRITTEN = {"compare.md": text_start("the comparison", TITLE), "head_backward_by_machine.csv": CSV,
+           "figures/head_backward_by_machine.png": PNG}
 HEADLINES = ("conv_over_linear_head_backward", "conv_over_linear_backward", "conv_as_linear_over_linear_head_backward",
              "conv_as_linear_over_linear_backward")
 
@@ -51,7 +55,7 @@ def compare(folders: list[Path], out: Path) -> str:
                              for name, _, s in runs})
     heads = {name: per_head(trials) for name, trials, _ in runs}
     base = names[0]
-    lines = ["# RoI-head backward across machines", "",
+    lines = [TITLE, "",
              f"{len(runs)} result folders; ratios are against the first, {base}. Medians pool every complete "
              "trial of a head, so they compare like with like only where the grids match.", "",
              "## Headline, per machine", "", headline.to_markdown(), ""]
@@ -79,12 +83,13 @@ def compare(folders: list[Path], out: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folders", nargs="+", type=Path, help="results folders (trials.csv, summary.json, env.json)")
-    parser.add_argument("--out", type=Path, default=Path("reports/compare"), help="folder for compare.md")
+    parser.add_argument("--out", type=Path, default=Path("reports/compare"), help="folder for compare.md, inside the project")
     args = parser.parse_args(argv)
     if len(args.folders) < 2:
         print("error: folders: give at least two results folders to compare", file=sys.stderr)
         return 2
     try:
+        check_folder(args.out, WRITTEN, root=project_root(Path.cwd()), what="--out")
         text = compare(args.folders, args.out)
     except (DataError, ValueError, OSError) as err:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)

@@ -18,6 +18,7 @@ import torch
 import torchvision
 
 from pipeline.common import read_json, run_stage, stage_parser, write_json
+from pipeline.outputs import check_output, json_object, project_root
 from pipeline.params import Params
 from rcnn.data import DataError
 from rcnn.knobs import cpu_has_native_bf16, resolve_device, set_tf32, why_not
@@ -88,7 +89,11 @@ def read_env(path: str | Path) -> dict:
     return env
 
 
+ENV_FILE = json_object("an env.json", "fingerprint", "ceilings", "device")  # "device": the older flat format
+
+
 def stage(args: argparse.Namespace, params: Params) -> None:
+    check_output(args.out, ENV_FILE, root=project_root(Path(args.params).parent), what="--out")
     device = resolve_device(params.sweep.device)
     if device.type == "cuda":
         set_tf32(params.sweep.allow_tf32)  # the fp32 ceiling under the flags the sweep runs with

@@ -6,61 +6,71 @@ is allowed. Only this module reads params.yaml; everything downstream takes thes
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from rcnn.heads import HEADS
-from rcnn.knobs import AMP_DTYPES, KNOB_NAMES
-from rcnn.model import BACKBONES
+import rcnn.data
+import rcnn.heads
+import rcnn.knobs
+import rcnn.model
+import rcnn.timing
+from rcnn.knobs import KNOB_NAMES
+from rcnn.rules import Rule, at_least
+
+
+PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 class ParamsError(ValueError):
     """A bad value in params.yaml; the message names the key and what is allowed."""
 
 
-def _rule(*, choices: typing.Iterable | None = None, minimum: float | None = None,
-          multiple_of: int | None = None) -> dict:
-    return {"choices": tuple(choices) if choices is not None else None, "minimum": minimum,
-            "multiple_of": multiple_of}
-
-
-def _field(default: Any = dataclasses.MISSING, **rule: Any) -> Any:
+def _field(default: Any = dataclasses.MISSING, rule: Rule | None = None) -> Any:
+    """A field whose values ``rule`` checks: the library's own Rule where one constrains the quantity."""
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: default, metadata=_rule(**rule))
-    return field(default=default, metadata=_rule(**rule))
+        return field(default_factory=lambda: default, metadata={"rule": rule})
+    return field(default=default, metadata={"rule": rule})
 
 
 @dataclass(frozen=True)
 class DataParams:
     name: str = "synthetic"           # the folder under data/ the data stage writes
     source: str = "synthetic"         # 'synthetic', or a COCO-format folder to import at image_size
-    num_images: int = _field(32, minimum=1)
-    image_size: int = _field(256, minimum=32)
-    num_classes: int = _field(4, minimum=1)
-    seed: int = _field(0, minimum=0)
+    num_images: int = _field(32, rcnn.data.NUM_IMAGES)
+    image_size: int = _field(256, rcnn.data.IMAGE_SIZE)
+    num_classes: int = _field(4, rcnn.data.NUM_CLASSES)
+    seed: int = _field(0, rcnn.data.SEED)
+
+    def __post_init__(self) -> None:
+        # dvc.yaml writes data/${data.name}: a path here could point the stage at any folder.
+        if not PLAIN_NAME.fullmatch(self.name):
+            raise ParamsError(f"data.name: {self.name!r} is not a plain folder name; allowed: letters, digits, "
+                              "'.', '_' and '-', not starting with '.'")
 
 
 @dataclass(frozen=True)
 class ModelParams:
-    backbone: str = _field("resnet18_fpn", choices=BACKBONES)
-    image_size: int = _field(256, minimum=64, multiple_of=32)  # FPN strides need a multiple of 32
-    rois_per_image: int = _field(128, minimum=1)
-    representation_size: int = _field(1024, minimum=1)
+    backbone: str = _field("resnet18_fpn", rcnn.model.BACKBONE)
+    image_size: int = _field(256, rcnn.model.IMAGE_SIZE)
+    rois_per_image: int = _field(128, rcnn.model.ROIS_PER_IMAGE)
+    representation_size: int = _field(1024, rcnn.model.REPRESENTATION_SIZE)
 
 
 @dataclass(frozen=True)
 class SpaceParams:
-    head: tuple[str, ...] = _field(("linear", "conv", "conv_as_linear"), choices=HEADS)
+    head: tuple[str, ...] = _field(("linear", "conv", "conv_as_linear"), rcnn.heads.HEAD)
     cudnn_benchmark: tuple[bool, ...] = (False, True)
     onednn: tuple[bool, ...] = (True, False)
-    amp: tuple[str, ...] = _field(("off", "bf16"), choices=AMP_DTYPES)
+    amp: tuple[str, ...] = _field(("off", "bf16"), rcnn.knobs.AMP)
     channels_last: tuple[bool, ...] = (False, True)
-    batch_size: tuple[int, ...] = _field((1, 2), minimum=1)
+    batch_size: tuple[int, ...] = _field((1, 2), rcnn.knobs.BATCH_SIZE)
 
     def as_dict(self) -> dict[str, list]:
         return {name: list(getattr(self, name)) for name in KNOB_NAMES}
@@ -71,26 +81,26 @@ class ProfileAt:
     """A setting whose heads get a kernel profile; a knob left null takes its first swept value."""
     cudnn_benchmark: bool | None = None
     onednn: bool | None = None
-    amp: str | None = _field(None, choices=AMP_DTYPES)
+    amp: str | None = _field(None, rcnn.knobs.AMP)
     channels_last: bool | None = None
-    batch_size: int | None = _field(None, minimum=1)
+    batch_size: int | None = _field(None, rcnn.knobs.BATCH_SIZE)
 
 
 @dataclass(frozen=True)
 class SweepParams:
-    device: str = _field("auto", choices=("auto", "cpu", "cuda"))
-    sampler: str = _field("grid", choices=("grid", "tpe"))
-    n_trials: int | None = _field(None, minimum=1)  # None: the whole applicable grid (grid sampler only)
-    seed: int = _field(0, minimum=0)
-    timeout_s: float | None = _field(None, minimum=1)  # no new trial starts after this many seconds
-    trial_timeout_s: float | None = _field(None, minimum=1)  # a trial still running then stops: status timeout
+    device: str = _field("auto", rcnn.knobs.DEVICE)
+    sampler: str = _field("grid", Rule(choices=("grid", "tpe")))
+    n_trials: int | None = _field(None, Rule(minimum=1))  # None: the whole applicable grid (grid sampler only)
+    seed: int = _field(0, rcnn.data.SEED)
+    timeout_s: float | None = _field(None, Rule(minimum=1))  # no new trial starts after this many seconds
+    trial_timeout_s: float | None = _field(None, Rule(minimum=1))  # a trial still running then stops: status timeout
     fail_on_trial_error: bool = False  # exit 3 when a trial of this run failed or timed out
     storage: str = "optuna.journal"   # a journal file path (one host), or postgresql://... (many machines)
-    workers: int = _field(1, minimum=1)  # processes on this host sharing the study (and its CPU threads or GPUs)
-    heartbeat_s: int = _field(60, minimum=1)  # RDB storage: a trial silent for 3x this is failed and queued again
+    workers: int = _field(1, Rule(minimum=1))  # processes on this host sharing the study (and its CPU threads or GPUs)
+    heartbeat_s: int = _field(60, Rule(minimum=1))  # RDB storage: a trial silent for 3x this is failed and queued again
     allow_tf32: bool = False          # CUDA: one value for matmul and cuDNN, a fair fp32 comparison
     cross_check: bool = True          # also time each head alone with torch.utils.benchmark
-    profile_steps: int = _field(3, minimum=0)  # torch.profiler steps per head at profile_at; 0: no kernel tables
+    profile_steps: int = _field(3, Rule(minimum=0))  # torch.profiler steps per head at profile_at; 0: no kernel tables
     profile_at: tuple[ProfileAt, ...] = (ProfileAt(),)  # these settings run first, so a time budget keeps them
     space: SpaceParams = field(default_factory=SpaceParams)
 
@@ -100,12 +110,12 @@ class TimingParams:
     """Warm-up and stopping (rcnn.timing.TimingPolicy): at least ``warmup`` untimed steps, more until step
     times settle; at least ``iterations`` timed steps, more until the backward medians' 95% CI half-width
     is ``rel_precision`` of the median, ``max_iterations`` or ``max_seconds``."""
-    warmup: int = _field(2, minimum=0)
-    max_warmup: int = _field(10, minimum=0)
-    iterations: int = _field(5, minimum=1)
-    max_iterations: int = _field(30, minimum=1)
-    max_seconds: float = _field(30.0, minimum=0.001)
-    rel_precision: float = _field(0.05, minimum=0.0001)
+    warmup: int = _field(2, rcnn.timing.WARMUP)
+    max_warmup: int = _field(10, rcnn.timing.MAX_WARMUP)
+    iterations: int = _field(5, rcnn.timing.ITERATIONS)
+    max_iterations: int = _field(30, rcnn.timing.MAX_ITERATIONS)
+    max_seconds: float = _field(30.0, rcnn.timing.MAX_SECONDS)
+    rel_precision: float = _field(0.05, rcnn.timing.REL_PRECISION)
 
 
 @dataclass(frozen=True)
@@ -127,7 +137,7 @@ def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", str(hint)).replace("NoneType", "null")
 
 
-def _convert(value: Any, hint: Any, key: str, rule: dict) -> Any:
+def _convert(value: Any, hint: Any, key: str, rule: Rule | None) -> Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, key)
@@ -147,12 +157,8 @@ def _convert(value: Any, hint: Any, key: str, rule: dict) -> Any:
     # bool is an int subclass in Python: refuse it where a number is meant, and numbers where a bool is.
     if not isinstance(value, hint) or (hint is not bool and isinstance(value, bool)):
         raise ParamsError(f"{key}: expected {_type_name(hint)}, got {value!r}")
-    if rule.get("choices") is not None and value not in rule["choices"]:
-        raise ParamsError(f"{key}: {value!r} is not allowed; allowed: {', '.join(map(str, rule['choices']))}")
-    if rule.get("minimum") is not None and value < rule["minimum"]:
-        raise ParamsError(f"{key}: {value!r} is too small; allowed: >= {rule['minimum']}")
-    if rule.get("multiple_of") and value % rule["multiple_of"]:
-        raise ParamsError(f"{key}: {value!r} is not allowed; allowed: a multiple of {rule['multiple_of']}")
+    if rule is not None and (problem := rule.problem(value)):
+        raise ParamsError(f"{key}: {problem}")
     return value
 
 
@@ -167,21 +173,49 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         where = f"{prefix}." if prefix else ""
         raise ParamsError(f"{where}{unknown[0]}: unknown key; allowed: {', '.join(fields)}")
     hints = typing.get_type_hints(cls)
-    values = {name: _convert(raw[name], hints[name], f"{prefix}.{name}".lstrip("."), fields[name].metadata)
-              for name in raw}
+    values = {name: _convert(raw[name], hints[name], f"{prefix}.{name}".lstrip("."),
+                             rule=fields[name].metadata.get("rule")) for name in raw}
     return cls(**values)
+
+
+# Where each client reads the password that a URL must not hold, by URL scheme.
+_PGPASS = "the environment variable PGPASSWORD or a ~/.pgpass entry"
+_MLFLOW_AUTH = "the environment variables MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
+_PASSWORD_SOURCES = {"postgresql": _PGPASS, "postgres": _PGPASS, "http": _MLFLOW_AUTH, "https": _MLFLOW_AUTH}
+
+
+def _refuse_embedded_password(raw: Any) -> None:
+    """Refuse a URL in params that holds a password (``user:pw@host``, ``?password=``): DVC records params
+    values in dvc.lock, so it would end up in git, and from there in MLflow, the tables and the logs. Runs
+    before any other check, and the message names only the key, never the value."""
+    for section, name in (("sweep", "storage"), ("tracking", "mlflow_uri")):
+        part = raw.get(section) if isinstance(raw, dict) else None
+        value = part.get(name) if isinstance(part, dict) else None
+        if not isinstance(value, str):
+            continue  # _build names the wrong type; it echoes only non-str values
+        try:
+            url = urllib.parse.urlsplit(value)
+        except ValueError:  # an unclosed [IPv6] host
+            raise ParamsError(f"{section}.{name}: not a valid URL (an unclosed '[' in its host)") from None
+        if url.password or any("password" in key.lower() for key in urllib.parse.parse_qs(url.query)):
+            source = _PASSWORD_SOURCES.get(url.scheme.split("+")[0],  # postgresql+psycopg: the driver's dialect
+                                           "the database driver's password file or environment variable")
+            raise ParamsError(f"{section}.{name}: the URL holds a password, and params values are recorded in "
+                              f"dvc.lock (and so in git); remove it from the URL and pass it in {source} instead")
 
 
 def parse_params(raw: Any) -> Params:
     """Validate an already-loaded params mapping; missing keys take the defaults above."""
+    _refuse_embedded_password(raw)
     params = _build(Params, raw, "")
     if params.sweep.n_trials is None and params.sweep.sampler != "grid":
         raise ParamsError("sweep.n_trials: null (whole grid) needs sampler: grid; allowed for tpe: an integer >= 1")
     timing = params.timing
-    for low, high in (("warmup", "max_warmup"), ("iterations", "max_iterations")):
-        if getattr(timing, high) < getattr(timing, low):
-            raise ParamsError(f"timing.{high}: {getattr(timing, high)} is below timing.{low}; "
-                              f"allowed: >= {getattr(timing, low)}")
+    for high, low in rcnn.timing.FLOORS.items():
+        try:
+            at_least(getattr(timing, high), getattr(timing, low), f"timing.{high}", f"timing.{low}")
+        except ValueError as err:
+            raise ParamsError(str(err)) from None
     return params
 
 

@@ -27,9 +27,12 @@ from pipeline.analysis import (batch_scaling, head_order, knob_effects, pareto_f
                                time_split)
 from pipeline.common import read_json, run_stage, stage_parser, write_atomic
 from pipeline.env import read_env
+from pipeline.outputs import CSV, PNG, Kind, check_folder, project_root, text_start
 from pipeline.params import Params
 from pipeline.results import COMPARISON_COLUMNS, KERNEL_COLUMNS, OTHER_KNOBS, complete, read_table, read_trials
 
+TITLE = "# Why the conv box head's backward is slow, and what fixes it"
+HTML_START = "<!doctype html><html><head><meta charset='utf-8'><title>RoI-head backward"
 HEAD_COLORS = {"linear": "tab:green", "conv": "tab:blue", "conv_as_linear": "tab:orange"}
 SHOWN = ["trial", "status", "head", *OTHER_KNOBS, "forward_ms", "backward_ms", "optimizer_ms", "step_ms",
          "head_forward_ms", "head_backward_ms", "head_backward_ci_low_ms", "head_backward_ci_high_ms",
@@ -309,7 +312,7 @@ def render(r: Results, lock: Path | None) -> str:
     figure = lambda name, caption: f"![{caption}](figures/{name}.png)"  # noqa: E731
     done = complete(r.trials)
     out = [
-        "# Why the conv box head's backward is slow, and what fixes it", "",
+        TITLE, "",
         f"{r.env['fingerprint'].get('device')} ({r.device}); torch {r.env['fingerprint'].get('torch')}; "
         f"{s['complete']} of {s['trials']} trials complete" + (f" (partial sweep: {', '.join(notes)})" if notes else "")
         + ". Ratios are geometric means over knob settings with 95% CIs from a nested bootstrap.", "",
@@ -344,7 +347,7 @@ def render(r: Results, lock: Path | None) -> str:
     return "\n".join(out)
 
 
-def to_html(text: str, out: Path, title: str) -> str:
+def to_html(text: str, out: Path, device: str) -> str:
     """The report as one HTML file: markdown rendered, figures embedded as data URIs."""
     body = markdown.markdown(text, extensions=["tables"])
 
@@ -356,7 +359,7 @@ def to_html(text: str, out: Path, title: str) -> str:
     style = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;line-height:1.45}"
              "table{border-collapse:collapse;font-size:.85em;margin:1em 0}td,th{border:1px solid #ccc;padding:.2em .5em}"
              "th{background:#f3f3f3}img{max-width:100%}code{background:#f6f6f6;padding:0 .2em}")
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title><style>{style}</style>"
+    return (f"{HTML_START}: {device}</title><style>{style}</style>"
             f"</head><body>{body}</body></html>\n")
 
 
@@ -376,7 +379,14 @@ def log_to_mlflow(r: Results, out: Path, uri: str, trials_path: str) -> None:
         mlflow.log_artifact(trials_path)
 
 
+def written_files() -> dict[str, Kind]:
+    """Every file the report stage writes under its folder, and how an earlier one is recognised."""
+    return {"report.md": text_start("the report", TITLE), "report.html": text_start("the report", HTML_START),
+            **{f"figures/{f.name}.png": PNG for f in FIGURES}, **{f"plots/{f.name}.csv": CSV for f in FIGURES}}
+
+
 def stage(args: argparse.Namespace, params: Params) -> None:
+    check_folder(args.out, written_files(), root=project_root(Path(args.params).parent), what="--out")
     r = load_results(args.trials, args.comparisons, args.kernels, args.summary, args.env)
     if complete(r.trials).empty:
         raise ValueError(f"{args.trials}: no complete trial to report")
@@ -385,7 +395,7 @@ def stage(args: argparse.Namespace, params: Params) -> None:
         render_figure(figure, r, out)
     text = render(r, Path(args.lock) if args.lock else None)
     write_atomic(out / "report.md", text)
-    write_atomic(out / "report.html", to_html(text, out, f"RoI-head backward: {r.device}"))
+    write_atomic(out / "report.html", to_html(text, out, r.device))
     if args.mlflow:
         log_to_mlflow(r, out, params.tracking.mlflow_uri, args.trials)
     print(f"wrote {out / 'report.md'} and {out / 'report.html'}")

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from pipeline.common import write_atomic
+from pipeline.outputs import csv_with, json_object
 from rcnn.bench import PHASES, STAT_COLUMNS
 from rcnn.data import DataError
 from rcnn.knobs import KNOB_NAMES
@@ -31,6 +32,10 @@ ALL_SETTINGS = "all"  # knob value of the rows that pool every setting (geometri
 COMPARISON_COLUMNS = (*OTHER_KNOBS, "numerator", "denominator", "phase", "ratio", "ci_low", "ci_high",
                       "p_value", "settings")
 KERNEL_COLUMNS = ("trial", *KNOB_NAMES, "kind", "name", "ms", "calls", "share")
+# How an earlier file of each is recognised, so the sweep replaces only its own (pipeline.outputs).
+WRITTEN = {"trials": csv_with("trial", "status", "mlflow_run_id"),
+           "comparisons": csv_with("numerator", "denominator", "phase", "ratio"),
+           "kernels": csv_with("trial", "kind", "name", "ms"), "summary": json_object("a summary", "trials", "complete")}
 
 
 def complete(trials: pd.DataFrame) -> pd.DataFrame:

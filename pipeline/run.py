@@ -20,6 +20,7 @@ import yaml
 from pipeline.params import load_params
 
 ROOT = Path(__file__).resolve().parents[1]
+MARKER = ".pipeline-run"  # marks a work folder this command made, whose params.yaml it may replace
 
 
 def lookup(raw: dict, dotted: str):
@@ -39,7 +40,7 @@ def stage_commands(dvc_yaml: dict, raw_params: dict) -> list[tuple[str, str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", required=True, help="params file to run with")
-    parser.add_argument("--workdir", required=True, help="folder for every output (created)")
+    parser.add_argument("--workdir", required=True, help="folder for every output: new, empty, or an earlier run's")
     parser.add_argument("--python", default=sys.executable, help="interpreter for the stages")
     args = parser.parse_args(argv)
     try:
@@ -48,7 +49,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     workdir = Path(args.workdir)
+    if workdir.exists() and any(workdir.iterdir()) and not (workdir / MARKER).is_file():
+        print(f"error: --workdir: {workdir} is not empty and was not made by pipeline.run (no {MARKER}); allowed: "
+              "a new or empty folder, or an earlier run's work folder", file=sys.stderr)
+        return 2
     workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / MARKER).write_text("a work folder of python -m pipeline.run: its params.yaml and outputs are replaced\n")
     shutil.copyfile(args.params, workdir / "params.yaml")
     raw = yaml.safe_load((workdir / "params.yaml").read_text()) or {}
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}

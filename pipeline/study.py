@@ -6,11 +6,16 @@ postgresql://user@host/db serves many machines, with heartbeats telling a dead w
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import itertools
+import os
 import random
+import socket
 import time
 import warnings
 from pathlib import Path
+from typing import Iterator
 
 import mlflow
 import optuna
@@ -29,6 +34,7 @@ from rcnn.model import DetectorConfig
 STATUS = {TrialState.COMPLETE: "complete", TrialState.FAIL: "failed", TrialState.RUNNING: "running",
           TrialState.PRUNED: "pruned", TrialState.WAITING: "not run"}  # queued, but the time budget ran out first
 INTERRUPTED = "interrupted: the process running this trial ended"
+CTRL_C = "interrupted (Ctrl-C)"
 
 
 def is_rdb(spec: str) -> bool:
@@ -52,6 +58,26 @@ def open_storage(sweep: SweepParams) -> optuna.storages.BaseStorage:
             url = sqlalchemy.engine.make_url(sweep.storage).render_as_string(hide_password=True)
             raise ParamsError(f"sweep.storage: cannot open {url} ({first_line(err)}); allowed: a journal file "
                               "path or a reachable database URL such as postgresql://user@host/db") from None
+
+
+@contextlib.contextmanager
+def hold_journal(journal: str | Path) -> Iterator[None]:
+    """Hold the journal file for one sweep stage's lifetime. Its workers (sweep.workers) share it through the
+    journal's own locks, but a second stage started by hand would fail the first one's running trial as
+    interrupted: it is refused at once, naming the process that holds the journal. The lock is an flock,
+    which dies with its process, so a killed sweep never blocks its resume."""
+    with open(f"{journal}.owner", "a+") as owner:
+        try:
+            fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner.seek(0)
+            holder = owner.read().strip() or "another process"
+            raise ParamsError(f"sweep.storage: {journal} is in use by a running sweep stage ({holder}); let it finish "
+                              "or stop it first (sweep.workers runs several workers on one journal)") from None
+        owner.truncate(0)
+        owner.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        owner.flush()
+        yield
 
 
 def make_sampler(params: Params) -> optuna.samplers.BaseSampler:
@@ -110,6 +136,20 @@ def requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         f"tags.study = '{study.study_name}' and tags.trial = '{trial.number}' and attributes.status = 'RUNNING'"))
     for run in running:
         mlflow.MlflowClient().set_terminated(run.info.run_id, status="FAILED")
+
+
+def fail_interrupted(study: optuna.Study, trial: optuna.Trial) -> None:
+    """Ctrl-C stopped ``trial``: fail it as interrupted and queue its point again now, so a rerun measures it
+    whatever the storage (recover_interrupted, at the next start, covers a journal only)."""
+    trial.set_user_attr("error", CTRL_C)
+    requeue(study, study.tell(trial, state=TrialState.FAIL))
+
+
+def planned_count(params: Params, points: list[dict]) -> int:
+    """Trials the study is to complete: the grid's points (at most ``n_trials``), or tpe's ``n_trials``."""
+    if params.sweep.sampler == "grid":
+        return min(len(points), params.sweep.n_trials or len(points))
+    return params.sweep.n_trials
 
 
 def recover_interrupted(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:

@@ -34,19 +34,36 @@ from optuna.storages._heartbeat import get_heartbeat_thread, is_heartbeat_enable
 from optuna.trial import TrialState
 from tqdm import tqdm
 
-from pipeline.common import check_writable, first_line, git_commit, run_stage, stage_parser, write_json
+from pipeline.common import Interrupted, check_writable, first_line, git_commit, run_stage, stage_parser, write_json
 from pipeline.env import read_env
+from pipeline.outputs import JOURNAL, check_output, project_root
 from pipeline.params import Params, ParamsError, TrackingParams
-from pipeline.results import comparisons_table, summarize_trials, write_table, write_trials
-from pipeline.study import (enqueue_grid, finished_count, grid_points, is_rdb, kernels_table, make_sampler,
-                            next_trial, open_storage, recover_interrupted, trials_table, trials_to_run,
-                            wait_for_study)
+from pipeline.results import WRITTEN, comparisons_table, summarize_trials, write_table, write_trials
+from pipeline.study import (enqueue_grid, fail_interrupted, finished_count, grid_points, hold_journal, is_rdb,
+                            kernels_table, make_sampler, next_trial, open_storage, planned_count, recover_interrupted,
+                            trials_table, trials_to_run, wait_for_study)
 from rcnn.bench import TrialResult, isolated_head_ms, run_trial
 from rcnn.data import Sample, read_coco
 from rcnn.knobs import KNOB_NAMES, Knobs, Skipped, applicable_space, resolve_device, set_tf32
 from rcnn.model import BACKBONE_CHANNELS, ROI_RESOLUTION, DetectorConfig
 from rcnn.roofline import AMP_TO_DTYPE_NAME, achieved, head_flops
 from rcnn.timing import TimingPolicy
+
+
+def check_credentials(uri: str) -> None:
+    """One authenticated request, through MLflow's own client (it sends MLFLOW_TRACKING_USERNAME and
+    MLFLOW_TRACKING_PASSWORD, or a token): a server with authentication on refuses missing or wrong
+    credentials here, at once, with one line. /health alone says nothing: it needs no credentials."""
+    try:
+        mlflow.MlflowClient(uri).search_experiments(max_results=1)
+    except mlflow.exceptions.MlflowException as err:
+        status = err.get_http_status_code()
+        if status not in (401, 403):
+            return  # not about credentials: set_experiment reports it
+        user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+        sent = f"the credentials of user {user}" if user else "a request without credentials"
+        raise ParamsError(f"tracking.mlflow_uri: the MLflow server at {uri} refused {sent} (HTTP {status}); set "
+                          "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD to a user of that server") from None
 
 
 def connect_tracking(tracking: TrackingParams) -> None:
@@ -58,14 +75,18 @@ def connect_tracking(tracking: TrackingParams) -> None:
         except OSError as err:
             raise ParamsError(f"tracking.mlflow_uri: no MLflow server answers at {uri} ({err}); "
                               "start one (mlflow server) or use a local store such as sqlite:///mlflow.db") from None
+        check_credentials(uri)
     mlflow.set_tracking_uri(uri)
     try:
         experiment = mlflow.set_experiment(tracking.experiment)
         # Again by id: when another machine created the experiment at the same moment, MLflow returns it
         # but leaves the default experiment active.
         mlflow.set_experiment(experiment_id=experiment.experiment_id)
+        # A write needing the permission runs need (EDIT): a user who may only read stops here, not in a trial.
+        mlflow.set_experiment_tag("last_sweep_start", time.strftime("%Y-%m-%dT%H:%M:%S"))
     except mlflow.exceptions.MlflowException as err:
-        raise ParamsError(f"tracking.mlflow_uri: cannot use {uri} ({first_line(err)})") from None
+        raise ParamsError(f"tracking.mlflow_uri: cannot use {uri} with experiment {tracking.experiment} "
+                          f"({first_line(err)})") from None
 
 
 def study_name(params: Params, grid: dict, fingerprint: dict, data_dir: Path) -> str:
@@ -125,7 +146,8 @@ class Setup:
         grid, skipped = applicable_space(params.sweep.space.as_dict(), device)
         profiled = profile_settings(params, grid) if params.sweep.profile_steps else []
         points, skipped_together = grid_points(grid, device, params.sweep.seed, first=profiled)
-        samples, num_classes = read_coco(data_dir, image_size=params.model.image_size)
+        coco = read_coco(data_dir, image_size=params.model.image_size)
+        samples, num_classes = coco.samples, coco.num_classes
         env = read_env(env_path)
         name = study_name(params, grid, env["fingerprint"], Path(data_dir))
         return cls(device=device, grid=grid, skipped=skipped + skipped_together, points=points, profiled=profiled,
@@ -152,11 +174,11 @@ class Sweep:
     def measure(self, knobs: Knobs, run_name: str, tags: dict[str, str],
                 trial: optuna.Trial | None = None) -> tuple[TrialResult, dict]:
         """One trial in a nested MLflow run (FAILED with the error if it raises, KILLED on the trial time
-        limit): (result, table row)."""
+        limit or Ctrl-C): (result, table row)."""
         setting = {k: v for k, v in asdict(knobs).items() if k != "head"}
         profile = setting in self.profiled
         with mlflow.start_run(run_name=run_name, nested=True, parent_run_id=self.parent_run_id,
-                              tags=self.tags | tags | {"worker": self.worker}) as run:
+                              tags=self.tags | tags | {"worker": self.worker}) as run, killed_on_interrupt():
             if trial is not None:
                 trial.set_user_attr("mlflow_run_id", run.info.run_id)
                 trial.set_user_attr("worker", self.worker)
@@ -185,12 +207,14 @@ class Sweep:
         return result, row | {"mlflow_run_id": run.info.run_id}
 
     def _measure(self, knobs: Knobs, profile: bool) -> tuple[TrialResult, dict]:
-        result = run_trial(self.config, knobs, self.samples, device=self.device, policy=self.policy,
-                           seed=self.params.sweep.seed, profile_steps=self.params.sweep.profile_steps if profile else 0)
-        row = result_columns(result, knobs, self.config, self.ceilings)
-        if self.params.sweep.cross_check:
-            forward, backward = isolated_head_ms(self.config, knobs, rois=result.rois, device=self.device)
-            row |= {"isolated_head_forward_ms": forward, "isolated_head_backward_ms": backward}
+        with interrupts.interruptible():  # no store is written in here: Ctrl-C may stop it at once
+            result = run_trial(self.config, knobs, self.samples, device=self.device, policy=self.policy,
+                               seed=self.params.sweep.seed,
+                               profile_steps=self.params.sweep.profile_steps if profile else 0)
+            row = result_columns(result, knobs, self.config, self.ceilings)
+            if self.params.sweep.cross_check:
+                forward, backward = isolated_head_ms(self.config, knobs, rois=result.rois, device=self.device)
+                row |= {"isolated_head_forward_ms": forward, "isolated_head_backward_ms": backward}
         return result, row
 
     def run(self, trial: optuna.Trial) -> float:
@@ -220,8 +244,13 @@ class Sweep:
         new trial starts after it. Returns the count of trials that failed or timed out. Where heartbeats
         are on (RDB storage), a worker with nothing queued waits while other machines' trials run, since a
         dead one's point comes back to the queue."""
+        with interrupts.held():
+            return self._work(study, deadline)
+
+    def _work(self, study: optuna.Study, deadline: float) -> int:
         storage = study._storage
         while time.time() < deadline:
+            interrupts.check()  # a Ctrl-C during the last trial's bookkeeping
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 optuna.storages.fail_stale_trials(study)  # heartbeats only; requeue() queues their points again
@@ -230,7 +259,8 @@ class Sweep:
                 running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
                 if not running or not is_heartbeat_enabled(storage):
                     break
-                time.sleep(min(self.params.sweep.heartbeat_s, max(0.0, deadline - time.time())))
+                with interrupts.interruptible():
+                    time.sleep(min(self.params.sweep.heartbeat_s, max(0.0, deadline - time.time())))
                 continue
             with get_heartbeat_thread(trial._trial_id, storage):
                 try:
@@ -238,6 +268,9 @@ class Sweep:
                 except Exception:  # recorded on the trial and its MLflow run; the sweep goes on
                     study.tell(trial, state=TrialState.FAIL)
                     continue
+                except KeyboardInterrupt:  # its MLflow run is KILLED already; the trial waits for the rerun
+                    fail_interrupted(study, trial)
+                    raise
             study.tell(trial, value)
         return self.failures
 
@@ -276,6 +309,86 @@ def time_limit(seconds: float | None) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+class Interrupts:
+    """Where Ctrl-C lands in a sweep process: only where stopping is clean.
+
+    Inside ``held()``, a SIGINT raises KeyboardInterrupt at once only inside ``interruptible()`` (a trial's
+    computation: nearly all of its time); anywhere else it waits for the next ``interruptible()``, ``check()``
+    or the end of the outermost ``held()``. A write to MLflow's or Optuna's store cut in the middle can leave
+    a SQLite database locked for every other process. Once one has been raised, later ones are dropped: a
+    worker receives both the terminal's Ctrl-C and the copy the sweep forwards, and its cleanup must finish.
+    """
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.open = self.pending = self.raised = False
+
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        if self.raised:
+            return
+        self.pending = True
+        if self.open:
+            self.check()
+
+    def check(self) -> None:
+        """Raise KeyboardInterrupt for a Ctrl-C held back so far."""
+        if self.pending:
+            self.pending, self.raised = False, True
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        if self.depth == 0:
+            self.pending = self.raised = False
+            previous = signal.signal(signal.SIGINT, self._on_sigint)
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if self.depth == 0:
+                signal.signal(signal.SIGINT, previous)
+        if self.depth == 0:
+            self.check()
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        self.check()
+        self.open = True
+        try:
+            yield
+        finally:
+            self.open = False
+
+
+interrupts = Interrupts()  # one per process, as its SIGINT handler is
+
+
+@contextlib.contextmanager
+def killed_on_interrupt() -> Iterator[None]:
+    """On Ctrl-C inside, end the active MLflow run KILLED: the enclosing ``with mlflow.start_run`` would mark it
+    FAILED, as for an error. Enter it inside that ``with``, so it sees the exception first."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        mlflow.end_run(status="KILLED")
+        raise
+
+
+@contextlib.contextmanager
+def stop_on_interrupt(study: optuna.Study, planned: int) -> Iterator[None]:
+    """Ctrl-C inside the sweep's parent MLflow run: end it KILLED and stop with one line saying how far the
+    study got and that a rerun resumes it (the interrupted trial is queued again by then)."""
+    with killed_on_interrupt():
+        try:
+            with interrupts.held():
+                yield
+        except KeyboardInterrupt:
+            complete = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+            raise Interrupted(f"interrupted: {complete} of {planned} trials complete; run the sweep stage again "
+                              "(make repro) to resume") from None
 
 
 class Progress:
@@ -322,18 +435,38 @@ def worker_process(args: argparse.Namespace, params: Params, index: int, threads
                    deadline: float, total: int) -> int:
     """One of ``sweep.workers`` processes on this host: ``threads`` CPU threads, or a GPU of its own where
     there are several, working the same study. Returns its count of failed trials."""
-    torch.set_num_threads(threads)
-    setup = Setup.of(params, args.data, args.env)
-    if setup.device.type == "cuda":
-        torch.cuda.set_device(index % torch.cuda.device_count())
-        set_tf32(params.sweep.allow_tf32)
-    connect_tracking(params.tracking)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.load_study(study_name=setup.study_name, storage=open_storage(params.sweep),
-                              sampler=make_sampler(params))
-    at_start = finished_count(study)
-    progress = Progress(total, label=f"worker {index}: ", count=lambda: finished_count(study) - at_start)
-    return Sweep(params, setup, parent_run_id, progress).work(study, deadline)
+    if interrupts.raised:  # Ctrl-C stopped this process's earlier call: no more work
+        raise KeyboardInterrupt
+    try:
+        with interrupts.held():
+            # Spawned with Ctrl-C blocked (work_on_this_host): one pressed while this process started arrives now.
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            interrupts.check()
+            torch.set_num_threads(threads)
+            setup = Setup.of(params, args.data, args.env)
+            if setup.device.type == "cuda":
+                torch.cuda.set_device(index % torch.cuda.device_count())
+                set_tf32(params.sweep.allow_tf32)
+            connect_tracking(params.tracking)
+            optuna.logging.set_verbosity(optuna.logging.WARNING)
+            study = optuna.load_study(study_name=setup.study_name, storage=open_storage(params.sweep),
+                                      sampler=make_sampler(params))
+            at_start = finished_count(study)
+            progress = Progress(total, label=f"worker {index}: ", count=lambda: finished_count(study) - at_start)
+            return Sweep(params, setup, parent_run_id, progress).work(study, deadline)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # idle in the pool, Ctrl-C would only make a traceback
+
+
+@contextlib.contextmanager
+def sigint_blocked() -> Iterator[None]:
+    """Hold SIGINT back in this thread and in the processes it starts meanwhile (they inherit the signal mask):
+    it stays pending until unblocked, then arrives."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def work_on_this_host(args: argparse.Namespace, params: Params, setup: Setup, study: optuna.Study,
@@ -353,13 +486,25 @@ def work_on_this_host(args: argparse.Namespace, params: Params, setup: Setup, st
           + (f", {min(workers, torch.cuda.device_count())} GPU(s)" if setup.device.type == "cuda" else ""))
     failures = 0
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(worker_process, args, params, i, threads, parent_run_id, deadline, total)
-                   for i in range(workers)]
-        for i, future in enumerate(futures):
-            try:
-                failures += future.result()
-            except Exception as err:  # a worker that died (killed, out of memory): its trial is recovered below
-                print(f"worker {i} ended abnormally: {first_line(err)}")
+        try:
+            # Workers spawn (in submit) with SIGINT blocked, so a Ctrl-C while they import torch makes no traceback:
+            # worker_process unblocks it where it stops them cleanly.
+            with sigint_blocked():
+                futures = [pool.submit(worker_process, args, params, i, threads, parent_run_id, deadline, total)
+                           for i in range(workers)]
+            with interrupts.interruptible():  # only waiting here: Ctrl-C may stop it at once
+                for i, future in enumerate(futures):
+                    try:
+                        failures += future.result()
+                    except Exception as err:  # a worker that died (killed, out of memory): recovered below
+                        print(f"worker {i} ended abnormally: {first_line(err)}")
+        except KeyboardInterrupt:
+            # A terminal's Ctrl-C reaches the workers too, a SIGINT sent to this process alone does not.
+            # Leaving the pool then waits for them to stop their trials cleanly.
+            for worker in multiprocessing.active_children():
+                with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                    os.kill(worker.pid, signal.SIGINT)
+            raise
     return failures
 
 
@@ -377,22 +522,41 @@ def join(args: argparse.Namespace, params: Params, setup: Setup, storage: optuna
     return 3 if failures and params.sweep.fail_on_trial_error else 0
 
 
-def stage(args: argparse.Namespace, params: Params) -> int:
-    if args.join and not is_rdb(params.sweep.storage):
-        raise ParamsError(f"sweep.storage: --join needs a database every machine reaches, such as "
-                          f"postgresql://user@host/db, not the journal file {params.sweep.storage} "
-                          "(one host: use sweep.workers)")
-    if not args.join:  # before measuring anything: results that cannot be written would be lost
-        check_writable(args.trials, args.comparisons, args.kernels, args.summary)
+def connect(args: argparse.Namespace, params: Params) -> tuple[Setup, optuna.storages.BaseStorage]:
+    """The sweep's setup, its study storage and the MLflow experiment, each checked before any trial runs."""
     setup = Setup.of(params, args.data, args.env)
-    device, grid, skipped, points, name = setup.device, setup.grid, setup.skipped, setup.points, setup.study_name
-    if device.type == "cuda":
+    if setup.device.type == "cuda":
         set_tf32(params.sweep.allow_tf32)
     storage = open_storage(params.sweep)
     connect_tracking(params.tracking)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return setup, storage
+
+
+def stage(args: argparse.Namespace, params: Params) -> int:
     if args.join:
-        return join(args, params, setup, storage)
+        if not is_rdb(params.sweep.storage):
+            raise ParamsError(f"sweep.storage: --join needs a database every machine reaches, such as "
+                              f"postgresql://user@host/db, not the journal file {params.sweep.storage} "
+                              "(one host: use sweep.workers)")
+        return join(args, params, *connect(args, params))
+    # Before measuring anything: results that cannot be written would be lost, and a mistyped path must not
+    # replace a file the sweep did not write.
+    root = project_root(Path(args.params).parent)
+    for key, kind in WRITTEN.items():
+        check_output(getattr(args, key), kind, root=root, what=f"--{key}")
+    check_writable(*(getattr(args, key) for key in WRITTEN))
+    if is_rdb(params.sweep.storage):
+        return run_sweep(args, params)
+    check_output(params.sweep.storage, JOURNAL, root=root, what="sweep.storage")
+    with hold_journal(params.sweep.storage):
+        return run_sweep(args, params)
+
+
+def run_sweep(args: argparse.Namespace, params: Params) -> int:
+    """The sweep stage proper: queue the grid, work it on this host, write the tables."""
+    setup, storage = connect(args, params)
+    device, grid, skipped, points, name = setup.device, setup.grid, setup.skipped, setup.points, setup.study_name
     study = optuna.create_study(study_name=name, storage=storage, sampler=make_sampler(params),
                                 direction="minimize", load_if_exists=True)
     for s in skipped:
@@ -402,7 +566,8 @@ def stage(args: argparse.Namespace, params: Params) -> int:
     parent_id = study.user_attrs.get("mlflow_parent_run_id")
     if parent_id and not mlflow_run_exists(parent_id):  # a new or emptied tracking store: a new parent run
         parent_id = None
-    with mlflow.start_run(run_id=parent_id, run_name=None if parent_id else name, tags=tags) as parent:
+    with (mlflow.start_run(run_id=parent_id, run_name=None if parent_id else name, tags=tags) as parent,
+          stop_on_interrupt(study, planned_count(params, points))):
         study.set_user_attr("mlflow_parent_run_id", parent.info.run_id)
         mlflow.log_params({"grid": json.dumps(grid), "skipped": json.dumps([asdict(s) for s in skipped], default=str)})
         mlflow.set_tags({f"env.{k}": str(v) for k, v in setup.fingerprint.items()}
@@ -465,8 +630,7 @@ def main(argv: list[str] | None = None) -> int:
                              "a database URL); writes no tables")
     parser.add_argument("--wait-s", type=float, default=600, help="--join: how long to wait for the study to appear")
     args = parser.parse_args(argv)
-    outputs = ("trials", "comparisons", "kernels", "summary")
-    if not args.join and (missing := [f"--{k}" for k in outputs if getattr(args, k) is None]):
+    if not args.join and (missing := [f"--{k}" for k in WRITTEN if getattr(args, k) is None]):
         parser.error(f"the following arguments are required: {', '.join(missing)}")
     return run_stage(stage, parser, argv)
 

@@ -11,13 +11,17 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from rcnn.data import Sample, device_batches, read_coco, synthetic_samples
-from rcnn.heads import HEADS, build_box_head
-from rcnn.knobs import (AMP_DTYPES, Knobs, autocast, backend_flags, grad_scaler, memory_format, resolve_device,
-                        why_not, why_not_together)
+from rcnn.cli import Parser
+from rcnn.data import NUM_IMAGES, Sample, device_batches, read_coco, synthetic_samples
+from rcnn.heads import HEAD, build_box_head
+from rcnn.knobs import (AMP, BATCH_SIZE, DEVICE, Knobs, autocast, backend_flags, grad_scaler, memory_format,
+                        resolve_device, why_not, why_not_together)
 from rcnn.kernels import capture, head_backward_table
-from rcnn.model import BACKBONE_CHANNELS, BACKBONES, ROI_RESOLUTION, DetectorConfig, build_detector
-from rcnn.timing import Clock, ModuleSpanProbe, PeakMemory, Stats, TimingPolicy, median_precision, summarize
+from rcnn.model import (BACKBONE, BACKBONE_CHANNELS, IMAGE_SIZE, REPRESENTATION_SIZE, ROI_RESOLUTION, ROIS_PER_IMAGE,
+                        DetectorConfig, build_detector)
+from rcnn.rules import at_least
+from rcnn.timing import (ITERATIONS, MAX_ITERATIONS, REL_PRECISION, WARMUP, Clock, ModuleSpanProbe, PeakMemory, Stats,
+                         TimingPolicy, median_precision, summarize)
 
 PHASES = ("forward", "backward", "optimizer", "step", "head_forward", "head_backward")
 WATCHED = ("backward", "head_backward")  # measuring stops once these medians are known to the set precision
@@ -183,35 +187,47 @@ def isolated_head_ms(config: DetectorConfig, knobs: Knobs, *, rois: int, device:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m rcnn.bench", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--head", choices=list(HEADS), default="conv", help="box head to time")
-    p.add_argument("--batch-size", type=int, default=2, help="images per training step")
-    p.add_argument("--amp", choices=list(AMP_DTYPES), default="off", help="autocast dtype (fp16 adds GradScaler)")
+    # Each value is checked by the library's Rule for it, the one params.yaml's key uses: same limits, same words.
+    p = Parser(prog="python -m rcnn.bench", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--head", type=HEAD.arg(), metavar=HEAD.metavar, default="conv", help="box head to time")
+    p.add_argument("--batch-size", type=BATCH_SIZE.arg(int), default=2, help="images per training step")
+    p.add_argument("--amp", type=AMP.arg(), metavar=AMP.metavar, default="off",
+                   help="autocast dtype (fp16 adds GradScaler)")
     p.add_argument("--channels-last", action="store_true", help="model (and so its activations) in NHWC")
     p.add_argument("--cudnn-benchmark", action="store_true", help="let cuDNN autotune conv algorithms (CUDA only)")
     p.add_argument("--no-onednn", action="store_true", help="CPU: disable oneDNN (torch.backends.mkldnn)")
-    p.add_argument("--backbone", choices=list(BACKBONES), default="resnet18_fpn", help="detector backbone")
-    p.add_argument("--image-size", type=int, default=256, help="square input size in pixels")
-    p.add_argument("--rois-per-image", type=int, default=128, help="RoIs sampled per image for the box head")
-    p.add_argument("--representation-size", type=int, default=1024, help="box head width")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--warmup", type=int, default=2, help="least untimed steps; more until step times settle")
-    p.add_argument("--iterations", type=int, default=5, help="least timed steps")
-    p.add_argument("--max-iterations", type=int, default=30, help="most timed steps")
-    p.add_argument("--rel-precision", type=float, default=0.05,
+    p.add_argument("--backbone", type=BACKBONE.arg(), metavar=BACKBONE.metavar, default="resnet18_fpn",
+                   help="detector backbone")
+    p.add_argument("--image-size", type=IMAGE_SIZE.arg(int), default=256, help="square input size in pixels")
+    p.add_argument("--rois-per-image", type=ROIS_PER_IMAGE.arg(int), default=128,
+                   help="RoIs sampled per image for the box head")
+    p.add_argument("--representation-size", type=REPRESENTATION_SIZE.arg(int), default=1024, help="box head width")
+    p.add_argument("--device", type=DEVICE.arg(), metavar=DEVICE.metavar, default="auto",
+                   help="auto picks CUDA when there is a GPU")
+    p.add_argument("--warmup", type=WARMUP.arg(int), default=2,
+                   help="least untimed steps; more until step times settle")
+    p.add_argument("--iterations", type=ITERATIONS.arg(int), default=5, help="least timed steps")
+    p.add_argument("--max-iterations", type=MAX_ITERATIONS.arg(int), default=30,
+                   help="most timed steps (>= --iterations)")
+    p.add_argument("--rel-precision", type=REL_PRECISION.arg(float), default=0.05,
                    help="stop once the backward medians' 95%% CI half-width is this fraction of the median")
     p.add_argument("--data", help="a COCO-format folder; default: synthetic images made in memory")
-    p.add_argument("--num-images", type=int, default=8, help="synthetic images (ignored with --data)")
+    p.add_argument("--num-images", type=NUM_IMAGES.arg(int), default=8, help="synthetic images (ignored with --data)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:  # as timing.max_iterations in params.yaml: a bound below its floor is refused, not ignored
+        at_least(args.max_iterations, args.iterations, "--max-iterations", "--iterations")
+    except ValueError as err:
+        parser.error(str(err))
     try:
         device = resolve_device(args.device)
         if args.data:
-            samples, num_classes = read_coco(args.data, image_size=args.image_size)
+            coco = read_coco(args.data, image_size=args.image_size)
+            samples, num_classes = coco.samples, coco.num_classes
         else:
             num_classes = 4
             samples = synthetic_samples(num_images=args.num_images, image_size=args.image_size,
@@ -223,8 +239,10 @@ def main(argv: list[str] | None = None) -> int:
                       batch_size=args.batch_size,
                       cudnn_benchmark=args.cudnn_benchmark if device.type == "cuda" else None,
                       onednn=not args.no_onednn if device.type == "cpu" else None)
-        policy = TimingPolicy(warmup=args.warmup, iterations=args.iterations,
-                              max_iterations=max(args.iterations, args.max_iterations), rel_precision=args.rel_precision)
+        # No --max-warmup: the default cap, raised to --warmup so that stays the least number of warm-up steps.
+        policy = TimingPolicy(warmup=args.warmup, max_warmup=max(args.warmup, TimingPolicy.max_warmup),
+                              iterations=args.iterations, max_iterations=args.max_iterations,
+                              rel_precision=args.rel_precision)
         result = run_trial(config, knobs, samples, device=device, policy=policy)
     except (ValueError, FloatingPointError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from rcnn.rules import Rule
+
 
 class Conv2dAsLinear(nn.Conv2d):
     """An ``nn.Conv2d`` for inputs exactly as large as its kernel, computed as one matrix product.
@@ -109,6 +111,7 @@ HEADS: dict[str, Callable[..., tuple[nn.Module, nn.Module]]] = {
     "conv": conv_head,
     "conv_as_linear": conv_as_linear_head,
 }
+HEAD = Rule(choices=HEADS)
 
 
 def build_box_head(name: str, *, in_channels: int, resolution: int, representation_size: int,

@@ -7,10 +7,15 @@ from typing import Any, Iterator
 
 import torch
 
+from rcnn.rules import Rule
+
 AMP_DTYPES = {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 KNOB_NAMES = ("head", "cudnn_benchmark", "onednn", "amp", "channels_last", "batch_size")
 # Backend switches, each used on one device type only: knob -> (device type, backend).
 DEVICE_KNOBS = {"cudnn_benchmark": ("cuda", "cuDNN"), "onednn": ("cpu", "oneDNN")}
+AMP = Rule(choices=AMP_DTYPES)
+BATCH_SIZE = Rule(minimum=1)
+DEVICE = Rule(choices=("auto", "cpu", "cuda"))  # resolve_device's names
 
 
 @dataclass(frozen=True)
@@ -36,9 +41,7 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but torch sees no CUDA GPU; use 'cpu' or 'auto'")
-    if name not in ("cpu", "cuda"):
-        raise ValueError(f"unknown device {name!r}; allowed: auto, cpu, cuda")
-    return torch.device(name)
+    return torch.device(DEVICE.check(name, "device"))
 
 
 def cpu_has_native_bf16() -> bool:

@@ -10,6 +10,7 @@ from torchvision.models.detection.backbone_utils import mobilenet_backbone, resn
 from torchvision.ops import MultiScaleRoIAlign
 
 from rcnn.heads import build_box_head
+from rcnn.rules import Rule
 
 ROI_RESOLUTION = 7  # the pooled RoI grid: the conv head's kernel size
 BACKBONE_CHANNELS = 256  # every FPN backbone here outputs 256 channels per level
@@ -46,6 +47,12 @@ BACKBONES = {
     "resnet18_fpn": lambda: _resnet_fpn(18),
     "mobilenet_v3_fpn": _mobilenet_v3_fpn,
 }
+
+# What DetectorConfig's fields allow, checked where they are given (params.yaml, command lines).
+BACKBONE = Rule(choices=BACKBONES)
+IMAGE_SIZE = Rule(minimum=64, multiple_of=32)  # FPN strides need a multiple of 32
+ROIS_PER_IMAGE = Rule(minimum=1)
+REPRESENTATION_SIZE = Rule(minimum=1)
 
 
 def build_detector(config: DetectorConfig, head: str) -> FasterRCNN:

@@ -10,6 +10,8 @@ import scipy.stats
 import torch
 from torch import nn
 
+from rcnn.rules import Rule
+
 
 class Clock:
     """Timestamps on the device's timeline: CUDA events on the current stream, ``perf_counter`` on CPU.
@@ -133,6 +135,16 @@ class TimingPolicy:
         if n < self.iterations:
             return False
         return n >= self.max_iterations or elapsed_s >= self.max_seconds or self.precision_met(watched)
+
+
+# What TimingPolicy's fields allow, checked where they are given (params.yaml, command lines).
+WARMUP = Rule(minimum=0)
+MAX_WARMUP = Rule(minimum=0)
+ITERATIONS = Rule(minimum=1)
+MAX_ITERATIONS = Rule(minimum=1)
+MAX_SECONDS = Rule(minimum=0.001)
+REL_PRECISION = Rule(minimum=0.0001)
+FLOORS = {"max_warmup": "warmup", "max_iterations": "iterations"}  # a bound below its floor would be ignored
 
 
 BACKWARD_RANGE = "{label}.backward"  # the torch.profiler range ModuleSpanProbe opens around the chain's backward

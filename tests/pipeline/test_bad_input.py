@@ -1,7 +1,10 @@
 """Bad input, catalogued: each case stops the sweep stage with one line naming the key or file and what is
 allowed, a non-zero exit, and the results of an earlier run left as they were."""
+import http.server
 import json
 import shutil
+import threading
+import time
 
 import pytest
 from PIL import Image
@@ -11,6 +14,8 @@ from tests.conftest import write_tiny_params
 
 OUTPUTS = {"trials": "trials.csv", "comparisons": "comparisons.csv", "kernels": "kernels.csv",
            "summary": "summary.json"}
+EARLIER = {"trials": "trial,status,mlflow_run_id\n0,complete,abc\n", "comparisons": "numerator,denominator,phase,ratio\n",
+           "kernels": "trial,kind,name,ms\n", "summary": '{"trials": 1, "complete": 1}\n'}  # as the sweep writes them
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +68,8 @@ def join_without_database(ws):
     ws["extra"] = ["--join"]
 
 
+SECRET = "hunter2-0451-pw"  # a password some cases put in params: no error line may show it
+
 CASES = [  # id, params override, what is done to the files, what the one line must say
     ("wrong-type", {"timing": {"iterations": "5"}}, None, "timing.iterations: expected int, got '5'"),
     ("unknown-key", {"sweep": {"wrokers": 2}}, None, "sweep.wrokers: unknown key; allowed: device"),
@@ -77,6 +84,15 @@ CASES = [  # id, params override, what is done to the files, what the one line m
      "sweep.storage: cannot open postgresql://rcnn@127.0.0.1:1/none"),
     ("unreachable-tracking", {"tracking": {"mlflow_uri": "http://127.0.0.1:1"}}, None,
      "tracking.mlflow_uri: no MLflow server answers at http://127.0.0.1:1"),
+    ("password-in-storage", {"sweep": {"storage": f"postgresql://rcnn:{SECRET}@127.0.0.1:1/none"}}, None,
+     "sweep.storage: the URL holds a password, and params values are recorded in dvc.lock"),
+    ("password-query-in-storage", {"sweep": {"storage": f"postgresql://rcnn@127.0.0.1:1/none?password={SECRET}"}},
+     None, "sweep.storage: the URL holds a password"),
+    ("password-in-tracking", {"tracking": {"mlflow_uri": f"http://rcnn:{SECRET}@127.0.0.1:1"}}, None,
+     "(and so in git); remove it from the URL and pass it in the environment variables MLFLOW_TRACKING_USERNAME and "
+     "MLFLOW_TRACKING_PASSWORD instead"),
+    ("password-in-tracking-database", {"tracking": {"mlflow_uri": f"postgresql://rcnn:{SECRET}@127.0.0.1:1/mlflow"}},
+     None, "tracking.mlflow_uri: the URL holds a password"),
     ("join-without-database", {}, join_without_database, "sweep.storage: --join needs a database"),
     ("unwritable-output", {}, unwritable_output, "a-file/trials.csv: cannot write there"),
     ("corrupt-annotations", {}, corrupt_annotations, "annotations.json: not COCO format"),
@@ -97,7 +113,7 @@ def test_bad_input_stops_with_one_line_and_keeps_earlier_results(tmp_path, tiny_
     earlier = {}
     for key, name in OUTPUTS.items():  # an earlier run's results
         ws[key] = tmp_path / name
-        ws[key].write_text(f"earlier {key}\n")
+        ws[key].write_text(EARLIER[key])
         earlier[ws[key]] = ws[key].read_text()
     if damage:
         damage(ws)
@@ -110,8 +126,59 @@ def test_bad_input_stops_with_one_line_and_keeps_earlier_results(tmp_path, tiny_
     err = capsys.readouterr().err
     assert code == 2
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert SECRET not in err
     assert {path: path.read_text() for path in earlier} == earlier
 
 
 def test_the_catalogue_holds_at_least_15_bad_inputs():
     assert len(CASES) >= 15
+
+
+class AuthenticatingServer(http.server.BaseHTTPRequestHandler):
+    """An MLflow server with authentication on, as the sweep stage meets it: /health answers anyone (as
+    MLflow's does), every other request gets 401 (a stand-in: MLflow's own is started in test_scale_out)."""
+
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path == "/health" else 401)
+        self.end_headers()
+        self.wfile.write(b"OK" if self.path == "/health" else b"You are not authenticated.")
+
+    do_POST = do_GET
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def authenticating_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), AuthenticatingServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+@pytest.mark.parametrize("user, sent", [(None, "a request without credentials"),
+                                        ("sweep", "the credentials of user sweep")])
+def test_a_tracking_server_refusing_the_credentials_stops_the_sweep_at_once(tmp_path, tiny_params, prepared, capsys,
+                                                                            monkeypatch, authenticating_server,
+                                                                            user, sent):
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.delenv(name, raising=False)
+    if user:
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", user)
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", SECRET)
+    params = tiny_params({"tracking": {"mlflow_uri": authenticating_server}})
+    argv = ["--params", str(params), "--data", str(prepared / "data"), "--env", str(prepared / "env.json"),
+            *[a for key, name in OUTPUTS.items() for a in (f"--{key}", str(tmp_path / name))]]
+    capsys.readouterr()
+    started = time.monotonic()
+
+    code = sweep.main(argv)
+
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and SECRET not in err, err
+    assert err == (f"error: tracking.mlflow_uri: the MLflow server at {authenticating_server} refused {sent} "
+                   "(HTTP 401); set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD to a user of that server\n")
+    assert time.monotonic() - started < 30  # no MLflow retries
+    journal = tmp_path / "optuna.journal"
+    assert not (journal.exists() and journal.read_bytes()) and not (tmp_path / "trials.csv").exists()  # no study made

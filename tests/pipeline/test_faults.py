@@ -31,22 +31,37 @@ def prepare(tmp_path, tiny_params, override):
 
 
 def kill_mid_trial(proc: subprocess.Popen, trials: Callable[[], list[optuna.trial.FrozenTrial]],
-                   timeout_s: float = 240) -> list[optuna.trial.FrozenTrial]:
-    """SIGKILL ``proc`` in the middle of a trial, once ``trials()`` (its trials) holds a completed and a
-    running one; returns them as last seen."""
+                   timeout_s: float = 240, send: Callable[[int], None] | None = None) -> list[optuna.trial.FrozenTrial]:
+    """SIGKILL ``proc`` (or call ``send(pid)`` instead) in the middle of a trial, once ``trials()`` (its trials)
+    holds a completed one and a running one whose MLflow run has started; waits for ``proc`` to end and
+    returns the trials as last seen."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         seen = trials()
-        states = {t.state for t in seen}
-        if optuna.trial.TrialState.COMPLETE in states and optuna.trial.TrialState.RUNNING in states:
+        if (any(t.state == optuna.trial.TrialState.COMPLETE for t in seen)
+                and any(t.state == optuna.trial.TrialState.RUNNING and "mlflow_run_id" in t.user_attrs for t in seen)):
             break
         time.sleep(0.2)
     else:
         proc.kill()
         pytest.fail("the process never had a completed and a running trial at once")
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    (send or (lambda pid: os.kill(pid, signal.SIGKILL)))(proc.pid)
+    proc.wait(timeout=240)
     return seen
+
+
+def journal_study(folder) -> optuna.Study | None:
+    """The study in ``folder``'s journal, once the sweep has created it."""
+    if not (folder / "optuna.journal").exists():
+        return None
+    storage = JournalStorage(JournalFileBackend(str(folder / "optuna.journal")))
+    names = optuna.get_all_study_names(storage)
+    return optuna.load_study(study_name=names[0], storage=storage) if names else None
+
+
+def journal_trials(folder) -> list[optuna.trial.FrozenTrial]:
+    study = journal_study(folder)
+    return study.trials if study else []
 
 
 def runs(tmp_path):
@@ -60,13 +75,8 @@ def test_killed_sweep_resumes_without_losing_or_repeating_a_trial(tmp_path, tiny
     args = prepare(tmp_path, tiny_params, SLOW | {"sweep": SLOW["sweep"] | {"space": {"batch_size": [1, 2]}}})
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.sweep", *args], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    storage = JournalStorage(JournalFileBackend(str(tmp_path / "optuna.journal")))
-
-    def trials():
-        names = optuna.get_all_study_names(storage) if (tmp_path / "optuna.journal").exists() else []
-        return optuna.load_study(study_name=names[0], storage=storage).trials if names else []
-
-    before = sum(t.state == optuna.trial.TrialState.COMPLETE for t in kill_mid_trial(proc, trials))
+    seen = kill_mid_trial(proc, lambda: journal_trials(tmp_path))
+    before = sum(t.state == optuna.trial.TrialState.COMPLETE for t in seen)
 
     assert sweep.main(args) == 0
     trials = read_trials(tmp_path / "trials.csv")
@@ -81,6 +91,77 @@ def test_killed_sweep_resumes_without_losing_or_repeating_a_trial(tmp_path, tiny
     assert before >= 1
     print(f"killed with {before} trial(s) complete; after the resume {len(done)} complete, "
           f"{len(interrupted)} interrupted, {len(children)} child runs, {done.duplicated(['head', 'batch_size']).sum()} duplicates")
+
+
+CTRL_C = {  # how Ctrl-C reaches the sweep: a terminal signals its whole process group
+    "one-process": (1, lambda pid: os.killpg(pid, signal.SIGINT)),
+    "two-workers": (2, lambda pid: os.killpg(pid, signal.SIGINT)),
+    "two-workers-main-only": (2, lambda pid: os.kill(pid, signal.SIGINT)),  # the sweep passes it on
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers, send", CTRL_C.values(), ids=CTRL_C.keys())
+def test_ctrl_c_stops_with_one_line_and_the_rerun_resumes(tmp_path, tiny_params, capsys, workers, send):
+    args = prepare(tmp_path, tiny_params, SLOW | {"sweep": SLOW["sweep"] | {
+        "workers": workers, "space": {"batch_size": [1, 2]}}})  # 4 points
+    with (tmp_path / "stderr.txt").open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline.sweep", *args], cwd=ROOT, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=stderr)
+        # SIGINT lands while a trial measures (nearly all of its time; during its bookkeeping it would wait).
+        kill_mid_trial(proc, lambda: journal_trials(tmp_path), timeout_s=600, send=send)
+    err = (tmp_path / "stderr.txt").read_text()
+    study = journal_study(tmp_path)
+    states = [t.state for t in study.trials]
+    complete = states.count(optuna.trial.TrialState.COMPLETE)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert err.splitlines()[-1] == (f"interrupted: {complete} of 4 trials complete; run the sweep stage again "
+                                    "(make repro) to resume")
+    # The stopped trials: failed as interrupted, their MLflow runs KILLED (a worker stopped before its trial's
+    # run started has none), none FAILED or left RUNNING, their points queued again at once.
+    stopped = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
+    assert 1 <= len(stopped) <= workers and all(t.user_attrs["error"] == "interrupted (Ctrl-C)" for t in stopped)
+    killed = {t.user_attrs["mlflow_run_id"] for t in stopped if "mlflow_run_id" in t.user_attrs}
+    children = runs(tmp_path)
+    assert killed and set(children.loc[children["status"] == "KILLED", "run_id"]) == killed
+    assert children["status"].isin(["FINISHED", "KILLED"]).all()
+    assert mlflow.get_run(study.user_attrs["mlflow_parent_run_id"]).info.status == "KILLED"
+    assert states.count(optuna.trial.TrialState.WAITING) == 4 - complete
+    assert optuna.trial.TrialState.RUNNING not in states
+
+    capsys.readouterr()
+    assert sweep.main(args) == 0
+    assert "was interrupted" not in capsys.readouterr().out  # nothing left running for recover_interrupted
+    trials = read_trials(tmp_path / "trials.csv")
+    done = trials[trials["status"] == "complete"]
+    assert len(done) == 4 and not done.duplicated(["head", "batch_size"]).any()  # every point once
+    assert trials.loc[trials["status"] == "failed", "error"].eq("interrupted (Ctrl-C)").sum() == len(stopped)
+    children = runs(tmp_path)
+    assert children["status"].isin(["FINISHED", "KILLED"]).all()
+    print(f"{workers} worker(s): Ctrl-C with {complete} complete, {len(stopped)} trial(s) stopped; after the "
+          f"resume {len(done)} complete, {len(children)} child runs")
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_workers_start_stops_them_at_once(tmp_path, tiny_params):
+    args = prepare(tmp_path, tiny_params, SLOW | {"sweep": SLOW["sweep"] | {
+        "workers": 2, "space": {"batch_size": [1, 2]}}})
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.sweep", *args], cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("2 workers"):  # spawning them next: they import torch for seconds
+            time.sleep(1)
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and err.splitlines()[-1].startswith("interrupted: 0 of 4 trials complete"), err
+    assert "trial" not in out  # no worker started a trial after the Ctrl-C reached it
+    study = journal_study(tmp_path)
+    assert {t.state for t in study.trials} == {optuna.trial.TrialState.WAITING}
+    assert runs(tmp_path).empty  # (runs() points MLflow at the sweep's store)
+    assert mlflow.get_run(study.user_attrs["mlflow_parent_run_id"]).info.status == "KILLED"
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 import pytest
 
 from pipeline.params import Params, ParamsError, load_params, parse_params
+from rcnn import bench
 from tests.conftest import ROOT
 
 
@@ -62,3 +63,78 @@ def test_bad_files_name_the_file(tmp_path):
     bad.write_text("sweep: {device: tpu}")
     with pytest.raises(ParamsError, match="bad.yaml: sweep.device"):
         load_params(bad)
+
+
+# The same bad value in params.yaml and on rcnn.bench's command line: params key, option, value.
+SAME_RULE = [("model.image_size", "--image-size", 100), ("sweep.space.batch_size", "--batch-size", [0]),
+             ("model.rois_per_image", "--rois-per-image", 0), ("model.backbone", "--backbone", "vgg16"),
+             ("model.representation_size", "--representation-size", 0), ("timing.warmup", "--warmup", -1),
+             ("timing.iterations", "--iterations", 0), ("timing.rel_precision", "--rel-precision", 0),
+             ("data.num_images", "--num-images", 0), ("sweep.device", "--device", "tpu"),
+             ("sweep.space.head", "--head", ["mlp"]), ("sweep.space.amp", "--amp", ["fp8"])]
+
+
+@pytest.mark.parametrize("key, option, value", SAME_RULE, ids=[k for k, _, _ in SAME_RULE])
+def test_params_and_the_bench_command_word_a_bad_value_alike(capsys, key, option, value):
+    raw: dict = {}
+    *sections, name = key.split(".")
+    node = raw
+    for section in sections:
+        node = node.setdefault(section, {})
+    node[name] = value
+    with pytest.raises(ParamsError) as err:
+        parse_params(raw)
+    with pytest.raises(SystemExit):
+        bench.main([option, str(value[0] if isinstance(value, list) else value)])
+    assert capsys.readouterr().err == "error: " + str(err.value).replace(key, option, 1) + "\n"
+
+
+def test_a_bound_below_its_floor_is_worded_alike(capsys):
+    with pytest.raises(ParamsError) as err:
+        parse_params({"timing": {"iterations": 10, "max_iterations": 5}})
+    with pytest.raises(SystemExit):
+        bench.main(["--iterations", "10", "--max-iterations", "5"])
+    words = str(err.value).replace("timing.max_iterations", "--max-iterations").replace("timing.iterations",
+                                                                                         "--iterations")
+    assert capsys.readouterr().err == f"error: {words}\n"
+
+
+PASSWORD = "s3cret-Pw-0451"
+EMBEDDED = [  # key, a value holding PASSWORD, where the message says the password goes instead
+    ("sweep.storage", f"postgresql://rcnn:{PASSWORD}@dbhost:5432/optuna", "PGPASSWORD or a ~/.pgpass entry"),
+    ("sweep.storage", f"postgresql+psycopg://rcnn@dbhost/optuna?sslmode=require&password={PASSWORD}", "PGPASSWORD"),
+    ("tracking.mlflow_uri", f"http://rcnn:{PASSWORD}@trackhost:5000",
+     "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"),
+    ("tracking.mlflow_uri", f"https://rcnn:{PASSWORD}@trackhost", "MLFLOW_TRACKING_PASSWORD"),
+    ("tracking.mlflow_uri", f"postgresql://rcnn:{PASSWORD}@dbhost/mlflow", "PGPASSWORD"),
+    ("tracking.mlflow_uri", f"mysql+pymysql://rcnn:{PASSWORD}@dbhost/mlflow", "the database driver's password file"),
+]
+
+
+@pytest.mark.parametrize("key, value, where", EMBEDDED, ids=[f"{k}-{v.split(':')[0]}" for k, v, _ in EMBEDDED])
+def test_a_url_holding_a_password_is_refused_without_echoing_it(key, value, where):
+    section, name = key.split(".")
+    with pytest.raises(ParamsError) as err:
+        parse_params({section: {name: value}})
+    message = str(err.value)
+    assert message.startswith(f"{key}: the URL holds a password") and "dvc.lock" in message and where in message
+    assert PASSWORD not in message and "dbhost" not in message and "\n" not in message  # neither it nor the URL
+
+
+def test_the_password_check_comes_before_every_other(tmp_path):
+    bad = tmp_path / "params.yaml"  # another bad key in the same section, and the file's name in front
+    bad.write_text(f"sweep: {{storage: 'postgresql://rcnn:{PASSWORD}@dbhost/optuna', workers: 0, wrokers: 1}}")
+    with pytest.raises(ParamsError) as err:
+        load_params(bad)
+    assert str(err.value) == (f"{bad}: sweep.storage: the URL holds a password, and params values are recorded in "
+                              "dvc.lock (and so in git); remove it from the URL and pass it in the environment "
+                              "variable PGPASSWORD or a ~/.pgpass entry instead")
+
+
+@pytest.mark.parametrize("key, value", [
+    ("sweep.storage", "postgresql://rcnn@dbhost:5432/optuna?sslmode=require&passfile=/etc/rcnn/pgpass"),
+    ("sweep.storage", "optuna.journal"), ("sweep.storage", "/srv/sweeps/user:name@host/optuna.journal"),
+    ("tracking.mlflow_uri", "http://rcnn@trackhost:5000"), ("tracking.mlflow_uri", "sqlite:///mlflow.db")])
+def test_urls_without_a_password_are_kept(key, value):
+    section, name = key.split(".")
+    assert getattr(getattr(parse_params({section: {name: value}}), section), name) == value

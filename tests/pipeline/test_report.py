@@ -91,10 +91,12 @@ def test_missing_or_malformed_results_give_one_line(tmp_path, tiny_params, damag
     assert not (tmp_path / "out" / "report.md").exists()
 
 
-def test_compare_two_machines(tmp_path):
+def test_compare_two_machines(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the project: compare writes inside it
     fast, slow = write_results(tmp_path / "fast", scale=0.5), write_results(tmp_path / "slow", scale=1.0)
     out = tmp_path / "compare"
     assert compare.main([str(slow), str(fast), "--out", str(out)]) == 0
+    assert compare.main([str(slow), str(fast), "--out", str(out)]) == 0  # its own files it replaces
     text = (out / "compare.md").read_text()
     assert text.count("conv / linear head backward") == 1 and (out / "figures" / "head_backward_by_machine.png").exists()
     table = pd.read_csv(out / "head_backward_by_machine.csv").set_index("head")

@@ -1,11 +1,17 @@
 """One study, several workers: processes on one host (journal file), and machines on PostgreSQL with an MLflow
-tracking server, where a worker killed mid-trial has its point re-run through Optuna's heartbeats."""
+tracking server, where a worker killed mid-trial has its point re-run through Optuna's heartbeats. Both servers
+ask for passwords, which reach the processes through the environment only and are written nowhere."""
+import base64
 import os
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 
 import mlflow
 import optuna
+import psycopg
 import pytest
 
 from pipeline import sweep
@@ -43,20 +49,41 @@ def study_trials(url):
     return optuna.load_study(study_name=names[0], storage=storage).get_trials(deepcopy=False) if names else []
 
 
+def completed(url):
+    return sum(t.state == optuna.trial.TrialState.COMPLETE for t in study_trials(url))
+
+
+def secret_hits(blobs: dict[str, bytes], secrets: list[str]) -> dict[str, int]:
+    """How often any of ``secrets`` occurs in each blob, by name."""
+    return {name: sum(blob.count(s.encode()) for s in secrets) for name, blob in blobs.items()}
+
+
 @pytest.mark.slow
-def test_two_machines_on_postgresql_and_an_mlflow_server(tmp_path, tiny_params):
-    with postgres(("optuna", "mlflow")) as db, mlflow_server(db["mlflow"], tmp_path / "artifacts") as tracking:
+def test_two_machines_on_postgresql_and_an_mlflow_server(tmp_path, tiny_params, monkeypatch):
+    with postgres(("optuna", "mlflow")) as db, \
+            mlflow_server(db.urls["mlflow"], tmp_path / "artifacts", env=db.env) as tracking:
+        # Both servers refuse a client without credentials (MLflow's /health alone stays open).
+        monkeypatch.delenv("PGPASSWORD", raising=False)
+        with pytest.raises(psycopg.OperationalError, match="password"):
+            psycopg.connect(db.urls["optuna"], connect_timeout=10).close()
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{tracking.uri}/api/2.0/mlflow/experiments/search?max_results=1", timeout=10)
+        assert refused.value.code == 401
+        # Every process here and below gets the credentials through its environment only, as a machine does.
+        for name, value in (db.env | tracking.env).items():
+            monkeypatch.setenv(name, value)
         args = prepare(tmp_path, tiny_params, SLOW | {
-            "sweep": SLOW["sweep"] | {"storage": db["optuna"], "heartbeat_s": 1, "space": GRID},
-            "tracking": {"mlflow_uri": tracking}})
+            "sweep": SLOW["sweep"] | {"storage": db.urls["optuna"], "heartbeat_s": 1, "space": GRID},
+            "tracking": {"mlflow_uri": tracking.uri}})
         # Two "machines": the sweep stage, and a second worker joining its study.
         first = subprocess.Popen([sys.executable, "-m", "pipeline.sweep", *args], cwd=ROOT,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        second = subprocess.Popen([sys.executable, "-m", "pipeline.sweep", *args[:6], "--join", "--wait-s", "120"],
-                                  cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with open(tmp_path / "second.log", "w") as second_log:  # searched for secrets with tmp_path below
+            second = subprocess.Popen([sys.executable, "-m", "pipeline.sweep", *args[:6], "--join", "--wait-s", "120"],
+                                      cwd=ROOT, stdout=second_log, stderr=subprocess.STDOUT)
         mark = f":{second.pid}"
         try:  # kill the second in a trial, after it completed one
-            kill_mid_trial(second, lambda: [t for t in study_trials(db["optuna"])
+            kill_mid_trial(second, lambda: [t for t in study_trials(db.urls["optuna"])
                                             if t.user_attrs.get("worker", "").endswith(mark)], timeout_s=300)
         except BaseException:
             first.kill()
@@ -73,7 +100,7 @@ def test_two_machines_on_postgresql_and_an_mlflow_server(tmp_path, tiny_params):
         assert killed["error"].str.contains("interrupted").all()
         assert points(killed).isin(points(done)).all()  # its point re-run by the first machine
 
-        mlflow.set_tracking_uri(tracking)
+        mlflow.set_tracking_uri(tracking.uri)
         runs = mlflow.search_runs(experiment_names=["test"])
         children = runs[runs["tags.trial"].notna()].set_index("run_id")
         assert children.index.is_unique and set(done["mlflow_run_id"]) <= set(children.index)
@@ -82,3 +109,31 @@ def test_two_machines_on_postgresql_and_an_mlflow_server(tmp_path, tiny_params):
         assert len(children) == 9  # 8 complete + the killed one: nothing logged twice
         print(f"2 machines: {done['worker'].value_counts().tolist()} complete trials each, 1 killed mid-trial and "
               f"re-run, {points(done).duplicated().sum()} duplicates, {len(children)} child runs")
+
+        # A wrong MLflow password stops the sweep stage at once with one line, before the study is touched.
+        before, results = completed(db.urls["optuna"]), (tmp_path / "trials.csv").read_bytes()
+        started = time.monotonic()
+        wrong = subprocess.run([sys.executable, "-m", "pipeline.sweep", *args], cwd=ROOT, capture_output=True,
+                               text=True, timeout=120,
+                               env=os.environ | {"MLFLOW_TRACKING_PASSWORD": "not-the-password"})
+        took = time.monotonic() - started
+        assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1, wrong.stderr
+        assert wrong.stderr.startswith(f"error: tracking.mlflow_uri: the MLflow server at {tracking.uri} refused "
+                                       f"the credentials of user {tracking.username} (HTTP 401)"), wrong.stderr
+        assert took < 60  # no minutes of MLflow retries
+        assert completed(db.urls["optuna"]) == before == 8 and (tmp_path / "trials.csv").read_bytes() == results
+        print(f"wrong MLflow password: exit 2 after {took:.1f} s, {before} completed trials kept; "
+              f"{wrong.stderr.strip()}")
+
+        # No password anywhere: the project's files (params, data, results, the artifact store, the server and
+        # worker logs), the processes' output, the MLflow runs' params and tags, the database server's log.
+        secrets = [db.password, tracking.password, tracking.admin_password,
+                   base64.b64encode(f"{tracking.username}:{tracking.password}".encode()).decode()]  # a logged header
+        files = {str(p): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+        outputs = {"sweep stage": output.encode(), "wrong password": (wrong.stdout + wrong.stderr).encode(),
+                   "MLflow runs": runs.to_csv().encode(), "postgres log": db.log.read_bytes()}
+        hits = secret_hits(files | outputs, secrets)
+        print(f"secret search: {len(files)} files under tmp_path ({sum(map(len, files.values()))} bytes) and "
+              f"{len(outputs)} outputs ({sum(map(len, outputs.values()))} bytes), {len(secrets)} secrets: "
+              f"{sum(hits.values())} hits")
+        assert files and not any(hits.values()), {name: n for name, n in hits.items() if n}

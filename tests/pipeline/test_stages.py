@@ -40,6 +40,20 @@ def test_data_and_env_are_reproducible(tmp_path, tiny_params):
     assert len(coco["images"]) == 4 and len(coco["categories"]) == 2
 
 
+def test_data_stage_replaces_only_its_own_files(tmp_path, tiny_params):
+    params, out = str(tiny_params()), tmp_path / "data"
+    assert data.main(["--params", params, "--out", str(out)]) == 0
+    (out / "000009.png").write_bytes(b"left by a run with more images")
+    assert data.main(["--params", params, "--out", str(out)]) == 0  # its own earlier files go, all of them
+    assert sorted(p.name for p in out.iterdir()) == ["000000.png", "000001.png", "000002.png", "000003.png",
+                                                     "annotations.json"]
+    (out / "notes.txt").write_text("mine")
+    before = digest(out)
+    result = stage_cli("data", "--params", params, "--out", out)
+    assert result.returncode == 2 and "holds files this command did not write (notes.txt)" in result.stderr
+    assert digest(out) == before
+
+
 @pytest.mark.parametrize("override, message", [
     ({"sweep": {"space": {"head": ["mlp"]}}}, "sweep.space.head: 'mlp' is not allowed"),
     ({"sweep": {"space": {"batch_size": [0]}}}, "sweep.space.batch_size: 0 is too small"),

@@ -1,13 +1,21 @@
-"""The study as a work queue, and its bookkeeping, on an in-memory study (no detector)."""
+"""The study as a work queue, and its bookkeeping, on an in-memory study (no detector); the journal's lock."""
+import os
+import subprocess
+import sys
+import time
+
 import optuna
+import pytest
 import torch
 
-from pipeline.params import parse_params
+from pipeline.params import ParamsError, parse_params
 from pipeline.results import comparisons_table, summarize_trials
-from pipeline.study import (INTERRUPTED, claim_queued, enqueue_grid, grid_points, kernels_table, recover_interrupted,
-                            trials_table, trials_to_run)
+from pipeline.results import read_trials
+from pipeline.study import (INTERRUPTED, claim_queued, enqueue_grid, grid_points, hold_journal, kernels_table,
+                            recover_interrupted, trials_table, trials_to_run)
 from rcnn.knobs import KNOB_NAMES
-from tests.conftest import TINY_CONFIG
+from tests.conftest import ROOT, TINY_CONFIG
+from tests.pipeline.test_faults import SLOW, prepare
 
 CPU = torch.device("cpu")
 GRID = {"head": ["linear", "conv", "conv_as_linear"], "cudnn_benchmark": [None], "onednn": [True, False],
@@ -83,3 +91,38 @@ def test_workers_claim_queued_points_only_and_a_dead_ones_point_is_queued_again(
     assert table.loc[second.number, list(KNOB_NAMES)].notna().all()
     retry = claim_queued(study)
     assert retry.number == 2 and study.trials[2].system_attrs["fixed_params"] == points[1]
+
+
+def test_a_held_journal_is_refused_naming_its_holder_and_freed_on_exit(tmp_path):
+    journal = tmp_path / "optuna.journal"
+    with hold_journal(journal):
+        with pytest.raises(ParamsError, match=rf"optuna.journal is in use by a running sweep stage \(pid {os.getpid()} on "):
+            with hold_journal(journal):
+                pass
+    with hold_journal(journal):  # released with its holder: a killed process's lock never blocks
+        pass
+
+
+@pytest.mark.slow
+def test_a_second_sweep_stage_on_the_journal_is_refused_at_once_and_the_first_goes_on(tmp_path, tiny_params):
+    args = prepare(tmp_path, tiny_params, SLOW | {"sweep": SLOW["sweep"] | {"space": {"batch_size": [1, 2]}}})
+    first = subprocess.Popen([sys.executable, "-m", "pipeline.sweep", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        owner = tmp_path / "optuna.journal.owner"
+        deadline = time.monotonic() + 120
+        while not (owner.exists() and f"pid {first.pid}" in owner.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        started = time.monotonic()
+        second = subprocess.run([sys.executable, "-m", "pipeline.sweep", *args], cwd=ROOT, capture_output=True,
+                                text=True, timeout=120)
+        waited = time.monotonic() - started
+        output, _ = first.communicate(timeout=300)
+    finally:
+        first.kill()
+    assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
+    assert f"is in use by a running sweep stage (pid {first.pid} on" in second.stderr
+    assert first.returncode == 0, output
+    trials = read_trials(tmp_path / "trials.csv")
+    assert len(trials) == 4 and trials["status"].eq("complete").all()  # none failed by the refused second stage
+    print(f"second stage refused in {waited:.1f} s; first completed {len(trials)} of 4 trials")

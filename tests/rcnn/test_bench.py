@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -6,7 +9,7 @@ from rcnn.data import synthetic_samples
 from rcnn.knobs import Knobs
 from rcnn.model import BACKBONES, build_detector
 from rcnn.timing import TimingPolicy
-from tests.conftest import TINY_CONFIG
+from tests.conftest import ROOT, TINY_CONFIG
 
 CPU = torch.device("cpu")
 SAMPLES = synthetic_samples(num_images=4, image_size=64, num_classes=2, seed=0)
@@ -82,3 +85,39 @@ def test_cli_prints_a_table(capsys):
 def test_cli_error_is_one_line(capsys):
     assert main(["--amp", "fp16", "--device", "cpu", "--num-images", "2", "--image-size", "64"]) == 2
     assert capsys.readouterr().err.strip().count("\n") == 0
+
+
+BAD_OPTIONS = [  # every numeric and choice option refuses a bad value with one line naming it and what is allowed
+    (["--batch-size", "0"], "--batch-size: 0 is too small; allowed: >= 1"),
+    (["--image-size", "100"], "--image-size: 100 is not allowed; allowed: a multiple of 32"),
+    (["--image-size", "32"], "--image-size: 32 is too small; allowed: >= 64"),
+    (["--rois-per-image", "0"], "--rois-per-image: 0 is too small; allowed: >= 1"),
+    (["--representation-size", "0"], "--representation-size: 0 is too small; allowed: >= 1"),
+    (["--warmup", "-1"], "--warmup: -1 is too small; allowed: >= 0"),
+    (["--iterations", "0"], "--iterations: 0 is too small; allowed: >= 1"),
+    (["--max-iterations", "0"], "--max-iterations: 0 is too small; allowed: >= 1"),
+    (["--iterations", "10", "--max-iterations", "5"], "--max-iterations: 5 is below --iterations; allowed: >= 10"),
+    (["--rel-precision", "0"], "--rel-precision: 0.0 is too small; allowed: >= 0.0001"),
+    (["--num-images", "0"], "--num-images: 0 is too small; allowed: >= 1"),
+    (["--batch-size", "two"], "--batch-size: expected int, got 'two'"),
+    (["--device", "tpu"], "--device: 'tpu' is not allowed; allowed: auto, cpu, cuda"),
+    (["--head", "mlp"], "--head: 'mlp' is not allowed; allowed: linear, conv, conv_as_linear"),
+    (["--amp", "fp8"], "--amp: 'fp8' is not allowed; allowed: off, fp16, bf16"),
+    (["--backbone", "vgg16"],
+     "--backbone: 'vgg16' is not allowed; allowed: resnet50_fpn, resnet18_fpn, mobilenet_v3_fpn"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_OPTIONS, ids=[" ".join(a) for a, _ in BAD_OPTIONS])
+def test_cli_refuses_a_bad_option_with_one_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_cli_bad_option_as_a_user_runs_it():
+    result = subprocess.run([sys.executable, "-m", "rcnn.bench", "--batch-size", "0"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr == "error: --batch-size: 0 is too small; allowed: >= 1\n" and result.stdout == ""

@@ -1,0 +1,125 @@
+"""Where a command may write: inside the project, and over nothing it did not write itself.
+
+The project is the nearest folder at or above a start folder (the params file's, or the working folder)
+that holds dvc.yaml, else the start folder itself. An output must resolve inside it (symlinks followed).
+An existing file is replaced only when it has the layout the command writes (a trials table's header, the
+report's title, an Optuna journal's records), so a mistyped path cannot overwrite params.yaml, dvc.yaml or
+a source file; a folder is emptied only when every file in it is one the command writes. Each check runs
+before anything is measured or written, and raises OutputError naming the path.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+
+class OutputError(ValueError):
+    """An output path that would leave the project or replace what the command did not write."""
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a command writes at a path, recognised in an existing file by its layout."""
+    name: str  # with its article: "an Optuna journal"
+    recognises: Callable[[Path], bool]
+
+
+def _head(path: Path, size: int = 1 << 16) -> bytes:
+    with path.open("rb") as f:
+        return f.read(size)
+
+
+def _first_line(path: Path) -> str:
+    return _head(path).decode("utf-8", errors="replace").partition("\n")[0]
+
+
+def _json(text: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def csv_with(*columns: str) -> Kind:
+    """A CSV table whose header names ``columns`` (among others: the column set may grow)."""
+    return Kind("a results table", lambda path: set(columns) <= set(_first_line(path).strip().split(",")))
+
+
+def json_object(name: str, *keys: str) -> Kind:
+    """A JSON object holding any of ``keys``."""
+    return Kind(name, lambda path: isinstance(data := _json(path.read_text(errors="replace")), dict)
+                and any(k in data for k in keys))
+
+
+def text_start(name: str, prefix: str) -> Kind:
+    return Kind(name, lambda path: _first_line(path).startswith(prefix))
+
+
+CSV = Kind("a CSV table", lambda path: "," in _first_line(path) and b"\0" not in _head(path))
+PNG = Kind("a PNG image", lambda path: _head(path, 8) == b"\x89PNG\r\n\x1a\n")
+# Optuna's JournalFileBackend writes one JSON record per line, each with an op_code; it creates the file
+# empty when opened, so a run stopped before its study was created leaves an empty one.
+JOURNAL = Kind("an Optuna journal", lambda path: path.stat().st_size == 0
+               or (isinstance(record := _json(_first_line(path)), dict) and "op_code" in record))
+
+
+def project_root(start: str | Path) -> Path:
+    """The nearest folder at or above ``start`` holding dvc.yaml, else ``start``."""
+    start = Path(start).resolve()
+    return next((folder for folder in (start, *start.parents) if (folder / "dvc.yaml").is_file()), start)
+
+
+def inside(path: str | Path, root: Path, what: str) -> Path:
+    """``path`` resolved; OutputError unless it lies inside ``root``."""
+    resolved = Path(path).resolve()
+    if not resolved.is_relative_to(root):
+        raise OutputError(f"{what}: {path} resolves outside the project {root}; allowed: a path inside it")
+    return resolved
+
+
+def is_ours(path: Path, kind: Kind) -> bool:
+    try:
+        return path.is_file() and kind.recognises(path)
+    except OSError:
+        return False
+
+
+def check_output(path: str | Path, kind: Kind, *, root: Path, what: str) -> Path:
+    """Raise OutputError unless ``path`` resolves inside ``root`` and is absent or a ``kind`` file."""
+    resolved = inside(path, root, what)
+    if resolved.is_dir():
+        raise OutputError(f"{what}: {path} is a folder; allowed: a file path")
+    if resolved.exists() and not is_ours(resolved, kind):
+        raise OutputError(f"{what}: {path} exists and is not {kind.name} this command wrote; allowed: a new "
+                          f"path or one it wrote before (nothing was changed)")
+    return resolved
+
+
+def check_folder(folder: str | Path, files: dict[str, Kind], *, root: Path, what: str) -> Path:
+    """Check that writing ``files`` (relative path -> kind) under ``folder`` replaces nothing foreign."""
+    resolved = inside(folder, root, what)
+    if resolved.exists() and not resolved.is_dir():
+        raise OutputError(f"{what}: {folder} is a file; allowed: a folder path")
+    for name, kind in files.items():
+        check_output(Path(folder) / name, kind, root=root, what=what)
+    return resolved
+
+
+def claim_folder(folder: str | Path, owned: re.Pattern, *, root: Path, what: str) -> list[Path]:
+    """The files to remove before rewriting ``folder``: OutputError unless it lies inside ``root`` and is
+    absent, empty, or holds only plain files whose names match ``owned`` (the layout the command writes)."""
+    resolved = inside(folder, root, what)
+    if not resolved.exists():
+        return []
+    if not resolved.is_dir():
+        raise OutputError(f"{what}: {folder} is a file; allowed: an absent or empty folder, or one it wrote")
+    entries = list(resolved.iterdir())
+    foreign = sorted(e.name for e in entries if e.is_symlink() or not e.is_file() or not owned.fullmatch(e.name))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise OutputError(f"{what}: {folder} holds files this command did not write ({shown}); allowed: an absent "
+                          "or empty folder, or one it wrote (nothing was deleted)")
+    return entries

@@ -1,0 +1,68 @@
+"""What values a quantity allows, written once and checked alike in params.yaml and on command lines.
+
+Each Rule lives beside the library object it constrains (``IMAGE_SIZE`` beside ``DetectorConfig``);
+pipeline/params.py puts the same object in its field metadata and the commands pass it to argparse
+(``type=IMAGE_SIZE.arg(int)``), so a bad value reads the same wherever it is given. The caller names the
+key (``model.image_size``, ``--image-size``): the library knows no params.yaml keys. No torch here.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Allowed values: one of ``choices`` (any iterable: a lookup's keys), at least ``minimum``, a multiple
+    of ``multiple_of``; None leaves that check out."""
+    choices: Iterable | None = None
+    minimum: float | None = None
+    multiple_of: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.choices is not None:  # a tuple: a lookup dict passed in stays hashable and ordered
+            object.__setattr__(self, "choices", tuple(self.choices))
+
+    def problem(self, value: Any) -> str | None:
+        """What is wrong with ``value`` and what is allowed ('0 is too small; allowed: >= 1'), or None."""
+        if self.choices is not None and value not in self.choices:
+            return f"{value!r} is not allowed; allowed: {', '.join(map(str, self.choices))}"
+        if self.minimum is not None and value < self.minimum:
+            return f"{value!r} is too small; allowed: >= {self.minimum}"
+        if self.multiple_of and value % self.multiple_of:
+            return f"{value!r} is not allowed; allowed: a multiple of {self.multiple_of}"
+        return None
+
+    def check(self, value: T, key: str) -> T:
+        """``value`` if allowed, else ValueError('<key>: <problem>')."""
+        if problem := self.problem(value):
+            raise ValueError(f"{key}: {problem}")
+        return value
+
+    def arg(self, convert: Callable[[str], T] = str) -> Callable[[str], T]:
+        """An argparse ``type=``: converts the text, then checks it; argparse adds the option's name."""
+        def parse(text: str) -> T:
+            try:
+                value = convert(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"expected {getattr(convert, '__name__', convert)}, got {text!r}") from None
+            if problem := self.problem(value):
+                raise argparse.ArgumentTypeError(problem)
+            return value
+        return parse
+
+    @property
+    def metavar(self) -> str | None:
+        """argparse's ``{a,b,c}`` for a choice, which it writes only for its own ``choices=``."""
+        return "{" + ",".join(map(str, self.choices)) + "}" if self.choices is not None else None
+
+
+def at_least(value: float, floor: float, key: str, floor_key: str) -> None:
+    """ValueError when an upper bound sits below its floor (``max_iterations`` below ``iterations``), which
+    would otherwise be ignored silently."""
+    if value < floor:
+        raise ValueError(f"{key}: {value} is below {floor_key}; allowed: >= {floor}")
