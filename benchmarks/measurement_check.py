@@ -10,7 +10,7 @@
    (target: at least 2x fewer steps, same ranking).
 4. Cross-check: the head alone under torch.utils.benchmark against the in-detector hooks (within 15%).
 
-Run by hand (minutes): python benchmarks/measurement_check.py [--device cpu] [--rounds 3]
+Run by hand (minutes), from the project folder: .venv/bin/python -m benchmarks.measurement_check [--device cpu] [--rounds 3]
 """
 from __future__ import annotations
 

@@ -443,14 +443,10 @@ def worker_process(args: argparse.Namespace, params: Params, index: int, threads
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
             interrupts.check()
             torch.set_num_threads(threads)
-            setup = Setup.of(params, args.data, args.env)
+            setup, storage = connect(args, params)
             if setup.device.type == "cuda":
                 torch.cuda.set_device(index % torch.cuda.device_count())
-                set_tf32(params.sweep.allow_tf32)
-            connect_tracking(params.tracking)
-            optuna.logging.set_verbosity(optuna.logging.WARNING)
-            study = optuna.load_study(study_name=setup.study_name, storage=open_storage(params.sweep),
-                                      sampler=make_sampler(params))
+            study = optuna.load_study(study_name=setup.study_name, storage=storage, sampler=make_sampler(params))
             at_start = finished_count(study)
             progress = Progress(total, label=f"worker {index}: ", count=lambda: finished_count(study) - at_start)
             return Sweep(params, setup, parent_run_id, progress).work(study, deadline)
