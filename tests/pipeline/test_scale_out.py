@@ -13,6 +13,7 @@ import mlflow
 import optuna
 import psycopg
 import pytest
+import sqlalchemy.pool
 
 from pipeline import sweep
 from pipeline.results import read_trials
@@ -44,7 +45,9 @@ def test_workers_on_one_host_run_exactly_the_grid(tmp_path, tiny_params):
 
 
 def study_trials(url):
-    storage = optuna.storages.RDBStorage(url)
+    # No pool: this is polled, and every engine's pooled connection would stay open until garbage collected,
+    # running the server out of connections on a slow machine.
+    storage = optuna.storages.RDBStorage(url, engine_kwargs={"poolclass": sqlalchemy.pool.NullPool})
     names = optuna.get_all_study_names(storage)
     return optuna.load_study(study_name=names[0], storage=storage).get_trials(deepcopy=False) if names else []
 
