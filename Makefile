@@ -1,9 +1,11 @@
-# `make repro` runs the pipeline, `make test` the tests; both create or update .venv first.
+# `make repro` runs the pipeline, `make exp ARGS="-S key=value"` one DVC experiment, `make test` the tests
+# (`make test-fast` those not marked slow); all create or update .venv first. The stages run `python`: .venv's
+# bin goes first on PATH so it is the one with torch.
 VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: install repro test ui clean-stores
+.PHONY: install repro exp test test-fast ui clean-stores
 
 $(BIN)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,8 +18,14 @@ install: $(BIN)/.installed
 repro: $(BIN)/.installed
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
 
+exp: $(BIN)/.installed  # ARGS: options of dvc exp run, e.g. ARGS="-S 'sweep.space.batch_size=[4]'"
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc exp run $(ARGS)
+
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest
+
+test-fast: $(BIN)/.installed
+	$(BIN)/python -m pytest -m "not slow"
 
 ui: $(BIN)/.installed
 	$(BIN)/mlflow ui --host 127.0.0.1 --backend-store-uri sqlite:///mlflow.db  # this machine only: no authentication

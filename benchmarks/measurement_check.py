@@ -19,15 +19,21 @@ import functools
 import itertools
 import random
 
+import sys
+
 import numpy as np
 import torch
-from scipy import stats
 
-from rcnn.bench import PHASES, Trainer, isolated_head_ms, run_trial
+from rcnn.bench import Trainer, isolated_head_ms, run_trial
+from rcnn.cli import Parser
 from rcnn.data import Sample, synthetic_samples
 from rcnn.knobs import Knobs, backend_flags, resolve_device
 from rcnn.model import DetectorConfig
-from rcnn.timing import TimingPolicy
+from rcnn.rules import Rule, ValueNotAllowed
+from rcnn.schema import BACKBONE, DEVICE, IMAGE_SIZE, ITERATIONS, PHASES, ROIS_PER_IMAGE
+from rcnn.stats import TimingPolicy, bootstrap_ci
+
+CHECKS = Rule(choices=[c for n in range(1, 5) for c in map("".join, itertools.combinations("1234", n))])
 
 
 def knobs_for(device: torch.device, onednn: bool = True, **kwargs) -> Knobs:
@@ -60,29 +66,34 @@ def median_ratio(numerator: np.ndarray, denominator: np.ndarray) -> tuple[float,
     """median(numerator) / median(denominator) of paired per-round values, with a paired bootstrap 95% CI."""
     def ratio(a, b, axis=-1):
         return np.median(a, axis=axis) / np.median(b, axis=axis)
-    ci = stats.bootstrap((numerator, denominator), ratio, paired=True, vectorized=True, n_resamples=2000,
-                         method="percentile", random_state=np.random.default_rng(0)).confidence_interval
-    return float(ratio(numerator, denominator)), float(ci.low), float(ci.high)
+    low, high = bootstrap_ci((numerator, denominator), ratio, paired=True)
+    return float(ratio(numerator, denominator)), low, high
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--backbone", default="resnet18_fpn")
-    parser.add_argument("--image-size", type=int, default=256)
-    parser.add_argument("--rois-per-image", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=40, help="steps of each detector for checks 1 and 2")
-    parser.add_argument("--checks", default="1234", help="which checks to run, e.g. 12")
-    parser.add_argument("--fixed", type=int, default=30, help="the fixed step count adaptive stopping is held to")
+def main(argv: list[str] | None = None) -> int:
+    parser = Parser(prog="python -m benchmarks.measurement_check", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", type=DEVICE.arg(), metavar=DEVICE.metavar, default="auto")
+    parser.add_argument("--backbone", type=BACKBONE.arg(), metavar=BACKBONE.metavar, default="resnet18_fpn")
+    parser.add_argument("--image-size", type=IMAGE_SIZE.arg(int), default=256)
+    parser.add_argument("--rois-per-image", type=ROIS_PER_IMAGE.arg(int), default=128)
+    parser.add_argument("--rounds", type=Rule(minimum=3).arg(int), default=40,
+                        help="steps of each detector for checks 1 and 2")
+    parser.add_argument("--checks", type=CHECKS.arg(), default="1234", help="which checks to run, e.g. 12")
+    parser.add_argument("--fixed", type=ITERATIONS.arg(int), default=30,
+                        help="the fixed step count adaptive stopping is held to")
     parser.add_argument("--no-onednn", action="store_true",
                         help="CPU: run without oneDNN, where the conv head's cost dwarfs step-to-step noise")
-    args = parser.parse_args()
-    device = resolve_device(args.device)
+    args = parser.parse_args(argv)
+    try:
+        device = resolve_device(args.device)
+    except ValueNotAllowed as err:
+        parser.error(f"--device: {err.problem}")
     knobs = functools.partial(knobs_for, device, onednn=not args.no_onednn)
     config = DetectorConfig(backbone=args.backbone, image_size=args.image_size, rois_per_image=args.rois_per_image)
     samples = synthetic_samples(num_images=8, image_size=args.image_size, num_classes=config.num_classes, seed=0)
-    fixed = TimingPolicy(warmup=3, iterations=args.fixed, max_iterations=args.fixed)
-    adaptive = TimingPolicy(warmup=3, iterations=6, max_iterations=args.fixed, rel_precision=0.05)
+    fixed = TimingPolicy(warmup=3, iterations=args.fixed, max_iterations=args.fixed, max_seconds=float("inf"))
+    adaptive = TimingPolicy(warmup=3, iterations=6, max_iterations=args.fixed, max_seconds=float("inf"))
     print(f"device {device}, {config}, oneDNN {'off' if args.no_onednn else 'on'}")
 
     print(f"\n{'check':<46}{'value':>12}  target")
@@ -99,7 +110,7 @@ def main() -> None:
         print(f"{'2 hook overhead: step with / without hooks':<46}{ratio:>12.3f}  <= 1.02 (CI {low:.3f}-{high:.3f})",
               flush=True)
     if "3" not in args.checks and "4" not in args.checks:
-        return
+        return 0
 
     # 3 and 4, per configuration in turn (so drift between them stays small): a fixed step count, the isolated
     # head at the same shapes (4), then adaptive stopping (3); ranked by head backward.
@@ -125,7 +136,8 @@ def main() -> None:
         label = f"4 cross-check {k.head}{' NHWC' if k.channels_last else ''}: isolated / hooks"
         hooks = result.median("head_backward")
         print(f"{label:<46}{alone / hooks:>12.3f}  0.85-1.15 ({alone:.1f} vs {hooks:.1f} ms)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

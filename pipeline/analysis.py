@@ -5,8 +5,8 @@ import numpy as np
 import pandas as pd
 import scipy.stats
 
-from pipeline.results import OTHER_KNOBS, complete
-from rcnn.heads import HEADS
+from pipeline.results import complete, ms_per_image
+from rcnn.schema import HEAD_NAMES, OTHER_KNOBS
 
 DEFAULTS = {"cudnn_benchmark": False, "onednn": True, "amp": "off", "channels_last": False}  # PyTorch's own
 
@@ -20,14 +20,14 @@ def baseline_first(knob: str, values: list) -> list:
 
 def head_order(present) -> list[str]:
     """The heads among ``present`` in the library's order (linear, conv, conv_as_linear)."""
-    return [h for h in HEADS if h in set(present)]
+    return [h for h in HEAD_NAMES if h in set(present)]
 
 
 def reference_setting(trials: pd.DataFrame, preferred: list[dict] | None = None) -> dict:
     """The setting of the other knobs the per-head figures use: the first profiled setting where all its
     heads completed, else the complete setting with the most heads (ties: the first in the table)."""
     done = complete(trials)
-    counts = done.groupby(OTHER_KNOBS, dropna=False, sort=False)["head"].nunique()
+    counts = done.groupby(list(OTHER_KNOBS), dropna=False, sort=False)["head"].nunique()
     for setting in preferred or []:
         key = tuple("n/a" if setting.get(k) is None else setting.get(k) for k in OTHER_KNOBS)  # as the table reads
         if key in counts.index and counts[key] == counts.max():
@@ -65,8 +65,8 @@ def knob_effects(trials: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
     the conv/linear box-head backward gap at the first value and at the other (the head x knob interaction)."""
     done = complete(trials)
     step = done.pivot_table(index=["head", *OTHER_KNOBS], values="step_ms", aggfunc="median")["step_ms"]
-    gap = (done[done["head"] == "conv"].set_index(OTHER_KNOBS)["head_backward_ms"]
-           / done[done["head"] == "linear"].set_index(OTHER_KNOBS)["head_backward_ms"]).dropna()
+    gap = (done[done["head"] == "conv"].set_index(list(OTHER_KNOBS))["head_backward_ms"]
+           / done[done["head"] == "linear"].set_index(list(OTHER_KNOBS))["head_backward_ms"]).dropna()
     rows = []
     for knob in OTHER_KNOBS:
         values = baseline_first(knob, list(dict.fromkeys(done[knob])))
@@ -100,13 +100,16 @@ def batch_scaling(trials: pd.DataFrame, setting: dict) -> pd.DataFrame:
     """ms per image of the whole step against batch size, per head, other knobs at ``setting``."""
     rows = at_setting(trials, setting, skip=("batch_size",))
     return pd.DataFrame({"head": rows["head"], "batch_size": rows["batch_size"],
-                         "ms_per_image": rows["step_ms"] / rows["batch_size"]}).sort_values(["head", "batch_size"])
+                         "ms_per_image": ms_per_image(rows)}).sort_values(["head", "batch_size"])
 
 
 def pareto_front(trials: pd.DataFrame) -> pd.DataFrame:
-    """Every complete trial's step time and peak memory, flagged when no other trial is both faster and leaner."""
+    """Every complete trial's time per image and peak memory, flagged when no other trial is both faster per image
+    and leaner. Per image, not per step: a larger batch takes longer per step but may do more per second, and
+    that is the trade against its memory."""
     done = complete(trials)[["trial", "head", *OTHER_KNOBS, "step_ms", "peak_mem_mb"]].dropna(
-        subset=["step_ms", "peak_mem_mb"]).sort_values(["step_ms", "peak_mem_mb"])
+        subset=["step_ms", "peak_mem_mb"])
+    done = done.assign(ms_per_image=ms_per_image(done)).sort_values(["ms_per_image", "peak_mem_mb"])
     best_memory, on_front = np.inf, []
     for memory in done["peak_mem_mb"]:
         on_front.append(memory < best_memory)

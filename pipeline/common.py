@@ -10,12 +10,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from pipeline.params import Params, load_params
 from rcnn.cli import Parser
-from rcnn.data import DataError
-from pipeline.params import Params, ParamsError, load_params
-
-# Errors a user can cause and fix: reported as one line, no traceback (RCNN_DEBUG=1 shows it).
-USER_ERRORS = (ParamsError, DataError, ValueError, OSError)
+from rcnn.rules import UserError
+from rcnn.schema import ResultsError
 
 
 class Interrupted(KeyboardInterrupt):
@@ -31,8 +29,10 @@ def stage_parser(description: str | None) -> argparse.ArgumentParser:
 
 def run_stage(main: Callable[[argparse.Namespace, Params], int | None], parser: argparse.ArgumentParser,
               argv: list[str] | None = None) -> int:
-    """Parse arguments and params, run the stage and return its exit code (0 unless it returns one);
-    a user error exits 2 with one line on stderr, Ctrl-C 130 (as a shell reports SIGINT) with one line."""
+    """Parse arguments and params, run the stage and return its exit code (0 unless it returns one).
+    A user error (rcnn.rules.UserError: bad params, data, results files, outputs, unreachable services) exits 2
+    with one line on stderr, Ctrl-C 130 (as a shell reports SIGINT) with one line; anything else is a bug and
+    propagates with its traceback (exit 1). RCNN_DEBUG=1 shows the traceback of the first two too."""
     args = parser.parse_args(argv)
     try:
         return main(args, load_params(args.params)) or 0
@@ -41,7 +41,7 @@ def run_stage(main: Callable[[argparse.Namespace, Params], int | None], parser: 
             raise
         print(str(err) or "interrupted", file=sys.stderr)
         return 130
-    except USER_ERRORS as err:
+    except UserError as err:
         if os.environ.get("RCNN_DEBUG"):
             raise
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
@@ -68,14 +68,18 @@ def write_atomic(path: str | Path, text: str) -> None:
         raise
 
 
+class NotWritable(UserError, OSError):
+    """An output whose folder cannot be created or written to."""
+
+
 def check_writable(*paths: str | Path) -> None:
-    """Raise OSError naming the first output path whose folder cannot be created or written to."""
+    """Raise NotWritable naming the first output path whose folder cannot be created or written to."""
     for path in map(Path, paths):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tempfile.TemporaryFile(dir=path.parent).close()
         except OSError as err:
-            raise OSError(f"{path}: cannot write there ({err.strerror or err})") from None
+            raise NotWritable(f"{path}: cannot write there ({err.strerror or err})") from None
 
 
 def write_json(path: str | Path, obj: Any) -> None:
@@ -87,9 +91,9 @@ def read_json(path: str | Path) -> Any:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise DataError(f"{path}: missing; run the stage that writes it first") from None
-    except json.JSONDecodeError as err:
-        raise DataError(f"{path}: not valid JSON ({err})") from None
+        raise ResultsError(f"{path}: missing; run the stage that writes it first") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ResultsError(f"{path}: not valid JSON ({err})") from None
 
 
 def git_commit() -> str:

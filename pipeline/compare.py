@@ -17,14 +17,15 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from pipeline.analysis import head_order
-from pipeline.common import read_json, write_atomic
-from pipeline.env import read_env
+from pipeline.common import check_writable, read_json, write_atomic
 from pipeline.outputs import CSV, PNG, check_folder, project_root, text_start
 from pipeline.report import ratio_text
-from pipeline.results import complete, read_table
-from rcnn.data import DataError
+from pipeline.results import complete, fastest, read_env, read_table
+from rcnn.cli import Parser
+from rcnn.rules import UserError
+from rcnn.schema import KNOB_NAMES
 
-NEEDED = ("status", "head", "forward_ms", "backward_ms", "step_ms", "head_backward_ms")
+NEEDED = ("status", *KNOB_NAMES, "forward_ms", "backward_ms", "step_ms", "head_backward_ms")
 TITLE = "# RoI-head backward across machines"
 WRITTEN = {"compare.md": text_start("the comparison", TITLE), "head_backward_by_machine.csv": CSV,
            "figures/head_backward_by_machine.png": PNG}
@@ -39,7 +40,7 @@ def machine_name(env: dict, folder: Path) -> str:
 
 def per_head(trials: pd.DataFrame) -> pd.DataFrame:
     """Median over the complete trials of each head (all its settings) of the timed phases, in ms."""
-    medians = complete(trials).groupby("head")[list(NEEDED[2:])].median()
+    medians = complete(trials).groupby("head")[["forward_ms", "backward_ms", "step_ms", "head_backward_ms"]].median()
     return medians.reindex(head_order(medians.index))
 
 
@@ -51,8 +52,8 @@ def compare(folders: list[Path], out: Path) -> str:
     names = [name for name, _, _ in runs]
     headline = pd.DataFrame({name: {"trials complete": f"{s.get('complete')} of {s.get('trials')}",
                                     **{k.replace("_over_", " / ").replace("_", " "): ratio_text(s, k) for k in HEADLINES},
-                                    "fastest step (ms)": (s.get("best") or {}).get("step_ms")}
-                             for name, _, s in runs})
+                                    "fastest (ms per image)": (fastest(trials) or {}).get("ms_per_image")}
+                             for name, trials, s in runs})
     heads = {name: per_head(trials) for name, trials, _ in runs}
     base = names[0]
     lines = [TITLE, "",
@@ -81,7 +82,7 @@ def compare(folders: list[Path], out: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folders", nargs="+", type=Path, help="results folders (trials.csv, summary.json, env.json)")
     parser.add_argument("--out", type=Path, default=Path("reports/compare"), help="folder for compare.md, inside the project")
     args = parser.parse_args(argv)
@@ -90,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         check_folder(args.out, WRITTEN, root=project_root(Path.cwd()), what="--out")
+        check_writable(args.out / "compare.md")
         text = compare(args.folders, args.out)
-    except (DataError, ValueError, OSError) as err:
+    except UserError as err:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
     write_atomic(args.out / "compare.md", text)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from PIL import Image
 
-from pipeline.common import run_stage, stage_parser, write_atomic
+from pipeline.common import check_writable, run_stage, stage_parser, write_atomic
 from pipeline.outputs import claim_folder, project_root
-from pipeline.params import DataParams, Params
+from pipeline.params import DataParams, Params, ParamsError
 from rcnn.data import CocoSet, Sample, describe_dropped, read_coco, synthetic_samples, to_coco
 
 # The files this stage writes (atomic writes leave a dot-file only while writing): the only ones it replaces.
@@ -42,8 +42,9 @@ def stage(args: argparse.Namespace, params: Params) -> None:
     out = Path(args.out)
     earlier = claim_folder(out, WRITTEN, root=project_root(Path(args.params).parent), what="--out")
     if params.data.source != "synthetic" and Path(params.data.source).resolve() == out.resolve():
-        raise ValueError(f"data.source: {params.data.source} is the output folder itself; allowed: another folder")
+        raise ParamsError(f"data.source: {params.data.source} is the output folder itself; allowed: another folder")
     built = build_samples(params.data)
+    check_writable(out / "annotations.json")
     samples, num_classes = built.samples, built.num_classes
     for path in earlier:  # only what an earlier run of this stage wrote
         path.unlink()

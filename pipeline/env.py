@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 import torchvision
 
-from pipeline.common import read_json, run_stage, stage_parser, write_json
+from pipeline.common import check_writable, run_stage, stage_parser, write_json
 from pipeline.outputs import check_output, json_object, project_root
-from pipeline.params import Params
-from rcnn.data import DataError
-from rcnn.knobs import cpu_has_native_bf16, resolve_device, set_tf32, why_not
-from rcnn.roofline import MATMUL_DTYPES, measure_copy_gbps, measure_matmul_tflops
+from pipeline.params import Params, keyed
+from rcnn.knobs import DTYPES, cpu_has_native_bf16, resolve_device, set_tf32, why_not
+from rcnn.roofline import measure_copy_gbps, measure_matmul_tflops
+from rcnn.schema import AMP_DTYPES
 
 
 def cpu_model() -> str:
@@ -75,18 +75,9 @@ def fingerprint(device: torch.device) -> dict:
 def ceilings(device: torch.device) -> dict:
     """Measured peaks: matmul TFLOP/s for each dtype the sweep can use on ``device``, copy GB/s."""
     cuda = device.type == "cuda"
-    usable = {"fp32": "off", "bf16": "bf16", "fp16": "fp16"}
-    matmul = {name: round(measure_matmul_tflops(device, dtype, n=8192 if cuda else 2048), 3)
-              for name, dtype in MATMUL_DTYPES.items() if why_not("amp", usable[name], device) is None}
+    matmul = {name: round(measure_matmul_tflops(device, DTYPES[name], n=8192 if cuda else 2048), 3)
+              for amp, name in AMP_DTYPES.items() if why_not("amp", amp, device) is None}
     return {"matmul_tflops": matmul, "copy_gbps": round(measure_copy_gbps(device, 2048 if cuda else 256), 1)}
-
-
-def read_env(path: str | Path) -> dict:
-    """env.json as the env stage writes it; a missing or older-format file is a one-line error."""
-    env = read_json(path)
-    if not isinstance(env, dict) or not {"fingerprint", "ceilings"} <= set(env):
-        raise DataError(f"{path}: needs 'fingerprint' and 'ceilings'; run the env stage to rewrite it")
-    return env
 
 
 ENV_FILE = json_object("an env.json", "fingerprint", "ceilings", "device")  # "device": the older flat format
@@ -94,7 +85,9 @@ ENV_FILE = json_object("an env.json", "fingerprint", "ceilings", "device")  # "d
 
 def stage(args: argparse.Namespace, params: Params) -> None:
     check_output(args.out, ENV_FILE, root=project_root(Path(args.params).parent), what="--out")
-    device = resolve_device(params.sweep.device)
+    check_writable(args.out)
+    with keyed("sweep."):
+        device = resolve_device(params.sweep.device)
     if device.type == "cuda":
         set_tf32(params.sweep.allow_tf32)  # the fp32 ceiling under the flags the sweep runs with
     env = {"fingerprint": fingerprint(device), "ceilings": ceilings(device)}

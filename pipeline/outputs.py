@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from rcnn.rules import UserError
 
-class OutputError(ValueError):
+
+class OutputError(UserError):
     """An output path that would leave the project or replace what the command did not write."""
 
 

@@ -5,6 +5,7 @@ is allowed. Only this module reads params.yaml; everything downstream takes thes
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import types
@@ -12,24 +13,43 @@ import typing
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import yaml
 
-import rcnn.data
-import rcnn.heads
-import rcnn.knobs
-import rcnn.model
-import rcnn.timing
-from rcnn.knobs import KNOB_NAMES
-from rcnn.rules import Rule, at_least
+from rcnn import schema
+from rcnn.rules import Rule, UserError, ValueNotAllowed, at_least
+from rcnn.schema import KNOB_NAMES
+from rcnn.stats import TimingPolicy
 
+
+class YamlLoader(yaml.SafeLoader):
+    """YAML 1.2's booleans, as DVC reads and rewrites params.yaml (``dvc exp run -S``): only true and false.
+    In YAML 1.1, PyYAML's default, ``off``, ``on``, ``yes`` and ``no`` are booleans too, so ``amp: off``
+    as DVC writes it back would read False."""
+
+
+YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+YamlLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                 list("tTfF"))
 
 PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
-class ParamsError(ValueError):
+class ParamsError(UserError, ValueError):
     """A bad value in params.yaml; the message names the key and what is allowed."""
+
+
+@contextlib.contextmanager
+def keyed(prefix: str) -> Iterator[None]:
+    """Report the library's ValueNotAllowed (keyed as the library knows it: ``amp``) as a ParamsError naming the
+    params.yaml key (``prefix`` + that key: ``sweep.space.amp``)."""
+    try:
+        yield
+    except ValueNotAllowed as err:
+        raise ParamsError(f"{prefix}{err.key}: {err.problem}") from None
 
 
 def _field(default: Any = dataclasses.MISSING, rule: Rule | None = None) -> Any:
@@ -43,10 +63,10 @@ def _field(default: Any = dataclasses.MISSING, rule: Rule | None = None) -> Any:
 class DataParams:
     name: str = "synthetic"           # the folder under data/ the data stage writes
     source: str = "synthetic"         # 'synthetic', or a COCO-format folder to import at image_size
-    num_images: int = _field(32, rcnn.data.NUM_IMAGES)
-    image_size: int = _field(256, rcnn.data.IMAGE_SIZE)
-    num_classes: int = _field(4, rcnn.data.NUM_CLASSES)
-    seed: int = _field(0, rcnn.data.SEED)
+    num_images: int = _field(32, schema.NUM_IMAGES)
+    image_size: int = _field(256, schema.SOURCE_IMAGE_SIZE)
+    num_classes: int = _field(4, schema.NUM_CLASSES)
+    seed: int = _field(0, schema.SEED)
 
     def __post_init__(self) -> None:
         # dvc.yaml writes data/${data.name}: a path here could point the stage at any folder.
@@ -57,20 +77,20 @@ class DataParams:
 
 @dataclass(frozen=True)
 class ModelParams:
-    backbone: str = _field("resnet18_fpn", rcnn.model.BACKBONE)
-    image_size: int = _field(256, rcnn.model.IMAGE_SIZE)
-    rois_per_image: int = _field(128, rcnn.model.ROIS_PER_IMAGE)
-    representation_size: int = _field(1024, rcnn.model.REPRESENTATION_SIZE)
+    backbone: str = _field("resnet18_fpn", schema.BACKBONE)
+    image_size: int = _field(256, schema.IMAGE_SIZE)
+    rois_per_image: int = _field(128, schema.ROIS_PER_IMAGE)
+    representation_size: int = _field(1024, schema.REPRESENTATION_SIZE)
 
 
 @dataclass(frozen=True)
 class SpaceParams:
-    head: tuple[str, ...] = _field(("linear", "conv", "conv_as_linear"), rcnn.heads.HEAD)
+    head: tuple[str, ...] = _field(schema.HEAD_NAMES, schema.HEAD)
     cudnn_benchmark: tuple[bool, ...] = (False, True)
     onednn: tuple[bool, ...] = (True, False)
-    amp: tuple[str, ...] = _field(("off", "bf16"), rcnn.knobs.AMP)
+    amp: tuple[str, ...] = _field(("off", "bf16"), schema.AMP)
     channels_last: tuple[bool, ...] = (False, True)
-    batch_size: tuple[int, ...] = _field((1, 2), rcnn.knobs.BATCH_SIZE)
+    batch_size: tuple[int, ...] = _field((1, 2), schema.BATCH_SIZE)
 
     def as_dict(self) -> dict[str, list]:
         return {name: list(getattr(self, name)) for name in KNOB_NAMES}
@@ -81,17 +101,17 @@ class ProfileAt:
     """A setting whose heads get a kernel profile; a knob left null takes its first swept value."""
     cudnn_benchmark: bool | None = None
     onednn: bool | None = None
-    amp: str | None = _field(None, rcnn.knobs.AMP)
+    amp: str | None = _field(None, schema.AMP)
     channels_last: bool | None = None
-    batch_size: int | None = _field(None, rcnn.knobs.BATCH_SIZE)
+    batch_size: int | None = _field(None, schema.BATCH_SIZE)
 
 
 @dataclass(frozen=True)
 class SweepParams:
-    device: str = _field("auto", rcnn.knobs.DEVICE)
+    device: str = _field("auto", schema.DEVICE)
     sampler: str = _field("grid", Rule(choices=("grid", "tpe")))
     n_trials: int | None = _field(None, Rule(minimum=1))  # None: the whole applicable grid (grid sampler only)
-    seed: int = _field(0, rcnn.data.SEED)
+    seed: int = _field(0, schema.SEED)
     timeout_s: float | None = _field(None, Rule(minimum=1))  # no new trial starts after this many seconds
     trial_timeout_s: float | None = _field(None, Rule(minimum=1))  # a trial still running then stops: status timeout
     fail_on_trial_error: bool = False  # exit 3 when a trial of this run failed or timed out
@@ -107,15 +127,18 @@ class SweepParams:
 
 @dataclass(frozen=True)
 class TimingParams:
-    """Warm-up and stopping (rcnn.timing.TimingPolicy): at least ``warmup`` untimed steps, more until step
-    times settle; at least ``iterations`` timed steps, more until the backward medians' 95% CI half-width
-    is ``rel_precision`` of the median, ``max_iterations`` or ``max_seconds``."""
-    warmup: int = _field(2, rcnn.timing.WARMUP)
-    max_warmup: int = _field(10, rcnn.timing.MAX_WARMUP)
-    iterations: int = _field(5, rcnn.timing.ITERATIONS)
-    max_iterations: int = _field(30, rcnn.timing.MAX_ITERATIONS)
-    max_seconds: float = _field(30.0, rcnn.timing.MAX_SECONDS)
-    rel_precision: float = _field(0.05, rcnn.timing.REL_PRECISION)
+    """Warm-up and stopping (rcnn.stats.TimingPolicy, whose defaults these are): at least ``warmup`` untimed
+    steps, more until step times settle; at least ``iterations`` timed steps, more until the backward medians'
+    95% CI half-width is ``rel_precision`` of the median, ``max_iterations`` or ``max_seconds``."""
+    warmup: int = _field(TimingPolicy.warmup, schema.WARMUP)
+    max_warmup: int = _field(TimingPolicy.max_warmup, schema.MAX_WARMUP)
+    iterations: int = _field(TimingPolicy.iterations, schema.ITERATIONS)
+    max_iterations: int = _field(TimingPolicy.max_iterations, schema.MAX_ITERATIONS)
+    max_seconds: float = _field(TimingPolicy.max_seconds, schema.MAX_SECONDS)
+    rel_precision: float = _field(TimingPolicy.rel_precision, schema.REL_PRECISION)
+
+    def policy(self) -> TimingPolicy:
+        return TimingPolicy(**dataclasses.asdict(self))
 
 
 @dataclass(frozen=True)
@@ -211,10 +234,10 @@ def parse_params(raw: Any) -> Params:
     if params.sweep.n_trials is None and params.sweep.sampler != "grid":
         raise ParamsError("sweep.n_trials: null (whole grid) needs sampler: grid; allowed for tpe: an integer >= 1")
     timing = params.timing
-    for high, low in rcnn.timing.FLOORS.items():
+    for high, low in schema.FLOORS.items():
         try:
             at_least(getattr(timing, high), getattr(timing, low), f"timing.{high}", f"timing.{low}")
-        except ValueError as err:
+        except ValueNotAllowed as err:
             raise ParamsError(str(err)) from None
     return params
 
@@ -222,7 +245,7 @@ def parse_params(raw: Any) -> Params:
 def load_params(path: str | Path = "params.yaml") -> Params:
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=YamlLoader)
     except FileNotFoundError:
         raise ParamsError(f"{path}: params file not found") from None
     except yaml.YAMLError as err:

@@ -1,7 +1,8 @@
-"""The result tables: their documented column sets, and the head comparisons computed from the trials.
+"""The result files: one trial's row, the tables read and written (their columns are rcnn.schema's), env.json,
+and the head comparisons and headline metrics computed from the trials. No torch here.
 
-The sweep writes exactly these columns; the report reads nothing else. Times are per training step, in
-ms; ``cudnn_benchmark`` and ``onednn`` are ``n/a`` where that backend is not used.
+Times are per training step, in ms; ``cudnn_benchmark`` and ``onednn`` are ``n/a`` where that backend is not
+used.
 """
 from __future__ import annotations
 
@@ -10,32 +11,33 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from pipeline.common import write_atomic
+from pipeline.common import read_json, write_atomic
 from pipeline.outputs import csv_with, json_object
-from rcnn.bench import PHASES, STAT_COLUMNS
-from rcnn.data import DataError
-from rcnn.knobs import KNOB_NAMES
-from rcnn.timing import compare
+from rcnn.schema import (COMPARISON_COLUMNS, KNOB_NAMES, MEASURED_COLUMNS, OTHER_KNOBS, RECORD_COLUMNS,
+                         SETUP_COLUMNS, TRIAL_COLUMNS, ResultsError)
+from rcnn.stats import compare, geomean_ratio
 
-OTHER_KNOBS = [k for k in KNOB_NAMES if k != "head"]
-TRIAL_COLUMNS = (
-    "trial", "status", "device", "backbone", "image_size", "rois_per_image", *KNOB_NAMES,
-    *(pattern.format(phase) for phase in PHASES for pattern in STAT_COLUMNS.values()),
-    "peak_mem_mb", "warmup_iterations", "iterations", "precision", "precision_met", "rois",
-    "head_forward_gflop", "head_backward_gflop", "head_forward_tflops", "head_backward_tflops",
-    "head_forward_peak_fraction", "head_backward_peak_fraction",
-    "isolated_head_forward_ms", "isolated_head_backward_ms", "mlflow_run_id", "worker", "error",
-)
 PAIRS = (("conv", "linear"), ("conv_as_linear", "linear"))
 COMPARED_PHASES = ("head_backward", "backward", "step")
 ALL_SETTINGS = "all"  # knob value of the rows that pool every setting (geometric mean of the ratios)
-COMPARISON_COLUMNS = (*OTHER_KNOBS, "numerator", "denominator", "phase", "ratio", "ci_low", "ci_high",
-                      "p_value", "settings")
-KERNEL_COLUMNS = ("trial", *KNOB_NAMES, "kind", "name", "ms", "calls", "share")
 # How an earlier file of each is recognised, so the sweep replaces only its own (pipeline.outputs).
 WRITTEN = {"trials": csv_with("trial", "status", "mlflow_run_id"),
            "comparisons": csv_with("numerator", "denominator", "phase", "ratio"),
            "kernels": csv_with("trial", "kind", "name", "ms"), "summary": json_object("a summary", "trials", "complete")}
+
+
+def trial_row(measured: dict | None = None, **columns: object) -> dict:
+    """One row of the trials table, in TRIAL_COLUMNS' order: the trial's setup and record ``columns``, and the
+    ``measured`` columns (all of MEASURED_COLUMNS, or None for a trial that measured nothing: NaN).
+    A key missing or outside the documented columns raises ValueError: a misspelt name is a bug to fix, never
+    an empty column."""
+    given = set(columns) | set(measured or MEASURED_COLUMNS)
+    expected = set(SETUP_COLUMNS) | set(RECORD_COLUMNS) | set(MEASURED_COLUMNS)
+    if given != expected or set(columns) & set(MEASURED_COLUMNS):
+        raise ValueError(f"trial row: unknown {sorted(given - expected)}, missing {sorted(expected - given)}, "
+                         f"measured given as setup {sorted(set(columns) & set(MEASURED_COLUMNS))}")
+    row = columns | (measured or dict.fromkeys(MEASURED_COLUMNS, float("nan")))
+    return {name: row[name] for name in TRIAL_COLUMNS}
 
 
 def complete(trials: pd.DataFrame) -> pd.DataFrame:
@@ -47,7 +49,7 @@ def write_table(table: pd.DataFrame, path: str | Path) -> None:
 
 
 def write_trials(trials: pd.DataFrame, path: str | Path) -> None:
-    write_table(trials.reindex(columns=TRIAL_COLUMNS).round(4), path)
+    write_table(trials[list(TRIAL_COLUMNS)].round(4), path)
 
 
 def read_table(path: str | Path, columns: tuple[str, ...], stage: str) -> pd.DataFrame:
@@ -55,12 +57,12 @@ def read_table(path: str | Path, columns: tuple[str, ...], stage: str) -> pd.Dat
     try:
         table = pd.read_csv(path, keep_default_na=False, na_values=[""])
     except FileNotFoundError:
-        raise DataError(f"{path}: missing; run the {stage} stage first") from None
+        raise ResultsError(f"{path}: missing; run the {stage} stage first") from None
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
-        raise DataError(f"{path}: not a {stage} table ({str(err).splitlines()[0]})") from None
+        raise ResultsError(f"{path}: not a {stage} table ({str(err).splitlines()[0]})") from None
     missing = [c for c in columns if c not in table.columns]
     if missing:
-        raise DataError(f"{path}: missing columns {', '.join(missing)}")
+        raise ResultsError(f"{path}: missing columns {', '.join(missing)}; run the {stage} stage to rewrite it")
     return table
 
 
@@ -68,22 +70,12 @@ def read_trials(path: str | Path) -> pd.DataFrame:
     return read_table(path, TRIAL_COLUMNS, "sweep")
 
 
-def geomean_ratio(pairs: list[tuple[list[float], list[float]]], seed: int = 0,
-                  resamples: int = 2000) -> tuple[float, float, float]:
-    """Geometric mean over settings of median(num) / median(den), with a 95% CI from resampling every
-    trial's samples together (a nested bootstrap, which scipy.stats.bootstrap does not express)."""
-    rng = np.random.default_rng(seed)
-
-    def log_ratios(draw: bool) -> np.ndarray:
-        logs = []
-        for num, den in pairs:
-            medians = [np.median(rng.choice(np.asarray(x), size=(resamples, len(x))), axis=1) if draw
-                       else np.median(x) for x in (num, den)]
-            logs.append(np.log(medians[0]) - np.log(medians[1]))
-        return np.mean(logs, axis=0)
-
-    low, high = np.exp(np.percentile(log_ratios(draw=True), [2.5, 97.5]))
-    return float(np.exp(log_ratios(draw=False))), float(low), float(high)
+def read_env(path: str | Path) -> dict:
+    """env.json as the env stage writes it; a missing or older-format file is a one-line error."""
+    env = read_json(path)
+    if not isinstance(env, dict) or not {"fingerprint", "ceilings"} <= set(env):
+        raise ResultsError(f"{path}: needs 'fingerprint' and 'ceilings'; run the env stage to rewrite it")
+    return env
 
 
 def comparisons_table(trials: pd.DataFrame, samples: dict[int, dict[str, list[float]] | None],
@@ -93,7 +85,7 @@ def comparisons_table(trials: pd.DataFrame, samples: dict[int, dict[str, list[fl
     done = complete(trials)
     done = done[done["trial"].isin([t for t, kept in samples.items() if kept])]
     rows, pooled = [], {}
-    for setting, group in done.groupby(OTHER_KNOBS, dropna=False, sort=True):
+    for setting, group in done.groupby(list(OTHER_KNOBS), dropna=False, sort=True):
         trial_of = dict(zip(group["head"], group["trial"]))
         for num, den in PAIRS:
             if num not in trial_of or den not in trial_of:
@@ -113,8 +105,26 @@ def comparisons_table(trials: pd.DataFrame, samples: dict[int, dict[str, list[fl
     return pd.DataFrame(rows, columns=COMPARISON_COLUMNS)
 
 
+def ms_per_image(trials: pd.DataFrame) -> pd.Series:
+    """Training step time per image (step_ms / batch_size): the throughput that settings of different batch sizes
+    are ranked by. A step of 2 images in 327 ms beats a step of 1 in 385 ms, though the step is shorter."""
+    return trials["step_ms"] / trials["batch_size"]
+
+
+def fastest(trials: pd.DataFrame) -> dict | None:
+    """The complete trial with the least time per image (ties: the first in the table): its knobs, ms per image
+    and ms per step; None when no trial completed."""
+    done = complete(trials).dropna(subset=["step_ms"])
+    if done.empty:
+        return None
+    best = done.loc[ms_per_image(done).idxmin()]
+    knobs = {k: best[k].item() if hasattr(best[k], "item") else best[k] for k in KNOB_NAMES}
+    return knobs | {"ms_per_image": float(best["step_ms"] / best["batch_size"]), "step_ms": float(best["step_ms"])}
+
+
 def summarize_trials(trials: pd.DataFrame, comparisons: pd.DataFrame) -> dict:
-    """Headline metrics for ``dvc metrics``: trial counts, pooled head ratios with CIs, the fastest setting."""
+    """Headline metrics for ``dvc metrics``: trial counts, pooled head ratios with CIs, the setting with the
+    least time per image."""
     done = complete(trials)
     status = trials["status"]
     summary: dict = {"trials": len(trials), "complete": len(done), "failed": int((status == "failed").sum()),
@@ -127,8 +137,6 @@ def summarize_trials(trials: pd.DataFrame, comparisons: pd.DataFrame) -> dict:
             name = f"{num}_over_{den}_{phase}"
             for suffix, column in (("", "ratio"), ("_ci_low", "ci_low"), ("_ci_high", "ci_high")):
                 summary[name + suffix] = round(float(match[column].iloc[0]), 3) if len(match) else None
-    if len(done):
-        best = done.loc[done["step_ms"].idxmin()]
-        knobs = {k: best[k].item() if hasattr(best[k], "item") else best[k] for k in KNOB_NAMES}
-        summary["best"] = knobs | {"step_ms": round(float(best["step_ms"]), 1)}
+    if best := fastest(trials):
+        summary["best"] = best | {"step_ms": round(best["step_ms"], 1), "ms_per_image": round(best["ms_per_image"], 1)}
     return summary

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.params import load_params
+from pipeline.params import ParamsError, YamlLoader, load_params
+from rcnn.cli import Parser
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = ".pipeline-run"  # marks a work folder this command made, whose params.yaml it may replace
@@ -38,14 +39,14 @@ def stage_commands(dvc_yaml: dict, raw_params: dict) -> list[tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", required=True, help="params file to run with")
     parser.add_argument("--workdir", required=True, help="folder for every output: new, empty, or an earlier run's")
     parser.add_argument("--python", default=sys.executable, help="interpreter for the stages")
     args = parser.parse_args(argv)
     try:
         load_params(args.params)  # fail here, before any stage, on a bad file
-    except ValueError as err:
+    except ParamsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     workdir = Path(args.workdir)
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / MARKER).write_text("a work folder of python -m pipeline.run: its params.yaml and outputs are replaced\n")
     shutil.copyfile(args.params, workdir / "params.yaml")
-    raw = yaml.safe_load((workdir / "params.yaml").read_text()) or {}
+    raw = yaml.load((workdir / "params.yaml").read_text(), Loader=YamlLoader) or {}  # as load_params reads it
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
     for name, cmd in stage_commands(yaml.safe_load((ROOT / "dvc.yaml").read_text()), raw):
         cmd = re.sub(r"^python\b", args.python, cmd)

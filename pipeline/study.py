@@ -27,9 +27,10 @@ from optuna.trial import TrialState
 
 from pipeline.common import first_line
 from pipeline.params import Params, ParamsError, SweepParams
-from pipeline.results import KERNEL_COLUMNS
-from rcnn.knobs import DEVICE_KNOBS, KNOB_NAMES, Skipped, why_not_together
+from pipeline.results import trial_row
+from rcnn.knobs import Skipped, why_not_together
 from rcnn.model import DetectorConfig
+from rcnn.schema import DEVICE_KNOBS, KERNEL_COLUMNS, KNOB_NAMES, TRIAL_COLUMNS
 
 STATUS = {TrialState.COMPLETE: "complete", TrialState.FAIL: "failed", TrialState.RUNNING: "running",
           TrialState.PRUNED: "pruned", TrialState.WAITING: "not run"}  # queued, but the time budget ran out first
@@ -52,7 +53,7 @@ def open_storage(sweep: SweepParams) -> optuna.storages.BaseStorage:
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats: stable since 2.9
         try:
             return RDBStorage(sweep.storage, heartbeat_interval=sweep.heartbeat_s, grace_period=3 * sweep.heartbeat_s,
-                              heartbeat_stale_trial_callback=requeue)
+                              heartbeat_stale_trial_callback=WorkQueue.requeue_stale)
         except Exception as err:  # SQLAlchemy's: no driver, host unreachable, authentication failed
             import sqlalchemy.engine
             url = sqlalchemy.engine.make_url(sweep.storage).render_as_string(hide_password=True)
@@ -82,7 +83,7 @@ def hold_journal(journal: str | Path) -> Iterator[None]:
 
 def make_sampler(params: Params) -> optuna.samplers.BaseSampler:
     if params.sweep.sampler == "grid":
-        # The grid is queued point by point (enqueue_grid), so this sampler never draws. Optuna's
+        # The grid is queued point by point (WorkQueue.enqueue), so this sampler never draws. Optuna's
         # GridSampler would pick points at random, which a time budget turns into unpaired heads.
         return optuna.samplers.RandomSampler(seed=params.sweep.seed)
     return optuna.samplers.TPESampler(seed=params.sweep.seed)
@@ -110,39 +111,116 @@ def grid_points(grid: dict, device: torch.device, seed: int,
     return points, list({(s.knob, s.reason): s for s in skipped}.values())
 
 
-def trial_params(trial: optuna.trial.FrozenTrial) -> dict:
-    """The trial's point: the queued one (whole even when a process died while suggesting), else the sampled."""
-    return trial.system_attrs.get("fixed_params") or trial.params
-
-
 def point_key(params: dict) -> tuple:
     return tuple(params.get(k) for k in KNOB_NAMES)
 
 
-def enqueue_grid(study: optuna.Study, points: list[dict]) -> None:
-    """Queue the points not yet in the study (a resumed study keeps its queue)."""
-    known = {point_key(trial_params(t)) for t in study.get_trials(deepcopy=False)}
-    for point in points:
-        if point_key(point) not in known:
-            study.enqueue_trial(point)
+class WorkQueue:
+    """The study as the sweep's work queue: grid points queued as WAITING trials, claimed by any number of
+    workers, and the trial of a worker that died failed and its point queued again.
 
+    Every use the pipeline makes of Optuna's private API is in this class: the public API cannot take a
+    queued trial without falling back to the sampler, keep a heartbeat for a trial run outside
+    ``study.optimize``, or read a trial's queued point before its knobs are suggested. Each method has a
+    test in tests/pipeline/test_study.py that fails when an Optuna upgrade changes what it relies on.
+    """
 
-def requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-    """Queue the point of a trial whose process died again, and mark its MLflow run failed (the trial
-    itself is already failed: by recover_interrupted, or by Optuna when its heartbeat went stale). The run
-    is found by its tags, since the process may have died before recording the run's id on the trial."""
-    study.enqueue_trial(trial_params(trial), skip_if_exists=False)
-    running = mlflow.search_runs(search_all_experiments=True, output_format="list", filter_string=(
-        f"tags.study = '{study.study_name}' and tags.trial = '{trial.number}' and attributes.status = 'RUNNING'"))
-    for run in running:
-        mlflow.MlflowClient().set_terminated(run.info.run_id, status="FAILED")
+    def __init__(self, study: optuna.Study) -> None:
+        self.study = study
+        self._storage = study._storage
 
+    @staticmethod
+    def point(trial: optuna.Trial | optuna.trial.FrozenTrial) -> dict:
+        """The trial's point: the queued one (whole before its knobs are suggested, and when a process died
+        while suggesting them), else the sampled one."""
+        if isinstance(trial, optuna.Trial):  # a live trial holds only what was suggested so far
+            trial = trial.study._storage.get_trial(trial._trial_id)
+        return trial.system_attrs.get("fixed_params") or trial.params
 
-def fail_interrupted(study: optuna.Study, trial: optuna.Trial) -> None:
-    """Ctrl-C stopped ``trial``: fail it as interrupted and queue its point again now, so a rerun measures it
-    whatever the storage (recover_interrupted, at the next start, covers a journal only)."""
-    trial.set_user_attr("error", CTRL_C)
-    requeue(study, study.tell(trial, state=TrialState.FAIL))
+    def enqueue(self, points: list[dict]) -> None:
+        """Queue the points not yet in the study (a resumed study keeps its queue)."""
+        known = {point_key(self.point(t)) for t in self.study.get_trials(deepcopy=False)}
+        for point in points:
+            if point_key(point) not in known:
+                self.study.enqueue_trial(point)
+
+    def claim(self) -> optuna.Trial | None:
+        """Take a queued trial (now RUNNING), or None when the queue is empty. Unlike ``study.ask()``, never
+        falls back to the sampler, so workers racing for the last points cannot add a trial outside the grid.
+        The storage's RUNNING transition is atomic: of two workers claiming one trial, one wins."""
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            try:
+                if self._storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
+                    return optuna.Trial(self.study, t._trial_id)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # another worker claimed and finished it meanwhile
+        return None
+
+    @property
+    def heartbeats(self) -> bool:
+        """Whether the storage keeps heartbeats (a database opened with a heartbeat interval; a journal never
+        does), so that a dead worker's trial is failed and its point queued again while the sweep runs."""
+        from optuna.storages._heartbeat import is_heartbeat_enabled  # private: kept inside this class
+        return is_heartbeat_enabled(self._storage)
+
+    def heartbeat(self, trial: optuna.Trial) -> contextlib.AbstractContextManager:
+        """While inside, a thread records ``trial``'s heartbeat, as ``study.optimize`` does for its own trials;
+        a no-op without heartbeats."""
+        from optuna.storages._heartbeat import get_heartbeat_thread  # private: kept inside this class
+        return get_heartbeat_thread(trial._trial_id, self._storage)
+
+    def fail_stale(self) -> None:
+        """Fail the trials whose heartbeat went stale (their worker died); the storage's callback
+        (requeue_stale) queues their points again. Nothing without heartbeats."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats: stable since 2.9
+            optuna.storages.fail_stale_trials(self.study)
+
+    def may_refill(self) -> bool:
+        """Whether a point may still come back to an empty queue: a trial runs elsewhere, and heartbeats would
+        fail it and queue its point again should its worker die."""
+        return self.heartbeats and bool(self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+
+    def complete(self, trial: optuna.Trial, value: float) -> None:
+        """Record the objective's value: the trial is COMPLETE."""
+        self.study.tell(trial, value)
+
+    def fail(self, trial: optuna.Trial | int) -> optuna.trial.FrozenTrial:
+        """Mark a running trial (or the one of that number) failed; its error, if any, is on its user attrs."""
+        return self.study.tell(trial, state=TrialState.FAIL)
+
+    def requeue(self, trial: optuna.trial.FrozenTrial) -> None:
+        """Queue the point of a trial whose process died again, and mark its MLflow run failed (the trial
+        itself is already failed: by recover_interrupted, or by Optuna when its heartbeat went stale). The run
+        is found by its tags, since the process may have died before recording the run's id on the trial."""
+        self.study.enqueue_trial(self.point(trial), skip_if_exists=False)
+        running = mlflow.search_runs(search_all_experiments=True, output_format="list", filter_string=(
+            f"tags.study = '{self.study.study_name}' and tags.trial = '{trial.number}' "
+            "and attributes.status = 'RUNNING'"))
+        for run in running:
+            mlflow.MlflowClient().set_terminated(run.info.run_id, status="FAILED")
+
+    @classmethod
+    def requeue_stale(cls, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        """The database storage's heartbeat_stale_trial_callback: Optuna failed ``trial``; queue its point again."""
+        cls(study).requeue(trial)
+
+    def fail_interrupted(self, trial: optuna.Trial) -> None:
+        """Ctrl-C stopped ``trial``: fail it as interrupted and queue its point again now, so a rerun measures it
+        whatever the storage (recover_interrupted, at the next start, covers a journal only)."""
+        trial.set_user_attr("error", CTRL_C)
+        self.requeue(self.fail(trial))
+
+    def recover_interrupted(self) -> list[optuna.trial.FrozenTrial]:
+        """Journal storage: fail the trials a killed sweep left running and queue their points again.
+
+        Only for a journal file, which serves one host whose workers this process starts and outlives: a trial
+        RUNNING when it starts was left by a dead process. (A database storage is shared by machines that come
+        and go; there heartbeats tell a dead worker's trial from a live one.)"""
+        stale = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        for t in stale:
+            self.requeue(self.fail(t.number))
+        return stale
 
 
 def planned_count(params: Params, points: list[dict]) -> int:
@@ -152,40 +230,15 @@ def planned_count(params: Params, points: list[dict]) -> int:
     return params.sweep.n_trials
 
 
-def recover_interrupted(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    """Journal storage: fail the trials a killed sweep left running and queue their points again.
-
-    Only for a journal file, which serves one host whose workers this process starts and outlives: a trial
-    RUNNING when it starts was left by a dead process. (An RDB storage is shared by machines that come and
-    go; there heartbeats tell a dead worker's trial from a live one.)"""
-    stale = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-    for t in stale:
-        study._storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
-        requeue(study, t)
-    return stale
-
-
-def claim_queued(study: optuna.Study) -> optuna.Trial | None:
-    """Take a queued trial, or None when the queue is empty. Unlike ``study.ask()``, never falls back to
-    the sampler, so workers racing for the last points cannot add a trial outside the grid. The storage's
-    RUNNING transition is atomic: of two workers claiming one trial, one wins."""
-    for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
-        try:
-            if study._storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
-                return optuna.Trial(study, t._trial_id)
-        except optuna.exceptions.UpdateFinishedTrialError:
-            continue  # another worker claimed and finished it meanwhile
-    return None
-
-
-def next_trial(study: optuna.Study, params: Params) -> optuna.Trial | None:
+def next_trial(queue: WorkQueue, params: Params) -> optuna.Trial | None:
     """The next trial this worker runs, or None when the sweep has nothing left for it: grid, the queue;
     tpe, a new sampled trial while the study holds fewer than ``n_trials`` (workers finishing at once may
     overshoot by one each)."""
     if params.sweep.sampler == "grid":
-        return claim_queued(study)
-    started = study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE, TrialState.FAIL))
-    return study.ask() if len(started) < params.sweep.n_trials else None
+        return queue.claim()
+    started = queue.study.get_trials(deepcopy=False,
+                                     states=(TrialState.RUNNING, TrialState.COMPLETE, TrialState.FAIL))
+    return queue.study.ask() if len(started) < params.sweep.n_trials else None
 
 
 def trials_to_run(params: Params, study: optuna.Study) -> int:
@@ -199,21 +252,19 @@ def trials_to_run(params: Params, study: optuna.Study) -> int:
 
 def knob_values(trial: optuna.trial.FrozenTrial) -> dict:
     """The trial's knobs as the tables show them: a backend switch that does not apply reads 'n/a'."""
-    values = {k: trial_params(trial).get(k) for k in KNOB_NAMES}
+    values = {k: WorkQueue.point(trial).get(k) for k in KNOB_NAMES}
     return values | {k: "n/a" for k, v in values.items() if v is None and k in DEVICE_KNOBS}
 
 
 def trials_table(study: optuna.Study, config: DetectorConfig, device: torch.device) -> pd.DataFrame:
-    rows = []
-    for t in study.get_trials(deepcopy=False):
-        knobs = knob_values(t)
-        rows.append({"trial": t.number, "status": t.user_attrs.get("status", STATUS[t.state]), "device": device.type,
-                     "backbone": config.backbone, "image_size": config.image_size,
-                     "rois_per_image": config.rois_per_image, **knobs, **t.user_attrs.get("result", {}),
-                     "mlflow_run_id": t.user_attrs.get("mlflow_run_id"), "worker": t.user_attrs.get("worker"),
-                     # A failed trial without an error was failed for its dead process (recovery, heartbeat).
-                     "error": t.user_attrs.get("error") or (INTERRUPTED if t.state == TrialState.FAIL else None)})
-    return pd.DataFrame(rows)
+    rows = [trial_row(t.user_attrs.get("result"), trial=t.number,
+                      status=t.user_attrs.get("status", STATUS[t.state]), device=device.type, backbone=config.backbone, image_size=config.image_size,
+                      rois_per_image=config.rois_per_image, **knob_values(t),
+                      mlflow_run_id=t.user_attrs.get("mlflow_run_id"), worker=t.user_attrs.get("worker"),
+                      # A failed trial without an error was failed for its dead process (recovery, heartbeat).
+                      error=t.user_attrs.get("error") or (INTERRUPTED if t.state == TrialState.FAIL else None))
+            for t in study.get_trials(deepcopy=False)]
+    return pd.DataFrame(rows, columns=TRIAL_COLUMNS)
 
 
 def kernels_table(study: optuna.Study) -> pd.DataFrame:

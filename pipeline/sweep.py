@@ -1,10 +1,12 @@
 """Sweep stage: an Optuna study over the knobs that apply on this device, one MLflow child run per trial.
 
-Writes the trials table (--trials), the head comparisons (--comparisons), the head-backward kernel tables
-(--kernels) and the headline metrics (--summary). The study lives in ``sweep.storage`` (pipeline.study)
-under a name derived from everything that shapes the numbers, so an identical rerun resumes the same study
-instead of measuring again; ``sweep.workers`` processes here, and machines started with ``--join``, work
-it together.
+The stage opens the study (the grid queued, inside the sweep's MLflow parent run), runs this host's workers
+on it, collects its tables and writes them: the trials table (--trials), the head comparisons
+(--comparisons), the head-backward kernel tables (--kernels) and the headline metrics (--summary). The study
+lives in ``sweep.storage`` under a name derived from everything that shapes the numbers, so an identical
+rerun resumes the same study instead of measuring again; ``sweep.workers`` processes here, and machines
+started with ``--join``, work it together as a queue (pipeline.study). A trial's time limit and where Ctrl-C
+may stop it are in pipeline.stopping, the progress display in pipeline.progress.
 """
 from __future__ import annotations
 
@@ -21,33 +23,30 @@ import socket
 import sys
 import time
 import urllib.request
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import mlflow
 import optuna
 import pandas as pd
 import torch
-from optuna.storages._heartbeat import get_heartbeat_thread, is_heartbeat_enabled  # what study.optimize uses
 from optuna.trial import TrialState
-from tqdm import tqdm
 
 from pipeline.common import Interrupted, check_writable, first_line, git_commit, run_stage, stage_parser, write_json
-from pipeline.env import read_env
 from pipeline.outputs import JOURNAL, check_output, project_root
-from pipeline.params import Params, ParamsError, TrackingParams
-from pipeline.results import WRITTEN, comparisons_table, summarize_trials, write_table, write_trials
-from pipeline.study import (enqueue_grid, fail_interrupted, finished_count, grid_points, hold_journal, is_rdb,
-                            kernels_table, make_sampler, next_trial, open_storage, planned_count, recover_interrupted,
-                            trials_table, trials_to_run, wait_for_study)
+from pipeline.params import Params, ParamsError, TrackingParams, keyed
+from pipeline.progress import Progress
+from pipeline.results import WRITTEN, comparisons_table, read_env, summarize_trials, write_table, write_trials
+from pipeline.stopping import TrialTimeout, interrupts, sigint_blocked, time_limit
+from pipeline.study import (WorkQueue, finished_count, grid_points, hold_journal, is_rdb, kernels_table, make_sampler,
+                            next_trial, open_storage, planned_count, trials_table, trials_to_run, wait_for_study)
 from rcnn.bench import TrialResult, isolated_head_ms, run_trial
 from rcnn.data import Sample, read_coco
-from rcnn.knobs import KNOB_NAMES, Knobs, Skipped, applicable_space, resolve_device, set_tf32
+from rcnn.knobs import Knobs, Skipped, applicable_space, resolve_device, set_tf32
 from rcnn.model import BACKBONE_CHANNELS, ROI_RESOLUTION, DetectorConfig
-from rcnn.roofline import AMP_TO_DTYPE_NAME, achieved, head_flops
-from rcnn.timing import TimingPolicy
+from rcnn.roofline import achieved, head_flops
+from rcnn.schema import AMP_DTYPES, KNOB_NAMES
 
 
 def check_credentials(uri: str) -> None:
@@ -112,17 +111,20 @@ def profile_settings(params: Params, grid: dict) -> list[dict]:
     return settings
 
 
-def result_columns(result: TrialResult, knobs: Knobs, config: DetectorConfig, ceilings: dict) -> dict:
-    """The trial's table row: timing statistics plus the head's FLOPs and where they sit against the peak."""
+def measured_columns(result: TrialResult, knobs: Knobs, config: DetectorConfig, ceilings: dict,
+                     isolated: tuple[float, float] = (float("nan"), float("nan"))) -> dict:
+    """What a trial measured, as the trials table's MEASURED_COLUMNS: timing statistics, the head's FLOPs and
+    where they sit against the peak, and the ``isolated`` head's forward and backward ms (the cross-check)."""
     forward, backward = head_flops(knobs.head, rois=result.rois, in_channels=BACKBONE_CHANNELS,
                                    resolution=ROI_RESOLUTION, representation_size=config.representation_size,
                                    num_classes=config.num_classes)
-    peak = ceilings.get("matmul_tflops", {}).get(AMP_TO_DTYPE_NAME[knobs.amp])
+    peak = ceilings.get("matmul_tflops", {}).get(AMP_DTYPES[knobs.amp])
     fwd_tflops, fwd_fraction = achieved(forward, result.median("head_forward"), peak)
     bwd_tflops, bwd_fraction = achieved(backward, result.median("head_backward"), peak)
     return result.row() | {"head_forward_gflop": forward / 1e9, "head_backward_gflop": backward / 1e9,
                            "head_forward_tflops": fwd_tflops, "head_backward_tflops": bwd_tflops,
-                           "head_forward_peak_fraction": fwd_fraction, "head_backward_peak_fraction": bwd_fraction}
+                           "head_forward_peak_fraction": fwd_fraction, "head_backward_peak_fraction": bwd_fraction,
+                           "isolated_head_forward_ms": isolated[0], "isolated_head_backward_ms": isolated[1]}
 
 
 @dataclass(frozen=True)
@@ -142,8 +144,10 @@ class Setup:
 
     @classmethod
     def of(cls, params: Params, data_dir: str | Path, env_path: str | Path) -> "Setup":
-        device = resolve_device(params.sweep.device)
-        grid, skipped = applicable_space(params.sweep.space.as_dict(), device)
+        with keyed("sweep."):
+            device = resolve_device(params.sweep.device)
+        with keyed("sweep.space."):
+            grid, skipped = applicable_space(params.sweep.space.as_dict(), device)
         profiled = profile_settings(params, grid) if params.sweep.profile_steps else []
         points, skipped_together = grid_points(grid, device, params.sweep.seed, first=profiled)
         coco = read_coco(data_dir, image_size=params.model.image_size)
@@ -160,21 +164,19 @@ class Setup:
 class Sweep:
     """Runs trials of one study, each as an MLflow child run of the sweep's parent run."""
 
-    def __init__(self, params: Params, setup: Setup, parent_run_id: str, progress: "Progress") -> None:
+    def __init__(self, params: Params, setup: Setup, parent_run_id: str, progress: Progress) -> None:
         self.params, self.setup, self.parent_run_id, self.progress = params, setup, parent_run_id, progress
         self.samples, self.config, self.device = setup.samples, setup.config, setup.device
         self.ceilings, self.tags, self.profiled = setup.ceilings, setup.tags, setup.profiled
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self.failures = 0
-        t = params.timing
-        self.policy = TimingPolicy(warmup=t.warmup, max_warmup=t.max_warmup, iterations=t.iterations,
-                                   max_iterations=t.max_iterations, max_seconds=t.max_seconds,
-                                   rel_precision=t.rel_precision)
+        self.policy = params.timing.policy()
 
-    def measure(self, knobs: Knobs, run_name: str, tags: dict[str, str],
-                trial: optuna.Trial | None = None) -> tuple[TrialResult, dict]:
-        """One trial in a nested MLflow run (FAILED with the error if it raises, KILLED on the trial time
-        limit or Ctrl-C): (result, table row)."""
+    def measure_in_run(self, knobs: Knobs, run_name: str, tags: dict[str, str],
+                       trial: optuna.Trial | None = None) -> tuple[TrialResult, dict, str]:
+        """Measure ``knobs`` in a nested MLflow run (FAILED with the error if it raises, KILLED on the trial
+        time limit or Ctrl-C) that records the knobs, the measured columns as metrics and any kernel table:
+        (result, measured columns, the run's id)."""
         setting = {k: v for k, v in asdict(knobs).items() if k != "head"}
         profile = setting in self.profiled
         with mlflow.start_run(run_name=run_name, nested=True, parent_run_id=self.parent_run_id,
@@ -185,7 +187,7 @@ class Sweep:
             mlflow.log_params(asdict(knobs) | asdict(self.config) | {"threads": torch.get_num_threads()})
             try:
                 with time_limit(self.params.sweep.trial_timeout_s):
-                    result, row = self._measure(knobs, profile)
+                    result, row = self.measure(knobs, profile)
             except TrialTimeout as err:
                 mlflow.set_tags({"error": first_line(err), "status": "timeout"})
                 mlflow.end_run(status="KILLED")
@@ -204,26 +206,26 @@ class Sweep:
             f"  step {result.median('step'):.0f} ms, backward {result.median('backward'):.0f} ms, head backward "
             f"{result.median('head_backward'):.1f} ms ({result.iterations} steps, precision "
             f"{'n/a' if result.precision == float('inf') else format(result.precision, '.1%')})")
-        return result, row | {"mlflow_run_id": run.info.run_id}
+        return result, row, run.info.run_id
 
-    def _measure(self, knobs: Knobs, profile: bool) -> tuple[TrialResult, dict]:
+    def measure(self, knobs: Knobs, profile: bool) -> tuple[TrialResult, dict]:
+        """Time one configuration (kernel tables too if ``profile``): (result, measured columns). Writes no
+        store."""
         with interrupts.interruptible():  # no store is written in here: Ctrl-C may stop it at once
             result = run_trial(self.config, knobs, self.samples, device=self.device, policy=self.policy,
                                seed=self.params.sweep.seed,
                                profile_steps=self.params.sweep.profile_steps if profile else 0)
-            row = result_columns(result, knobs, self.config, self.ceilings)
-            if self.params.sweep.cross_check:
-                forward, backward = isolated_head_ms(self.config, knobs, rois=result.rois, device=self.device)
-                row |= {"isolated_head_forward_ms": forward, "isolated_head_backward_ms": backward}
-        return result, row
+            isolated = (isolated_head_ms(self.config, knobs, rois=result.rois, device=self.device)
+                        if self.params.sweep.cross_check else (float("nan"), float("nan")))
+        return result, measured_columns(result, knobs, self.config, self.ceilings, isolated)
 
-    def run(self, trial: optuna.Trial) -> float:
-        """The objective: measure the trial's knobs; the error is recorded on the trial if it raises."""
+    def objective(self, trial: optuna.Trial) -> float:
+        """Measure the trial's knobs and record the row on it; the error is recorded on the trial if it raises."""
         grid = self.setup.grid
         knobs = Knobs(**{name: trial.suggest_categorical(name, grid[name]) for name in KNOB_NAMES})
         self.progress.start(f"trial {trial.number}: {knobs}")
         try:
-            result, row = self.measure(knobs, f"trial-{trial.number}", {"trial": str(trial.number)}, trial)
+            result, row, _ = self.measure_in_run(knobs, f"trial-{trial.number}", {"trial": str(trial.number)}, trial)
         except Exception as err:
             trial.set_user_attr("error", first_line(err))
             if isinstance(err, TrialTimeout):
@@ -245,33 +247,29 @@ class Sweep:
         are on (RDB storage), a worker with nothing queued waits while other machines' trials run, since a
         dead one's point comes back to the queue."""
         with interrupts.held():
-            return self._work(study, deadline)
+            return self._work(WorkQueue(study), deadline)
 
-    def _work(self, study: optuna.Study, deadline: float) -> int:
-        storage = study._storage
+    def _work(self, queue: WorkQueue, deadline: float) -> int:
         while time.time() < deadline:
             interrupts.check()  # a Ctrl-C during the last trial's bookkeeping
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                optuna.storages.fail_stale_trials(study)  # heartbeats only; requeue() queues their points again
-            trial = next_trial(study, self.params)
+            queue.fail_stale()
+            trial = next_trial(queue, self.params)
             if trial is None:
-                running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-                if not running or not is_heartbeat_enabled(storage):
+                if not queue.may_refill():
                     break
                 with interrupts.interruptible():
                     time.sleep(min(self.params.sweep.heartbeat_s, max(0.0, deadline - time.time())))
                 continue
-            with get_heartbeat_thread(trial._trial_id, storage):
+            with queue.heartbeat(trial):
                 try:
-                    value = self.run(trial)
+                    value = self.objective(trial)
                 except Exception:  # recorded on the trial and its MLflow run; the sweep goes on
-                    study.tell(trial, state=TrialState.FAIL)
+                    queue.fail(trial)
                     continue
                 except KeyboardInterrupt:  # its MLflow run is KILLED already; the trial waits for the rerun
-                    fail_interrupted(study, trial)
+                    queue.fail_interrupted(trial)
                     raise
-            study.tell(trial, value)
+            queue.complete(trial, value)
         return self.failures
 
     def baseline(self, point: dict, when: str) -> dict[str, float] | None:
@@ -279,91 +277,12 @@ class Sweep:
         None if it fails (its MLflow run says why): drift is then unknown, the sweep goes on."""
         self.progress.line(f"baseline ({when}): {point}")
         try:
-            result, row = self.measure(Knobs(**point), f"baseline-{when}", {"role": f"baseline-{when}"})
+            result, _, run_id = self.measure_in_run(Knobs(**point), f"baseline-{when}", {"role": f"baseline-{when}"})
         except Exception as err:
             self.progress.line(f"  baseline failed: {first_line(err)}")
             return None
         return {"step_ms": result.median("step"), "head_backward_ms": result.median("head_backward"),
-                "mlflow_run_id": row["mlflow_run_id"]}
-
-
-class TrialTimeout(Exception):
-    """A trial ran past sweep.trial_timeout_s."""
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float | None) -> Iterator[None]:
-    """Raise TrialTimeout in this (main) thread after ``seconds``. A single long operation (one kernel, one
-    conv) finishes first: Python sees the signal between operations."""
-    if not seconds:
-        yield
-        return
-
-    def expire(signum: int, frame: object) -> None:
-        raise TrialTimeout(f"trial ran past sweep.trial_timeout_s = {seconds:g} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-class Interrupts:
-    """Where Ctrl-C lands in a sweep process: only where stopping is clean.
-
-    Inside ``held()``, a SIGINT raises KeyboardInterrupt at once only inside ``interruptible()`` (a trial's
-    computation: nearly all of its time); anywhere else it waits for the next ``interruptible()``, ``check()``
-    or the end of the outermost ``held()``. A write to MLflow's or Optuna's store cut in the middle can leave
-    a SQLite database locked for every other process. Once one has been raised, later ones are dropped: a
-    worker receives both the terminal's Ctrl-C and the copy the sweep forwards, and its cleanup must finish.
-    """
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.open = self.pending = self.raised = False
-
-    def _on_sigint(self, signum: int, frame: object) -> None:
-        if self.raised:
-            return
-        self.pending = True
-        if self.open:
-            self.check()
-
-    def check(self) -> None:
-        """Raise KeyboardInterrupt for a Ctrl-C held back so far."""
-        if self.pending:
-            self.pending, self.raised = False, True
-            raise KeyboardInterrupt
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        if self.depth == 0:
-            self.pending = self.raised = False
-            previous = signal.signal(signal.SIGINT, self._on_sigint)
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-            if self.depth == 0:
-                signal.signal(signal.SIGINT, previous)
-        if self.depth == 0:
-            self.check()
-
-    @contextlib.contextmanager
-    def interruptible(self) -> Iterator[None]:
-        self.check()
-        self.open = True
-        try:
-            yield
-        finally:
-            self.open = False
-
-
-interrupts = Interrupts()  # one per process, as its SIGINT handler is
+                "mlflow_run_id": run_id}
 
 
 @contextlib.contextmanager
@@ -389,38 +308,6 @@ def stop_on_interrupt(study: optuna.Study, planned: int) -> Iterator[None]:
             complete = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
             raise Interrupted(f"interrupted: {complete} of {planned} trials complete; run the sweep stage again "
                               "(make repro) to resume") from None
-
-
-class Progress:
-    """Trial i of N, the configuration, elapsed and estimated time left: a tqdm bar on a terminal, plain
-    lines elsewhere (logs, CI, dvc repro's pipe)."""
-
-    def __init__(self, total: int, label: str = "", count: Callable[[], int] | None = None) -> None:
-        """``count``: trials finished so far by all workers together (they share the queue), for an honest
-        i of N and time left; default: this process's own count."""
-        self.total, self.finished, self.started, self.label, self.count = total, 0, time.monotonic(), label, count
-        # Several workers share one terminal: labelled plain lines, no bars.
-        self.bar = tqdm(total=total, unit="trial", disable=bool(label) or not sys.stdout.isatty() or not total)
-
-    def line(self, text: str) -> None:
-        if self.bar.disable:
-            print(f"{self.label}{text}", flush=True)
-        else:
-            self.bar.write(text)
-
-    def start(self, text: str) -> None:
-        elapsed = time.monotonic() - self.started
-        finished = self.count() if self.count else self.finished
-        left = elapsed / finished * max(0, self.total - finished) if finished else float("nan")
-        eta = f", ~{left:.0f} s left" if left == left else ""
-        self.line(f"[{min(finished + 1, self.total)}/{self.total}, {elapsed:.0f} s elapsed{eta}] {text}")
-
-    def done(self) -> None:
-        self.finished += 1
-        self.bar.update(1)
-
-    def close(self) -> None:
-        self.bar.close()
 
 
 def mlflow_run_exists(run_id: str) -> bool:
@@ -452,17 +339,6 @@ def worker_process(args: argparse.Namespace, params: Params, index: int, threads
             return Sweep(params, setup, parent_run_id, progress).work(study, deadline)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # idle in the pool, Ctrl-C would only make a traceback
-
-
-@contextlib.contextmanager
-def sigint_blocked() -> Iterator[None]:
-    """Hold SIGINT back in this thread and in the processes it starts meanwhile (they inherit the signal mask):
-    it stays pending until unblocked, then arrives."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def work_on_this_host(args: argparse.Namespace, params: Params, setup: Setup, study: optuna.Study,
@@ -550,67 +426,118 @@ def stage(args: argparse.Namespace, params: Params) -> int:
 
 
 def run_sweep(args: argparse.Namespace, params: Params) -> int:
-    """The sweep stage proper: queue the grid, work it on this host, write the tables."""
+    """The sweep stage proper: open the study, work it on this host, collect the tables, write them."""
     setup, storage = connect(args, params)
-    device, grid, skipped, points, name = setup.device, setup.grid, setup.skipped, setup.points, setup.study_name
-    study = optuna.create_study(study_name=name, storage=storage, sampler=make_sampler(params),
-                                direction="minimize", load_if_exists=True)
-    for s in skipped:
-        print(f"not swept on {device.type}: {s.knob}={s.value} ({s.reason})")
-
-    tags = setup.tags
-    parent_id = study.user_attrs.get("mlflow_parent_run_id")
-    if parent_id and not mlflow_run_exists(parent_id):  # a new or emptied tracking store: a new parent run
-        parent_id = None
-    with (mlflow.start_run(run_id=parent_id, run_name=None if parent_id else name, tags=tags) as parent,
-          stop_on_interrupt(study, planned_count(params, points))):
-        study.set_user_attr("mlflow_parent_run_id", parent.info.run_id)
-        mlflow.log_params({"grid": json.dumps(grid), "skipped": json.dumps([asdict(s) for s in skipped], default=str)})
-        mlflow.set_tags({f"env.{k}": str(v) for k, v in setup.fingerprint.items()}
-                        | {f"ceiling.{k}": str(v) for k, v in setup.ceilings.items()}
-                        | {"matmul_allow_tf32": str(torch.backends.cuda.matmul.allow_tf32),
-                           "cudnn_allow_tf32": str(torch.backends.cudnn.allow_tf32),
-                           "workers": str(params.sweep.workers)})
-        if not is_rdb(params.sweep.storage):
-            for t in recover_interrupted(study):
-                print(f"trial {t.number} was interrupted: marked failed, its point queued again")
-        if params.sweep.sampler == "grid":
-            enqueue_grid(study, points)
-        deadline = time.time() + params.sweep.timeout_s if params.sweep.timeout_s else float("inf")
-        study.set_user_attr("deadline", deadline)  # joining machines start no trial after it either
-        study.set_user_attr("queued", True)        # joining machines may start
-        failures, drift = 0, {}
-        if trials_to_run(params, study) > 0:
-            study.set_user_attr("ceilings", setup.ceilings)  # what this run's fraction-of-peak columns use
-            baseline = Sweep(params, setup, parent.info.run_id, Progress(0))
-            drift["start"] = baseline.baseline(points[0], "start")
-            failures = work_on_this_host(args, params, setup, study, parent.info.run_id, deadline)
-            if not is_rdb(params.sweep.storage):  # a worker process that died left its trial running
-                for t in recover_interrupted(study):
-                    print(f"trial {t.number} was interrupted: marked failed, its point queued for the next run")
-            drift["end"] = baseline.baseline(points[0], "end")
-            if drift["start"] and drift["end"]:
-                drift["step_drift"] = drift["end"]["step_ms"] / drift["start"]["step_ms"] - 1
-                study.set_user_attr("drift", drift | {"point": points[0]})
-        trials = trials_table(study, setup.config, device)
-        samples_by_trial = {t.number: t.user_attrs.get("samples") for t in study.get_trials(deepcopy=False)}
-        comparisons = comparisons_table(trials, samples_by_trial, seed=params.sweep.seed)
-        summary = summarize_trials(trials, comparisons) | {
-            "device": device.type, "study": name, "skipped": [asdict(s) for s in skipped],
-            "drift": study.user_attrs.get("drift"), "profile_at": setup.profiled, "git_commit": tags["git_commit"],
-            "ceilings": study.user_attrs.get("ceilings", setup.ceilings), "workers": params.sweep.workers,
-            "mlflow_parent_run_id": parent.info.run_id}
-        mlflow.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float)) and v == v})
-    write_trials(trials, args.trials)
-    write_table(comparisons, args.comparisons)
-    write_table(kernels_table(study), args.kernels)
-    write_json(args.summary, summary)
-    print(f"{summary['complete']} of {summary['trials']} trials complete; study {name}")
+    with open_study(params, setup, storage) as (study, parent_run_id):
+        failures = run_workers(args, params, setup, study, parent_run_id)
+        tables = collect_tables(params, setup, study, parent_run_id)
+        mlflow.log_metrics({k: v for k, v in tables.summary.items() if isinstance(v, (int, float)) and v == v})
+    write_outputs(args, tables)
     if failures and params.sweep.fail_on_trial_error:
         print(f"error: {failures} trial(s) failed or timed out in this run (sweep.fail_on_trial_error)",
               file=sys.stderr)
         return 3
     return 0
+
+
+@contextlib.contextmanager
+def open_study(params: Params, setup: Setup,
+               storage: optuna.storages.BaseStorage) -> Iterator[tuple[optuna.Study, str]]:
+    """Create the study or resume it, inside its MLflow parent run (the one it recorded, while the tracking
+    store holds it), with the grid queued: (study, parent run id). Ctrl-C inside ends the parent run KILLED
+    and stops with one line (stop_on_interrupt)."""
+    study = optuna.create_study(study_name=setup.study_name, storage=storage, sampler=make_sampler(params),
+                                direction="minimize", load_if_exists=True)
+    for s in setup.skipped:
+        print(f"not swept on {setup.device.type}: {s.knob}={s.value} ({s.reason})")
+    parent_id = study.user_attrs.get("mlflow_parent_run_id")
+    if parent_id and not mlflow_run_exists(parent_id):  # a new or emptied tracking store: a new parent run
+        parent_id = None
+    with (mlflow.start_run(run_id=parent_id, run_name=None if parent_id else setup.study_name,
+                           tags=setup.tags) as parent,
+          stop_on_interrupt(study, planned_count(params, setup.points))):
+        study.set_user_attr("mlflow_parent_run_id", parent.info.run_id)
+        log_setup(params, setup)
+        queue_grid(params, setup, study)
+        yield study, parent.info.run_id
+
+
+def log_setup(params: Params, setup: Setup) -> None:
+    """The parent run's record of what was swept and where: the grid, what was left out, the environment."""
+    mlflow.log_params({"grid": json.dumps(setup.grid),
+                       "skipped": json.dumps([asdict(s) for s in setup.skipped], default=str)})
+    mlflow.set_tags({f"env.{k}": str(v) for k, v in setup.fingerprint.items()}
+                    | {f"ceiling.{k}": str(v) for k, v in setup.ceilings.items()}
+                    | {"matmul_allow_tf32": str(torch.backends.cuda.matmul.allow_tf32),
+                       "cudnn_allow_tf32": str(torch.backends.cudnn.allow_tf32),
+                       "workers": str(params.sweep.workers)})
+
+
+def queue_grid(params: Params, setup: Setup, study: optuna.Study) -> None:
+    """Queue the grid's points not yet in the study (after queueing again those a killed sweep left running on
+    a journal), then open the study to joining machines, with the deadline they keep too."""
+    queue = WorkQueue(study)
+    if not is_rdb(params.sweep.storage):
+        for t in queue.recover_interrupted():
+            print(f"trial {t.number} was interrupted: marked failed, its point queued again")
+    if params.sweep.sampler == "grid":
+        queue.enqueue(setup.points)
+    deadline = time.time() + params.sweep.timeout_s if params.sweep.timeout_s else float("inf")
+    study.set_user_attr("deadline", deadline)  # joining machines start no trial after it either
+    study.set_user_attr("queued", True)        # joining machines may start
+
+
+def run_workers(args: argparse.Namespace, params: Params, setup: Setup, study: optuna.Study,
+                parent_run_id: str) -> int:
+    """Work the study on this host until its deadline, between two measurements of the run order's first
+    point outside the study (drift over the sweep); the count of failed trials."""
+    if trials_to_run(params, study) == 0:
+        return 0
+    study.set_user_attr("ceilings", setup.ceilings)  # what this run's fraction-of-peak columns use
+    point = setup.points[0]
+    baseline = Sweep(params, setup, parent_run_id, Progress(0))
+    start = baseline.baseline(point, "start")
+    failures = work_on_this_host(args, params, setup, study, parent_run_id, study.user_attrs["deadline"])
+    if not is_rdb(params.sweep.storage):  # a worker process that died left its trial running
+        for t in WorkQueue(study).recover_interrupted():
+            print(f"trial {t.number} was interrupted: marked failed, its point queued for the next run")
+    end = baseline.baseline(point, "end")
+    if start and end:
+        study.set_user_attr("drift", {"start": start, "end": end, "step_drift": end["step_ms"] / start["step_ms"] - 1,
+                                      "point": point})
+    return failures
+
+
+@dataclass(frozen=True)
+class Tables:
+    """What the sweep stage writes."""
+    trials: pd.DataFrame
+    comparisons: pd.DataFrame
+    kernels: pd.DataFrame
+    summary: dict
+
+
+def collect_tables(params: Params, setup: Setup, study: optuna.Study, parent_run_id: str) -> Tables:
+    """The trials table, the head comparisons, the kernel tables and the headline metrics of the whole study
+    (every run and machine that worked it)."""
+    trials = trials_table(study, setup.config, setup.device)
+    samples_by_trial = {t.number: t.user_attrs.get("samples") for t in study.get_trials(deepcopy=False)}
+    comparisons = comparisons_table(trials, samples_by_trial, seed=params.sweep.seed)
+    summary = summarize_trials(trials, comparisons) | {
+        "device": setup.device.type, "study": setup.study_name, "skipped": [asdict(s) for s in setup.skipped],
+        "drift": study.user_attrs.get("drift"), "profile_at": setup.profiled, "git_commit": setup.tags["git_commit"],
+        "ceilings": study.user_attrs.get("ceilings", setup.ceilings), "workers": params.sweep.workers,
+        "mlflow_parent_run_id": parent_run_id}
+    return Tables(trials=trials, comparisons=comparisons, kernels=kernels_table(study), summary=summary)
+
+
+def write_outputs(args: argparse.Namespace, tables: Tables) -> None:
+    write_trials(tables.trials, args.trials)
+    write_table(tables.comparisons, args.comparisons)
+    write_table(tables.kernels, args.kernels)
+    write_json(args.summary, tables.summary)
+    print(f"{tables.summary['complete']} of {tables.summary['trials']} trials complete; "
+          f"study {tables.summary['study']}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,21 +12,17 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from rcnn.cli import Parser
-from rcnn.data import NUM_IMAGES, Sample, device_batches, read_coco, synthetic_samples
-from rcnn.heads import HEAD, build_box_head
-from rcnn.knobs import (AMP, BATCH_SIZE, DEVICE, Knobs, autocast, backend_flags, grad_scaler, memory_format,
-                        resolve_device, why_not, why_not_together)
+from rcnn.data import Sample, device_batches, read_coco, synthetic_samples
+from rcnn.heads import build_box_head
+from rcnn.knobs import (Knobs, autocast, backend_flags, grad_scaler, memory_format, resolve_device, why_not,
+                        why_not_together)
 from rcnn.kernels import capture, head_backward_table
-from rcnn.model import (BACKBONE, BACKBONE_CHANNELS, IMAGE_SIZE, REPRESENTATION_SIZE, ROI_RESOLUTION, ROIS_PER_IMAGE,
-                        DetectorConfig, build_detector)
-from rcnn.rules import at_least
-from rcnn.timing import (ITERATIONS, MAX_ITERATIONS, REL_PRECISION, WARMUP, Clock, ModuleSpanProbe, PeakMemory, Stats,
-                         TimingPolicy, median_precision, summarize)
-
-PHASES = ("forward", "backward", "optimizer", "step", "head_forward", "head_backward")
-WATCHED = ("backward", "head_backward")  # measuring stops once these medians are known to the set precision
-STAT_COLUMNS = {"median": "{}_ms", "iqr": "{}_iqr_ms", "p90": "{}_p90_ms", "ci_low": "{}_ci_low_ms",
-                "ci_high": "{}_ci_high_ms"}
+from rcnn.model import BACKBONE_CHANNELS, ROI_RESOLUTION, DetectorConfig, build_detector
+from rcnn.rules import UserError, ValueNotAllowed, at_least
+from rcnn.schema import (AMP, BACKBONE, BATCH_SIZE, DEVICE, HEAD, IMAGE_SIZE, ITERATIONS, MAX_ITERATIONS, NUM_IMAGES,
+                         PHASES, REL_PRECISION, REPRESENTATION_SIZE, ROIS_PER_IMAGE, STAT_COLUMNS, WARMUP, WATCHED)
+from rcnn.stats import Stats, TimingPolicy, median_precision, summarize
+from rcnn.timing import Clock, ModuleSpanProbe, PeakMemory
 
 
 @dataclass(frozen=True)
@@ -60,7 +56,7 @@ class Trainer:
     training step and returns its phase times in ms. Build and step it inside ``backend_flags(knobs)``.
 
     ``probe=False`` leaves the head's hooks out (its times read NaN): to measure what the hooks cost.
-    Raises ValueError for a knob setting that does not apply on ``device``.
+    Raises ValueNotAllowed for a knob setting that does not apply on ``device``.
     """
 
     def __init__(self, config: DetectorConfig, knobs: Knobs, samples: list[Sample], *, device: torch.device,
@@ -68,9 +64,9 @@ class Trainer:
         for knob in ("cudnn_benchmark", "amp", "onednn"):
             value = getattr(knobs, knob)
             if value is not None and (reason := why_not(knob, value, device)):
-                raise ValueError(f"{knob}={value} does not apply on {device.type}: {reason}")
+                raise ValueNotAllowed(knob, f"{value} does not apply on {device.type}: {reason}")
         if together := why_not_together(asdict(knobs), device):
-            raise ValueError(f"{' with '.join(together[0])} as set do not apply on {device.type}: {together[1]}")
+            raise ValueNotAllowed(" with ".join(together[0]), f"as set, does not apply on {device.type}: {together[1]}")
         torch.manual_seed(seed)
         self.knobs, self.device, self.probe = knobs, device, probe
         self.clock = Clock(device)
@@ -120,7 +116,7 @@ def run_trial(config: DetectorConfig, knobs: Knobs, samples: list[Sample], *, de
     ``profile_steps``, then profile that many more steps and keep the head-backward kernel table.
 
     Batches are on the device before the first step, so data loading is never timed. Raises
-    ValueError for a knob setting that does not apply on ``device`` and FloatingPointError on a
+    ValueNotAllowed for a knob setting that does not apply on ``device`` and FloatingPointError on a
     non-finite loss.
     """
     watched = WATCHED if probe else ("backward",)
@@ -204,12 +200,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--representation-size", type=REPRESENTATION_SIZE.arg(int), default=1024, help="box head width")
     p.add_argument("--device", type=DEVICE.arg(), metavar=DEVICE.metavar, default="auto",
                    help="auto picks CUDA when there is a GPU")
-    p.add_argument("--warmup", type=WARMUP.arg(int), default=2,
+    p.add_argument("--warmup", type=WARMUP.arg(int), default=TimingPolicy.warmup,
                    help="least untimed steps; more until step times settle")
-    p.add_argument("--iterations", type=ITERATIONS.arg(int), default=5, help="least timed steps")
-    p.add_argument("--max-iterations", type=MAX_ITERATIONS.arg(int), default=30,
+    p.add_argument("--iterations", type=ITERATIONS.arg(int), default=TimingPolicy.iterations,
+                   help="least timed steps")
+    p.add_argument("--max-iterations", type=MAX_ITERATIONS.arg(int), default=TimingPolicy.max_iterations,
                    help="most timed steps (>= --iterations)")
-    p.add_argument("--rel-precision", type=REL_PRECISION.arg(float), default=0.05,
+    p.add_argument("--rel-precision", type=REL_PRECISION.arg(float), default=TimingPolicy.rel_precision,
                    help="stop once the backward medians' 95%% CI half-width is this fraction of the median")
     p.add_argument("--data", help="a COCO-format folder; default: synthetic images made in memory")
     p.add_argument("--num-images", type=NUM_IMAGES.arg(int), default=8, help="synthetic images (ignored with --data)")
@@ -221,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:  # as timing.max_iterations in params.yaml: a bound below its floor is refused, not ignored
         at_least(args.max_iterations, args.iterations, "--max-iterations", "--iterations")
-    except ValueError as err:
+    except ValueNotAllowed as err:
         parser.error(str(err))
     try:
         device = resolve_device(args.device)
@@ -244,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
                               iterations=args.iterations, max_iterations=args.max_iterations,
                               rel_precision=args.rel_precision)
         result = run_trial(config, knobs, samples, device=device, policy=policy)
-    except (ValueError, FloatingPointError) as err:
+    except ValueNotAllowed as err:  # keyed by the knob: name it as its flag
+        print(f"error: --{err.key.replace('_', '-')}: {err.problem}", file=sys.stderr)
+        return 2
+    except (UserError, FloatingPointError) as err:  # anything else is a bug: its traceback shows
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"{knobs} on {device}, {result.rois} RoIs per step, {result.warmup_iterations} warm-up and "

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from rcnn.rules import Rule
+from rcnn.rules import UserError
 
 
 @dataclass(frozen=True)
@@ -21,15 +21,8 @@ class Sample:
     labels: torch.Tensor  # (K,) int64 in 1..num_classes (0 is background)
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A dataset folder or file that cannot be used; the message names it."""
-
-
-# What synthetic_samples and read_coco allow, checked where the values are given (params.yaml, command lines).
-NUM_IMAGES = Rule(minimum=1)
-IMAGE_SIZE = Rule(minimum=32)
-NUM_CLASSES = Rule(minimum=1)
-SEED = Rule(minimum=0)  # numpy's generators refuse negative seeds
 
 
 def synthetic_samples(*, num_images: int, image_size: int, num_classes: int, seed: int,

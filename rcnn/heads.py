@@ -15,7 +15,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from rcnn.rules import Rule
+from rcnn.schema import HEAD
 
 
 class Conv2dAsLinear(nn.Conv2d):
@@ -110,16 +110,11 @@ HEADS: dict[str, Callable[..., tuple[nn.Module, nn.Module]]] = {
     "linear": linear_head,
     "conv": conv_head,
     "conv_as_linear": conv_as_linear_head,
-}
-HEAD = Rule(choices=HEADS)
+}  # rcnn.schema.HEAD_NAMES, in that order
 
 
 def build_box_head(name: str, *, in_channels: int, resolution: int, representation_size: int,
                    num_classes: int) -> tuple[nn.Module, nn.Module]:
     """Return (box_head, box_predictor) for a head name in ``HEADS``; ``num_classes`` excludes background."""
-    try:
-        builder = HEADS[name]
-    except KeyError:
-        raise ValueError(f"unknown head {name!r}; allowed: {', '.join(HEADS)}") from None
-    return builder(in_channels=in_channels, resolution=resolution,
-                   representation_size=representation_size, num_classes=num_classes)
+    return HEADS[HEAD.check(name, "head")](in_channels=in_channels, resolution=resolution,
+                                           representation_size=representation_size, num_classes=num_classes)

@@ -7,15 +7,10 @@ from typing import Any, Iterator
 
 import torch
 
-from rcnn.rules import Rule
+from rcnn.rules import ValueNotAllowed
+from rcnn.schema import AMP_DTYPES, DEVICE, DEVICE_KNOBS
 
-AMP_DTYPES = {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-KNOB_NAMES = ("head", "cudnn_benchmark", "onednn", "amp", "channels_last", "batch_size")
-# Backend switches, each used on one device type only: knob -> (device type, backend).
-DEVICE_KNOBS = {"cudnn_benchmark": ("cuda", "cuDNN"), "onednn": ("cpu", "oneDNN")}
-AMP = Rule(choices=AMP_DTYPES)
-BATCH_SIZE = Rule(minimum=1)
-DEVICE = Rule(choices=("auto", "cpu", "cuda"))  # resolve_device's names
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # rcnn.schema.AMP_DTYPES' names
 
 
 @dataclass(frozen=True)
@@ -40,7 +35,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but torch sees no CUDA GPU; use 'cpu' or 'auto'")
+        raise ValueNotAllowed("device", "'cuda' requested but torch sees no CUDA GPU; allowed here: cpu, auto")
     return torch.device(DEVICE.check(name, "device"))
 
 
@@ -76,7 +71,7 @@ def why_not_together(point: dict[str, Any], device: torch.device) -> tuple[tuple
 def applicable_space(space: dict[str, list], device: torch.device) -> tuple[dict[str, list], list[Skipped]]:
     """Drop settings that do not apply on ``device``; a knob that never applies is pinned to [None].
 
-    Raises ValueError when a knob is left with no applicable value.
+    Raises ValueNotAllowed, keyed by the knob's name, when a knob is left with no applicable value.
     """
     grid: dict[str, list] = {}
     skipped: list[Skipped] = []
@@ -89,7 +84,7 @@ def applicable_space(space: dict[str, list], device: torch.device) -> tuple[dict
             continue
         if not grid[knob]:
             why = "; ".join(f"{v}: {r}" for v, r in reasons.items())
-            raise ValueError(f"sweep.space.{knob}: no value applies on {device.type} ({why})")
+            raise ValueNotAllowed(knob, f"no value applies on {device.type} ({why})")
         skipped += [Skipped(knob, v, r) for v, r in reasons.items() if r]
     return grid, skipped
 
@@ -106,9 +101,13 @@ def backend_flags(knobs: Knobs) -> Iterator[None]:
         torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled = previous
 
 
+def autocast_dtype(amp: str) -> torch.dtype:
+    """The dtype an autocast setting runs matmuls and convolutions in (fp32 for 'off')."""
+    return DTYPES[AMP_DTYPES[amp]]
+
+
 def autocast(knobs: Knobs, device: torch.device) -> contextlib.AbstractContextManager:
-    dtype = AMP_DTYPES[knobs.amp]
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+    return torch.autocast(device.type, dtype=autocast_dtype(knobs.amp), enabled=knobs.amp != "off")
 
 
 def grad_scaler(knobs: Knobs, device: torch.device) -> torch.amp.GradScaler:

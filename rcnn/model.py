@@ -10,7 +10,7 @@ from torchvision.models.detection.backbone_utils import mobilenet_backbone, resn
 from torchvision.ops import MultiScaleRoIAlign
 
 from rcnn.heads import build_box_head
-from rcnn.rules import Rule
+from rcnn.schema import BACKBONE
 
 ROI_RESOLUTION = 7  # the pooled RoI grid: the conv head's kernel size
 BACKBONE_CHANNELS = 256  # every FPN backbone here outputs 256 channels per level
@@ -46,21 +46,12 @@ BACKBONES = {
     "resnet50_fpn": lambda: _resnet_fpn(50),
     "resnet18_fpn": lambda: _resnet_fpn(18),
     "mobilenet_v3_fpn": _mobilenet_v3_fpn,
-}
-
-# What DetectorConfig's fields allow, checked where they are given (params.yaml, command lines).
-BACKBONE = Rule(choices=BACKBONES)
-IMAGE_SIZE = Rule(minimum=64, multiple_of=32)  # FPN strides need a multiple of 32
-ROIS_PER_IMAGE = Rule(minimum=1)
-REPRESENTATION_SIZE = Rule(minimum=1)
+}  # rcnn.schema.BACKBONE_NAMES; the rules for DetectorConfig's fields are there too
 
 
 def build_detector(config: DetectorConfig, head: str) -> FasterRCNN:
     """An untrained detector whose transform keeps every image at ``image_size`` x ``image_size``."""
-    try:
-        backbone, anchors, pool = BACKBONES[config.backbone]()
-    except KeyError:
-        raise ValueError(f"unknown backbone {config.backbone!r}; allowed: {', '.join(BACKBONES)}") from None
+    backbone, anchors, pool = BACKBONES[BACKBONE.check(config.backbone, "backbone")]()
     box_head, box_predictor = build_box_head(
         head, in_channels=backbone.out_channels, resolution=ROI_RESOLUTION,
         representation_size=config.representation_size, num_classes=config.num_classes)

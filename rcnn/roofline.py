@@ -5,10 +5,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from rcnn.heads import build_box_head
-from rcnn.timing import Clock, summarize
-
-MATMUL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-AMP_TO_DTYPE_NAME = {"off": "fp32", "bf16": "bf16", "fp16": "fp16"}
+from rcnn.stats import summarize
+from rcnn.timing import Clock
 
 
 def head_flops(head: str, *, rois: int, in_channels: int, resolution: int, representation_size: int,

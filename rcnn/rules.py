@@ -1,9 +1,10 @@
-"""What values a quantity allows, written once and checked alike in params.yaml and on command lines.
+"""What values a quantity allows, written once and checked alike in params.yaml and on command lines, and
+the errors of values and files a user gives.
 
-Each Rule lives beside the library object it constrains (``IMAGE_SIZE`` beside ``DetectorConfig``);
-pipeline/params.py puts the same object in its field metadata and the commands pass it to argparse
-(``type=IMAGE_SIZE.arg(int)``), so a bad value reads the same wherever it is given. The caller names the
-key (``model.image_size``, ``--image-size``): the library knows no params.yaml keys. No torch here.
+The rules themselves live in rcnn.schema, beside the names they constrain; pipeline/params.py puts the same
+object in its field metadata and the commands pass it to argparse (``type=IMAGE_SIZE.arg(int)``), so a bad
+value reads the same wherever it is given. The caller names the key (``model.image_size``,
+``--image-size``): the library knows no params.yaml keys. No torch here.
 """
 from __future__ import annotations
 
@@ -12,6 +13,21 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar
 
 T = TypeVar("T")
+
+
+class UserError(Exception):
+    """A mistake the user can fix (a value, a file, a service); its message is one line naming the key or file
+    and what is allowed. Commands print it without a traceback; any other exception is a bug and keeps one."""
+
+
+class ValueNotAllowed(UserError, ValueError):
+    """A value the library cannot use: ``key`` names it as the caller knows it ('amp', '--batch-size'),
+    ``problem`` says what is wrong and what is allowed. A command adds where the key sits (params.yaml's
+    ``sweep.space.amp``) by re-raising with its own key."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"{key}: {problem}")
+        self.key, self.problem = key, problem
 
 
 @dataclass(frozen=True)
@@ -37,9 +53,9 @@ class Rule:
         return None
 
     def check(self, value: T, key: str) -> T:
-        """``value`` if allowed, else ValueError('<key>: <problem>')."""
+        """``value`` if allowed, else ValueNotAllowed('<key>: <problem>')."""
         if problem := self.problem(value):
-            raise ValueError(f"{key}: {problem}")
+            raise ValueNotAllowed(key, problem)
         return value
 
     def arg(self, convert: Callable[[str], T] = str) -> Callable[[str], T]:
@@ -62,7 +78,7 @@ class Rule:
 
 
 def at_least(value: float, floor: float, key: str, floor_key: str) -> None:
-    """ValueError when an upper bound sits below its floor (``max_iterations`` below ``iterations``), which
-    would otherwise be ignored silently."""
+    """ValueNotAllowed when an upper bound sits below its floor (``max_iterations`` below ``iterations``),
+    which would otherwise be ignored silently."""
     if value < floor:
-        raise ValueError(f"{key}: {value} is below {floor_key}; allowed: >= {floor}")
+        raise ValueNotAllowed(key, f"{value} is below {floor_key}; allowed: >= {floor}")

@@ -1,14 +1,19 @@
 """Shared fixtures: the real params shrunk to a tiny detector, outputs under tmp_path."""
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 import yaml
 
 from rcnn.model import DetectorConfig
+
+pytest.register_assert_rewrite("tests.pipeline.helpers")  # its asserts report values, as a test module's do
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,6 +36,20 @@ def merged(base: dict, override: dict) -> dict:
     return out
 
 
+def copy_project(dest: Path) -> Path:
+    """The project's files as a new user's clone holds them (tracked or new, not ignored; no .git) in ``dest``,
+    with the tiny params merged into its params.yaml."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        if (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    tiny = merged(yaml.safe_load((dest / "params.yaml").read_text()), TINY_PARAMS)
+    (dest / "params.yaml").write_text(yaml.safe_dump(tiny))
+    return dest
+
+
 def write_tiny_params(folder: Path, override: dict | None = None) -> Path:
     """The repo's params.yaml shrunk to TINY_PARAMS, stores under ``folder``, plus ``override``: its path."""
     raw = merged(yaml.safe_load((ROOT / "params.yaml").read_text()), TINY_PARAMS)
@@ -42,6 +61,12 @@ def write_tiny_params(folder: Path, override: dict | None = None) -> Path:
     return path
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Tests marked gpu run where torch sees a CUDA GPU (``pytest -m gpu`` on such a machine); elsewhere skip."""
+    if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+
 @pytest.fixture
 def tiny_params(tmp_path: Path):
     """Write a tiny params.yaml (stores under tmp_path) with optional overrides; returns its path."""
@@ -51,14 +76,15 @@ def tiny_params(tmp_path: Path):
 FAKE_HEADS = {"linear": (10.0, 100.0), "conv": (40.0, 130.0), "conv_as_linear": (11.0, 101.0)}  # head bwd, bwd
 
 
-def fake_trials(scale: float = 1.0) -> tuple[pd.DataFrame, dict]:
-    """A fixed trials table with per-step samples: two settings (batch 1 and 2, twice the time), three heads
-    with known medians (conv/linear head backward 4x), and one failed trial. All times times ``scale``."""
-    from pipeline.results import TRIAL_COLUMNS
+def fake_trials(scale: float = 1.0, batch_2_cost: float = 2.0) -> tuple[pd.DataFrame, dict]:
+    """A fixed trials table with per-step samples: two settings (batch 1, and batch 2 whose times are
+    ``batch_2_cost`` times batch 1's), three heads with known medians (conv/linear head backward 4x), and one
+    failed trial. All times times ``scale``. Below 2, batch 2 is slower per step but faster per image."""
+    from rcnn.schema import TRIAL_COLUMNS
 
     rng = np.random.default_rng(0)
     rows, samples = [], {}
-    for bs, factor in ((1, 1.0), (2, 2.0)):
+    for bs, factor in ((1, 1.0), (2, batch_2_cost)):
         for head, (head_bwd, bwd) in FAKE_HEADS.items():
             n, f = len(rows), factor * scale
             samples[n] = {"head_backward": list(head_bwd * f * rng.uniform(0.99, 1.01, 15)),

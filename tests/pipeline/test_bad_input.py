@@ -1,15 +1,20 @@
 """Bad input, catalogued: each case stops the sweep stage with one line naming the key or file and what is
 allowed, a non-zero exit, and the results of an earlier run left as they were."""
+import dataclasses
 import http.server
 import json
+import re
 import shutil
 import threading
 import time
+import typing
 
 import pytest
 from PIL import Image
 
 from pipeline import data, env, sweep
+from pipeline.params import Params
+from rcnn.rules import Rule
 from tests.conftest import write_tiny_params
 
 OUTPUTS = {"trials": "trials.csv", "comparisons": "comparisons.csv", "kernels": "kernels.csv",
@@ -24,7 +29,9 @@ def prepared(tmp_path_factory):
     folder = tmp_path_factory.mktemp("prepared")
     params = write_tiny_params(folder)
     assert data.main(["--params", str(params), "--out", str(folder / "data")]) == 0
-    assert env.main(["--params", str(params), "--out", str(folder / "env.json")]) == 0
+    with pytest.MonkeyPatch.context() as patch:  # every case stops before a trial: the peaks need no measuring
+        patch.setattr(env, "ceilings", lambda device: {"matmul_tflops": {"fp32": 1.0}, "copy_gbps": 10.0})
+        assert env.main(["--params", str(params), "--out", str(folder / "env.json")]) == 0
     return folder
 
 
@@ -80,6 +87,40 @@ CASES = [  # id, params override, what is done to the files, what the one line m
     ("negative-timeout", {"sweep": {"trial_timeout_s": -1}}, None, "sweep.trial_timeout_s: -1.0 is too small"),
     ("zero-rois", {"model": {"rois_per_image": 0}}, None, "model.rois_per_image: 0 is too small"),
     ("unknown-backbone", {"model": {"backbone": "vgg16"}}, None, "model.backbone: 'vgg16' is not allowed; allowed:"),
+    ("odd-image-size", {"model": {"image_size": 100}}, None,
+     "model.image_size: 100 is not allowed; allowed: a multiple of 32"),
+    ("zero-width-head", {"model": {"representation_size": 0}}, None,
+     "model.representation_size: 0 is too small; allowed: >= 1"),
+    ("zero-images", {"data": {"num_images": 0}}, None, "data.num_images: 0 is too small; allowed: >= 1"),
+    ("tiny-images", {"data": {"image_size": 16}}, None, "data.image_size: 16 is too small; allowed: >= 32"),
+    ("zero-classes", {"data": {"num_classes": 0}}, None, "data.num_classes: 0 is too small; allowed: >= 1"),
+    ("negative-data-seed", {"data": {"seed": -1}}, None, "data.seed: -1 is too small; allowed: >= 0"),
+    ("unknown-device", {"sweep": {"device": "tpu"}}, None, "sweep.device: 'tpu' is not allowed; allowed: auto, cpu"),
+    ("unknown-sampler", {"sweep": {"sampler": "random"}}, None,
+     "sweep.sampler: 'random' is not allowed; allowed: grid, tpe"),
+    ("zero-trials", {"sweep": {"n_trials": 0}}, None, "sweep.n_trials: 0 is too small; allowed: >= 1"),
+    ("negative-sweep-seed", {"sweep": {"seed": -1}}, None, "sweep.seed: -1 is too small; allowed: >= 0"),
+    ("zero-time-budget", {"sweep": {"timeout_s": 0}}, None, "sweep.timeout_s: 0.0 is too small; allowed: >= 1"),
+    ("zero-heartbeat", {"sweep": {"heartbeat_s": 0}}, None, "sweep.heartbeat_s: 0 is too small; allowed: >= 1"),
+    ("negative-profile-steps", {"sweep": {"profile_steps": -1}}, None,
+     "sweep.profile_steps: -1 is too small; allowed: >= 0"),
+    ("unknown-profile-amp", {"sweep": {"profile_at": [{"amp": "fp8"}]}}, None,
+     "sweep.profile_at.amp: 'fp8' is not allowed; allowed: off, fp16, bf16"),
+    ("zero-profile-batch", {"sweep": {"profile_at": [{"batch_size": 0}]}}, None,
+     "sweep.profile_at.batch_size: 0 is too small; allowed: >= 1"),
+    ("unknown-head", {"sweep": {"space": {"head": ["linear", "mlp"]}}}, None,
+     "sweep.space.head: 'mlp' is not allowed; allowed: linear, conv, conv_as_linear"),
+    ("unknown-amp", {"sweep": {"space": {"amp": ["fp8"]}}}, None,
+     "sweep.space.amp: 'fp8' is not allowed; allowed: off, fp16, bf16"),
+    ("negative-warmup", {"timing": {"warmup": -1}}, None, "timing.warmup: -1 is too small; allowed: >= 0"),
+    ("negative-max-warmup", {"timing": {"max_warmup": -1}}, None, "timing.max_warmup: -1 is too small; allowed: >= 0"),
+    ("zero-iterations", {"timing": {"iterations": 0}}, None, "timing.iterations: 0 is too small; allowed: >= 1"),
+    ("zero-max-iterations", {"timing": {"max_iterations": 0}}, None,
+     "timing.max_iterations: 0 is too small; allowed: >= 1"),
+    ("zero-max-seconds", {"timing": {"max_seconds": 0}}, None,
+     "timing.max_seconds: 0.0 is too small; allowed: >= 0.001"),
+    ("zero-precision", {"timing": {"rel_precision": 0}}, None,
+     "timing.rel_precision: 0.0 is too small; allowed: >= 0.0001"),
     ("unreachable-storage", {"sweep": {"storage": "postgresql://rcnn@127.0.0.1:1/none"}}, None,
      "sweep.storage: cannot open postgresql://rcnn@127.0.0.1:1/none"),
     ("unreachable-tracking", {"tracking": {"mlflow_uri": "http://127.0.0.1:1"}}, None,
@@ -130,8 +171,48 @@ def test_bad_input_stops_with_one_line_and_keeps_earlier_results(tmp_path, tiny_
     assert {path: path.read_text() for path in earlier} == earlier
 
 
-def test_the_catalogue_holds_at_least_15_bad_inputs():
-    assert len(CASES) >= 15
+def checked_keys(cls: type = Params, prefix: str = "") -> dict[str, Rule]:
+    """Every params key whose values a Rule checks, as pipeline/params.py declares it (the field's metadata)."""
+    keys = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key, hint = prefix + f.name, hints[f.name]
+        nested = [t for t in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(t)]  # sweep.profile_at: a tuple
+        if nested:
+            keys |= checked_keys(nested[0], key + ".")
+        elif f.metadata.get("rule") is not None:
+            keys[key] = f.metadata["rule"]
+    return keys
+
+
+def overridden(override: dict, prefix: str = "") -> list[tuple[str, object]]:
+    """(key, value) for every value a case's override sets; a list of mappings (sweep.profile_at) sets theirs."""
+    out = []
+    for name, value in override.items():
+        if isinstance(value, dict):
+            out += overridden(value, f"{prefix}{name}.")
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            out += [pair for v in value for pair in overridden(v, f"{prefix}{name}.")]
+        else:
+            out.append((prefix + name, value))
+    return out
+
+
+def refuses(rule: Rule, value: object) -> bool:
+    try:
+        return any(rule.problem(v) for v in (value if isinstance(value, list) else [value]))
+    except TypeError:  # a value of the wrong type ('5' for an int): the type check's case, not the rule's
+        return False
+
+
+def test_every_checked_params_key_has_a_case_its_rule_refuses():
+    rules = checked_keys()
+    tried = [(key, value) for _, override, _, _ in CASES for key, value in overridden(override)]
+    missing = [key for key, rule in rules.items() if not any(k == key and refuses(rule, v) for k, v in tried)]
+    assert not missing, f"no bad-input case gives these keys a value their rule refuses: {', '.join(missing)}"
+    # And the other way: every case worded as a rule's refusal is about a key the introspection found.
+    worded = {m.split(":")[0] for *_, m in CASES if re.match(r"[\w.]+: .* is (too small|not allowed)", m)}
+    assert worded <= set(rules), worded - set(rules)
 
 
 class AuthenticatingServer(http.server.BaseHTTPRequestHandler):

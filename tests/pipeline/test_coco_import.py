@@ -4,8 +4,8 @@ import pytest
 from pipeline import sweep
 from pipeline.results import read_trials
 from rcnn.data import describe_dropped
-from tests.pipeline.test_faults import prepare
-from tests.rcnn.test_data import QUIRKY_DROPPED, QUIRKY_KEPT, write_quirky_coco
+from tests.pipeline.helpers import prepare
+from tests.coco import QUIRKY_DROPPED, QUIRKY_KEPT, write_quirky_coco
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Callable
 
 import mlflow
 import optuna
@@ -12,42 +11,10 @@ import pytest
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 
-from pipeline import data, env, sweep
+from pipeline import sweep
 from pipeline.results import read_trials
 from tests.conftest import ROOT
-
-SLOW = {"timing": {"warmup": 1, "max_warmup": 1, "iterations": 25, "max_iterations": 25, "max_seconds": 60},
-        "sweep": {"profile_steps": 0, "cross_check": False}}
-
-
-def prepare(tmp_path, tiny_params, override):
-    params = tiny_params(override)
-    assert data.main(["--params", str(params), "--out", str(tmp_path / "data")]) == 0
-    assert env.main(["--params", str(params), "--out", str(tmp_path / "env.json")]) == 0
-    args = ["--params", str(params)] + [a for k, v in {
-        "data": "data", "env": "env.json", "trials": "trials.csv", "comparisons": "comparisons.csv",
-        "kernels": "kernels.csv", "summary": "summary.json"}.items() for a in (f"--{k}", str(tmp_path / v))]
-    return args
-
-
-def kill_mid_trial(proc: subprocess.Popen, trials: Callable[[], list[optuna.trial.FrozenTrial]],
-                   timeout_s: float = 240, send: Callable[[int], None] | None = None) -> list[optuna.trial.FrozenTrial]:
-    """SIGKILL ``proc`` (or call ``send(pid)`` instead) in the middle of a trial, once ``trials()`` (its trials)
-    holds a completed one and a running one whose MLflow run has started; waits for ``proc`` to end and
-    returns the trials as last seen."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        seen = trials()
-        if (any(t.state == optuna.trial.TrialState.COMPLETE for t in seen)
-                and any(t.state == optuna.trial.TrialState.RUNNING and "mlflow_run_id" in t.user_attrs for t in seen)):
-            break
-        time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail("the process never had a completed and a running trial at once")
-    (send or (lambda pid: os.kill(pid, signal.SIGKILL)))(proc.pid)
-    proc.wait(timeout=240)
-    return seen
+from tests.pipeline.helpers import SLOW, kill_mid_trial, prepare
 
 
 def journal_study(folder) -> optuna.Study | None:

@@ -8,7 +8,8 @@ import pandas as pd
 import pytest
 
 from pipeline import compare, report
-from pipeline.results import KERNEL_COLUMNS, comparisons_table, summarize_trials, write_table, write_trials
+from pipeline.results import comparisons_table, fastest, summarize_trials, write_table, write_trials
+from rcnn.schema import KERNEL_COLUMNS
 from tests.conftest import ROOT, fake_trials
 
 SECTIONS = ["## Verdict", "## Knob effects", "## Where the time goes", "## Batch-size scaling", "## Speed vs memory",
@@ -16,8 +17,8 @@ SECTIONS = ["## Verdict", "## Knob effects", "## Where the time goes", "## Batch
 FIGURES = ["head_backward", "time_split", "batch_scaling", "pareto", "roofline"]
 
 
-def write_results(folder, scale=1.0):
-    trials, samples = fake_trials(scale)
+def write_results(folder, scale=1.0, batch_2_cost=2.0):
+    trials, samples = fake_trials(scale, batch_2_cost)
     comparisons = comparisons_table(trials, samples)
     kernels = pd.DataFrame([{"trial": 1, "head": "conv", "cudnn_benchmark": "n/a", "onednn": True, "amp": "off",
                              "channels_last": False, "batch_size": 1, "kind": "op",
@@ -65,17 +66,45 @@ def test_report_has_every_section_figure_and_the_verdict_numbers(tmp_path, tiny_
     assert "<table>" in html
 
 
-def test_time_split_and_pareto_numbers(tmp_path, tiny_params):
+def test_time_split_numbers(tmp_path, tiny_params):
     folder = write_results(tmp_path / "results")
     out = tmp_path / "reports"
-    report.main(["--params", str(tiny_params())] + report_args(folder, out))
+    assert report.main(["--params", str(tiny_params())] + report_args(folder, out)) == 0
     split = pd.read_csv(out / "plots" / "time_split.csv").pivot(index="head", columns="part", values="ms")
     assert split.loc["conv", "box-head backward"] == pytest.approx(40, rel=0.02)
     assert split.loc["conv", "rest of backward"] == pytest.approx(90, rel=0.03)
+    assert split.loc["linear"].sum() == pytest.approx(100 + 50 + 5, rel=0.02)  # backward, forward, optimizer
+
+
+def test_settings_are_ranked_by_time_per_image_not_per_step(tmp_path, tiny_params):
+    # Batch 2's step takes 1.7x batch 1's: longer per step (linear: 340 ms against 200) but shorter per image
+    # (170 ms against 200). Ranked per step, batch 1 would win; per image, batch 2 does.
+    trials = fake_trials(batch_2_cost=1.7)[0]
+    done = trials[trials["status"] == "complete"]
+    assert done.loc[done["step_ms"].idxmin(), "batch_size"] == 1  # the rankings disagree on this table
+    best = fastest(trials)
+    assert (best["head"], best["batch_size"]) == ("linear", 2)
+    assert best["ms_per_image"] == pytest.approx(170, rel=0.02) and best["step_ms"] == pytest.approx(340, rel=0.02)
+
+    folder = write_results(tmp_path / "results", batch_2_cost=1.7)
+    out = tmp_path / "reports"
+    assert report.main(["--params", str(tiny_params())] + report_args(folder, out)) == 0
+    text = (out / "report.md").read_text()
+    line = re.search(r"- fastest setting, by time per image \(step time / batch size\): head=(\w+), .*"
+                     r"batch_size=(\d+) at (\d+) ms per image \((\d+) ms per step of 2 images\)", text)
+    assert line and (line[1], line[2]) == ("linear", "2"), text
+    assert int(line[3]) == pytest.approx(170, rel=0.02) and int(line[4]) == pytest.approx(340, rel=0.02)
+    # The Pareto front is per image too: linear at batch 2 (fastest per image) and at batch 1 (leanest); per
+    # step, batch 1 alone would be on it.
     pareto = pd.read_csv(out / "plots" / "pareto.csv")
-    assert pareto[pareto["pareto"]]["head"].tolist() == ["linear"]  # fastest and leanest at batch 1
+    batch = pareto["setting"].str.extract(r"bs (\d+)$")[0].astype(int)
+    assert pareto["ms_per_image"].to_numpy() == pytest.approx((pareto["step_ms"] / batch).to_numpy(), abs=0.01)
+    front = pareto[pareto["pareto"]]
+    assert sorted(zip(front["head"], batch[front.index])) == [("linear", 1), ("linear", 2)]
+    assert pareto["ms_per_image"].is_monotonic_increasing  # ranked by it
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage, message", [
     (lambda f: (f / "trials.csv").unlink(), "trials.csv: missing; run the sweep stage first"),
     (lambda f: (f / "summary.json").write_text("{oops"), "summary.json: not valid JSON"),

@@ -1,8 +1,7 @@
 import pytest
 
-from pipeline.results import (ALL_SETTINGS, TRIAL_COLUMNS, comparisons_table, geomean_ratio, read_trials,
-                              summarize_trials, write_trials)
-from rcnn.data import DataError
+from pipeline.results import ALL_SETTINGS, comparisons_table, read_trials, summarize_trials, trial_row, write_trials
+from rcnn.schema import MEASURED_COLUMNS, TRIAL_COLUMNS, ResultsError
 from tests.conftest import fake_trials as fixture
 
 def test_comparisons_per_setting_and_pooled():
@@ -23,12 +22,17 @@ def test_comparisons_per_setting_and_pooled():
     assert summary["conv_over_linear_head_backward"] == pytest.approx(4.0, rel=0.02)
     assert summary["conv_over_linear_head_backward_ci_low"] < 4.0 < summary["conv_over_linear_head_backward_ci_high"]
     assert summary["best"] == {"head": "linear", "cudnn_benchmark": "n/a", "onednn": True, "amp": "off",
-                               "channels_last": False, "batch_size": 1, "step_ms": pytest.approx(200, rel=0.02)}
+                               "channels_last": False, "batch_size": 1, "step_ms": pytest.approx(200, rel=0.02),
+                               "ms_per_image": pytest.approx(200, rel=0.02)}
 
 
-def test_geomean_of_known_ratios():
-    ratio, low, high = geomean_ratio([([2.0] * 9, [1.0] * 9), ([8.0] * 9, [1.0] * 9)])
-    assert ratio == pytest.approx(4.0) and low == pytest.approx(4.0) and high == pytest.approx(4.0)
+def test_best_setting_is_the_least_time_per_image_not_per_step():
+    trials, samples = fixture()
+    batch_2 = trials["batch_size"] == 2
+    trials.loc[batch_2, "step_ms"] *= 0.75  # 1.5x the time per step of batch 1, 0.75x per image
+    best = summarize_trials(trials, comparisons_table(trials, samples))["best"]
+    assert best["batch_size"] == 2 and best["head"] == "linear"
+    assert best["ms_per_image"] == pytest.approx(best["step_ms"] / 2, rel=0.01)
 
 
 def test_missing_head_gives_no_ratio_not_an_error():
@@ -45,10 +49,26 @@ def test_round_trip_and_bad_files(tmp_path):
     back = read_trials(path)
     assert list(back.columns) == list(TRIAL_COLUMNS) and back["cudnn_benchmark"].eq("n/a").all()
     path.write_text("trial,status\n0,complete\n")
-    with pytest.raises(DataError, match="trials.csv: missing columns device"):
+    with pytest.raises(ResultsError, match="trials.csv: missing columns device"):
         read_trials(path)
-    with pytest.raises(DataError, match="run the sweep stage first"):
+    with pytest.raises(ResultsError, match="run the sweep stage first"):
         read_trials(tmp_path / "none.csv")
     path.write_bytes(b"\xff\xfe\x00garbage")
-    with pytest.raises(DataError, match="trials.csv"):
+    with pytest.raises(ResultsError, match="trials.csv"):
         read_trials(path)
+
+
+def test_trial_row_refuses_a_misspelt_or_missing_column():
+    setup = {"trial": 0, "status": "failed", "device": "cpu", "backbone": "resnet18_fpn", "image_size": 256,
+             "rois_per_image": 128, "head": "conv", "cudnn_benchmark": "n/a", "onednn": True, "amp": "off",
+             "channels_last": False, "batch_size": 1, "mlflow_run_id": None, "worker": None, "error": "x"}
+    row = trial_row(None, **setup)
+    assert list(row) == list(TRIAL_COLUMNS) and all(row[c] != row[c] for c in MEASURED_COLUMNS)  # NaN: nothing measured
+    measured = dict.fromkeys(MEASURED_COLUMNS, 1.0)
+    assert trial_row(measured, **setup)["step_ms"] == 1.0
+    with pytest.raises(ValueError, match="unknown \\['stepms'\\]"):
+        trial_row({**measured, "stepms": 1.0}, **setup)
+    with pytest.raises(ValueError, match="missing \\['step_ms'\\]"):
+        trial_row({k: v for k, v in measured.items() if k != "step_ms"}, **setup)
+    with pytest.raises(ValueError, match="missing \\['worker'\\]"):
+        trial_row(measured, **{k: v for k, v in setup.items() if k != "worker"})

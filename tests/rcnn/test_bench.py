@@ -1,58 +1,161 @@
+import math
 import subprocess
 import sys
 
 import pytest
 import torch
+from torch import nn
 
-from rcnn.bench import PHASES, isolated_head_ms, main, run_trial
+import rcnn.bench as bench
+from rcnn.bench import PHASES, Trainer, isolated_head_ms, main, run_trial
 from rcnn.data import synthetic_samples
-from rcnn.knobs import Knobs
+from rcnn.knobs import Knobs, backend_flags
 from rcnn.model import BACKBONES, build_detector
-from rcnn.timing import TimingPolicy
+from rcnn.stats import TimingPolicy
 from tests.conftest import ROOT, TINY_CONFIG
 
 CPU = torch.device("cpu")
+DEVICES = [pytest.param(CPU, id="cpu"), pytest.param(torch.device("cuda"), id="cuda", marks=pytest.mark.gpu)]
 SAMPLES = synthetic_samples(num_images=4, image_size=64, num_classes=2, seed=0)
 QUICK = TimingPolicy(warmup=1, max_warmup=1, iterations=2, max_iterations=2)
 
 
+def assert_phases_add_up(samples: dict[str, list[float]]) -> None:
+    """Each step's forward, backward and optimizer are consecutive spans of the step: their sum is the step (to the
+    clock's rounding), and the box head's forward and backward lie inside the forward and the backward."""
+    for i, step in enumerate(samples["step"]):
+        forward, backward, optimizer = (samples[p][i] for p in ("forward", "backward", "optimizer"))
+        assert forward + backward + optimizer == pytest.approx(step, rel=1e-6, abs=0.01), i
+        assert 0 < samples["head_forward"][i] < forward and 0 < samples["head_backward"][i] < backward, i
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("head", ["linear", "conv", "conv_as_linear"])
-def test_trial_times_every_phase(head):
-    result = run_trial(TINY_CONFIG, Knobs(head=head, batch_size=2), SAMPLES, device=CPU, policy=QUICK,
+def test_trial_times_every_phase(head, device):
+    result = run_trial(TINY_CONFIG, Knobs(head=head, batch_size=2), SAMPLES, device=device, policy=QUICK,
                        profile_steps=1)
-    assert result.iterations == 2 and result.warmup_iterations == 1
+    assert result.iterations == 2 and result.warmup_iterations == 1  # QUICK's bounds, exactly
     assert result.rois == 2 * TINY_CONFIG.rois_per_image  # fixed box-head input shape
-    assert all(len(result.samples[p]) == 2 and result.median(p) > 0 for p in PHASES)
-    assert result.median("head_backward") < result.median("backward")
-    assert result.median("head_forward") < result.median("forward")
-    assert result.median("forward") + result.median("backward") <= result.median("step") * 1.001
+    assert all(len(result.samples[p]) == 2 for p in PHASES)
+    assert_phases_add_up(result.samples)
     row = result.row()
     assert {"head_backward_ci_low_ms", "step_p90_ms", "precision_met", "warmup_iterations"} <= set(row)
+    assert all(row[f"{p}_ms"] == result.median(p) for p in PHASES) and row["rois"] == result.rois
     # The profile of the head's backward names the operators the head runs: conv kernels or a GEMM.
     ops = {k["name"] for k in result.kernels if k["kind"] == "op"}
     assert ("aten::convolution_backward" in ops) == (head == "conv") and ("aten::mm" in ops) == (head != "conv")
     assert all(0 < k["share"] <= 1 for k in result.kernels)
 
 
-@pytest.mark.slow
-def test_channels_last_trial_runs():
-    result = run_trial(TINY_CONFIG, Knobs(head="conv", channels_last=True, batch_size=1, onednn=False), SAMPLES,
-                       device=CPU, policy=QUICK)
-    assert result.median("step") > 0 and torch.backends.mkldnn.enabled  # oneDNN restored after the trial
+class LoggedClock:
+    """A clock that logs each mark it takes, with the name of who took it, in the order taken."""
+
+    def __init__(self, clock, who: str, log: list) -> None:
+        self.clock, self.who, self.log = clock, who, log
+
+    def mark(self):
+        stamp = self.clock.mark()
+        self.log.append((self.who, stamp))
+        return stamp
+
+    def __getattr__(self, name: str):
+        return getattr(self.clock, name)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("head", ["linear", "conv"])
-def test_isolated_head_times_are_positive(head):
-    forward, backward = isolated_head_ms(TINY_CONFIG, Knobs(head=head), rois=16, device=CPU, min_run_time=0.05)
-    assert forward > 0 and backward > 0
+def test_head_spans_lie_inside_the_forward_and_the_backward(head):
+    knobs = Knobs(head=head, batch_size=2, onednn=True)
+    log: list = []
+    with backend_flags(knobs):
+        trainer = Trainer(TINY_CONFIG, knobs, SAMPLES, device=CPU)
+        clock = trainer.clock
+        trainer.clock, trainer.head.clock = LoggedClock(clock, "step", log), LoggedClock(clock, "head", log)
+        try:
+            trainer.step(0)
+        finally:
+            trainer.close()
+    # Step start, [head forward], forward end, [head backward], backward end, step end; the clock never goes back.
+    assert [who for who, _ in log] == ["step", "head", "head", "step", "head", "head", "step", "step"]
+    stamps = [stamp for _, stamp in log]
+    assert stamps == sorted(stamps)
 
 
-def test_settings_that_do_not_apply_are_refused_before_any_work():
-    with pytest.raises(ValueError, match="amp=fp16 does not apply on cpu"):
+# (policy, batch size, warm-up steps, timed steps): the policy's bounds decide how many steps run.
+POLICIES = {
+    # Step times cannot settle in fewer than settle_window (3) steps, so warm-up runs to max_warmup; precision
+    # needs at least 6 samples, so measuring runs to max_iterations.
+    "to-max-iterations": (TimingPolicy(warmup=0, max_warmup=2, iterations=1, max_iterations=3, rel_precision=1e-4),
+                          1, 2, 3),
+    # Out of time after the first steps: no more than the least number.
+    "out-of-time": (TimingPolicy(warmup=1, max_warmup=1, iterations=2, max_iterations=50, max_seconds=0.001),
+                    2, 1, 2),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy, batch_size, warmup, iterations", POLICIES.values(), ids=POLICIES.keys())
+def test_the_policy_bounds_the_steps_and_rois_follow_the_batch(policy, batch_size, warmup, iterations):
+    result = run_trial(TINY_CONFIG, Knobs(head="linear", batch_size=batch_size), SAMPLES, device=CPU, policy=policy)
+    assert (result.warmup_iterations, result.iterations) == (warmup, iterations)
+    assert all(len(result.samples[p]) == iterations for p in PHASES)
+    assert not result.precision_met and result.precision > policy.rel_precision
+    assert result.rois == batch_size * TINY_CONFIG.rois_per_image
+    assert_phases_add_up(result.samples)
+
+
+@pytest.mark.slow
+def test_without_the_probe_head_times_are_nan_and_the_rest_is_timed():
+    result = run_trial(TINY_CONFIG, Knobs(head="conv", batch_size=1), SAMPLES, device=CPU, policy=QUICK, probe=False)
+    for phase in ("head_forward", "head_backward"):
+        assert all(math.isnan(ms) for ms in result.samples[phase]) and math.isnan(result.row()[f"{phase}_ms"])
+    for i, step in enumerate(result.samples["step"]):
+        parts = [result.samples[p][i] for p in ("forward", "backward", "optimizer")]
+        assert all(ms > 0 for ms in parts) and sum(parts) == pytest.approx(step, rel=1e-6, abs=0.01)
+
+
+@pytest.mark.slow
+def test_channels_last_and_onednn_off_hold_for_every_step(monkeypatch):
+    seen = []  # per box-head forward: oneDNN's switch, and whether every conv weight is channels_last
+
+    def build_watched(config, head):
+        model = build_detector(config, head)
+        convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+        model.roi_heads.box_head.register_forward_hook(lambda *_: seen.append(
+            (torch.backends.mkldnn.enabled, all(c.weight.is_contiguous(memory_format=torch.channels_last)
+                                                for c in convs))))
+        return model
+
+    monkeypatch.setattr(bench, "build_detector", build_watched)
+    result = run_trial(TINY_CONFIG, Knobs(head="conv", channels_last=True, batch_size=1, onednn=False), SAMPLES,
+                       device=CPU, policy=QUICK)
+    assert seen == [(False, True)] * (result.warmup_iterations + result.iterations)  # warm-up and timed steps
+    assert torch.backends.mkldnn.enabled  # oneDNN restored after the trial
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head", ["linear", "conv"])
+def test_isolated_head_is_timed_under_the_knobs(monkeypatch, head):
+    seen = set()  # oneDNN's switch at each timed call of the head
+
+    def watched_autocast(knobs, device):
+        seen.add(torch.backends.mkldnn.enabled)
+        return bench_autocast(knobs, device)
+
+    bench_autocast = bench.autocast
+    monkeypatch.setattr(bench, "autocast", watched_autocast)
+    forward, backward = isolated_head_ms(TINY_CONFIG, Knobs(head=head, onednn=False), rois=16, device=CPU,
+                                         min_run_time=0.05)
+    assert seen == {False} and torch.backends.mkldnn.enabled
+    assert forward > 0 and math.isfinite(backward)  # a difference of two noisy medians: its sign is not checked
+
+
+def test_settings_that_do_not_apply_are_refused_before_any_work(monkeypatch):
+    monkeypatch.setattr(bench, "build_detector", lambda *args: pytest.fail("a detector was built"))
+    with pytest.raises(ValueError, match="amp: fp16 does not apply on cpu"):
         run_trial(TINY_CONFIG, Knobs(amp="fp16"), SAMPLES, device=CPU, policy=QUICK)
-    with pytest.raises(ValueError, match="amp with onednn as set do not apply on cpu"):
+    with pytest.raises(ValueError, match="amp with onednn: as set, does not apply on cpu"):
         run_trial(TINY_CONFIG, Knobs(amp="bf16", onednn=False), SAMPLES, device=CPU, policy=QUICK)
 
 
@@ -69,7 +172,7 @@ def test_detectors_build_and_keep_fixed_size(backbone):
 
 def test_unknown_backbone():
     config = TINY_CONFIG.__class__(**{**TINY_CONFIG.__dict__, "backbone": "vgg"})
-    with pytest.raises(ValueError, match="unknown backbone 'vgg'; allowed: resnet50_fpn"):
+    with pytest.raises(ValueError, match="backbone: 'vgg' is not allowed; allowed: resnet50_fpn"):
         build_detector(config, "linear")
 
 
@@ -116,6 +219,7 @@ def test_cli_refuses_a_bad_option_with_one_line(capsys, argv, message):
     assert capsys.readouterr().err == f"error: {message}\n"
 
 
+@pytest.mark.slow
 def test_cli_bad_option_as_a_user_runs_it():
     result = subprocess.run([sys.executable, "-m", "rcnn.bench", "--batch-size", "0"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)

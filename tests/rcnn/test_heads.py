@@ -2,6 +2,8 @@ import pytest
 import torch
 
 from rcnn.heads import HEADS, Conv2dAsLinear, build_box_head
+from rcnn.rules import ValueNotAllowed
+from rcnn.schema import HEAD_NAMES
 
 C, R, D, K = 8, 7, 16, 3  # channels, RoI grid, representation size, object classes
 
@@ -65,8 +67,12 @@ def test_outputs_have_background_class_and_question_init(name):
 
 
 def test_unknown_head_names_the_allowed_ones():
-    with pytest.raises(ValueError, match="unknown head 'mlp'.*linear, conv, conv_as_linear"):
+    with pytest.raises(ValueNotAllowed, match="head: 'mlp' is not allowed; allowed: linear, conv, conv_as_linear"):
         heads("mlp")
+
+
+def test_the_heads_built_are_the_heads_named():
+    assert tuple(HEADS) == HEAD_NAMES  # the tables and figures order heads by HEAD_NAMES
 
 
 def test_conv_as_linear_refuses_inputs_larger_than_its_kernel():

@@ -1,54 +1,88 @@
+import itertools
+
 import pytest
 import torch
+from torch import nn
 
 import rcnn.knobs as knobs
-from rcnn.knobs import Knobs, applicable_space, backend_flags, resolve_device, why_not, why_not_together
+from rcnn.knobs import (Knobs, applicable_space, autocast, backend_flags, grad_scaler, memory_format, resolve_device,
+                        set_tf32, why_not, why_not_together)
 
 CPU = torch.device("cpu")
+CUDA = torch.device("cuda")  # a device object only: the tests here that need the GPU itself are marked gpu
 SPACE = {"head": ["linear", "conv"], "cudnn_benchmark": [False, True], "onednn": [True, False],
          "amp": ["off", "fp16", "bf16"], "channels_last": [False, True], "batch_size": [1, 2]}
-CUDA = torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def global_flags():
+    """Every test here leaves torch's global backend switches as it found them, even when it fails."""
+    saved = (torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled, torch.backends.cuda.matmul.allow_tf32,
+             torch.backends.cudnn.allow_tf32)
+    yield
+    (torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled, torch.backends.cuda.matmul.allow_tf32,
+     torch.backends.cudnn.allow_tf32) = saved
+
+
+@pytest.fixture
+def bf16(monkeypatch):
+    """Says whether the CPU and the GPU have bf16, so that both answers are tested on any machine."""
+    def set_support(cpu: bool, gpu: bool) -> None:
+        monkeypatch.setattr(knobs, "cpu_has_native_bf16", lambda: cpu)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: gpu)
+    return set_support
 
 
 @pytest.mark.parametrize("native_bf16", [False, True])
-def test_cpu_space_pins_cudnn_and_drops_what_does_not_apply(monkeypatch, native_bf16):
-    monkeypatch.setattr(knobs, "cpu_has_native_bf16", lambda: native_bf16)
+def test_cpu_space_pins_cudnn_and_drops_what_does_not_apply(bf16, native_bf16):
+    bf16(cpu=native_bf16, gpu=True)
     grid, skipped = applicable_space(SPACE, CPU)
-    assert grid["cudnn_benchmark"] == [None] and grid["onednn"] == [True, False]
-    assert grid["amp"] == (["off", "bf16"] if native_bf16 else ["off"])
-    assert grid["head"] == SPACE["head"] and grid["batch_size"] == [1, 2]
+    assert grid == SPACE | {"cudnn_benchmark": [None], "amp": ["off", "bf16"] if native_bf16 else ["off"]}
     reasons = {(s.knob, s.value): s.reason for s in skipped}
-    assert "not used on CPU" in reasons[("cudnn_benchmark", "any")]
-    assert "CUDA" in reasons[("amp", "fp16")]
-    assert (("amp", "bf16") in reasons) == (not native_bf16)
+    assert set(reasons) == {("cudnn_benchmark", "any"), ("amp", "fp16")} | (set() if native_bf16 else {("amp", "bf16")})
+    assert "not used on CPU" in reasons[("cudnn_benchmark", "any")] and "CUDA" in reasons[("amp", "fp16")]
 
 
-def test_a_knob_left_empty_is_an_error(monkeypatch):
-    monkeypatch.setattr(knobs, "cpu_has_native_bf16", lambda: False)
-    with pytest.raises(ValueError, match=r"sweep.space.amp: no value applies on cpu \(fp16: .*; bf16: .*native bf16"):
+@pytest.mark.parametrize("bf16_gpu", [False, True])
+def test_cuda_space_pins_onednn_and_drops_bf16_only_where_the_gpu_lacks_it(bf16, bf16_gpu):
+    bf16(cpu=False, gpu=bf16_gpu)  # a CPU without bf16 must not matter on the GPU
+    grid, skipped = applicable_space(SPACE, CUDA)
+    assert grid == SPACE | {"onednn": [None], "amp": ["off", "fp16", "bf16"] if bf16_gpu else ["off", "fp16"]}
+    reasons = {(s.knob, s.value): s.reason for s in skipped}
+    assert set(reasons) == {("onednn", "any")} | (set() if bf16_gpu else {("amp", "bf16")})
+    assert "oneDNN is not used on CUDA" in reasons[("onednn", "any")]
+
+
+@pytest.mark.parametrize("device, cpu_bf16, gpu_bf16", [(CPU, False, False), (CPU, True, False), (CUDA, False, False),
+                                                         (CUDA, False, True)])
+def test_applicable_space_drops_exactly_the_settings_why_not_names(bf16, device, cpu_bf16, gpu_bf16):
+    bf16(cpu=cpu_bf16, gpu=gpu_bf16)
+    grid, skipped = applicable_space(SPACE, device)
+    reasons = {(s.knob, s.value): s.reason for s in skipped}
+    for knob, values in SPACE.items():
+        refused = {value: why_not(knob, value, device) for value in values}
+        if all(refused.values()):  # a backend this device does not use: pinned, one reason for all its values
+            assert grid[knob] == [None] and reasons[(knob, "any")] == refused[values[0]]
+            continue
+        assert grid[knob] == [v for v in values if refused[v] is None]  # kept in the given order
+        assert {v: r for (k, v), r in reasons.items() if k == knob} == {v: r for v, r in refused.items() if r}
+
+
+def test_a_knob_left_empty_is_an_error(bf16):
+    bf16(cpu=False, gpu=False)
+    with pytest.raises(ValueError, match=r"amp: no value applies on cpu \(fp16: .*; bf16: .*native bf16") as err:
         applicable_space(SPACE | {"amp": ["fp16", "bf16"]}, CPU)
+    assert err.value.key == "amp"  # the command that read the space adds where the key sits
 
 
 def test_onednn_is_a_cpu_knob_and_bf16_needs_it():
     assert why_not("onednn", False, CPU) is None
     assert "oneDNN is not used on CUDA" in why_not("onednn", True, CUDA)
+    assert "cuDNN is not used on CPU" in why_not("cudnn_benchmark", False, CPU)
+    assert why_not("cudnn_benchmark", True, CUDA) is None
     assert why_not_together({"amp": "bf16", "onednn": False}, CPU)[0] == ("amp", "onednn")
     assert why_not_together({"amp": "off", "onednn": False}, CPU) is None
     assert why_not_together({"amp": "bf16", "onednn": None}, CUDA) is None
-
-
-def test_backend_flags_restore_onednn():
-    with backend_flags(Knobs(onednn=False)):
-        assert torch.backends.mkldnn.enabled is False
-    assert torch.backends.mkldnn.enabled is True
-
-
-def test_every_other_knob_applies_everywhere():
-    for device in (CPU, torch.device("cuda")):
-        assert why_not("channels_last", True, device) is None
-        assert why_not("batch_size", 4, device) is None
-        assert why_not("head", "conv", device) is None
-    assert why_not("cudnn_benchmark", True, torch.device("cuda")) is None
 
 
 def test_resolve_device():
@@ -61,8 +95,57 @@ def test_resolve_device():
             resolve_device("cuda")
 
 
-def test_backend_flags_restore_cudnn_benchmark():
-    before = torch.backends.cudnn.benchmark
-    with backend_flags(Knobs(cudnn_benchmark=not before)):
-        assert torch.backends.cudnn.benchmark is (not before)
-    assert torch.backends.cudnn.benchmark is before
+FLAG_STATES = list(itertools.product([False, True], repeat=2))  # (cudnn.benchmark, mkldnn.enabled) before a trial
+
+
+@pytest.mark.parametrize("cudnn_benchmark, onednn", list(itertools.product([None, False, True], repeat=2)))
+@pytest.mark.parametrize("before", FLAG_STATES, ids=[f"benchmark={b}-mkldnn={m}" for b, m in FLAG_STATES])
+def test_backend_flags_set_the_knobs_and_restore_what_was_there(before, cudnn_benchmark, onednn):
+    torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled = before
+    with backend_flags(Knobs(cudnn_benchmark=cudnn_benchmark, onednn=onednn)):
+        # None is n/a on this device: PyTorch's defaults (benchmark off, oneDNN on), not whatever was set before.
+        assert torch.backends.cudnn.benchmark is (cudnn_benchmark is True)
+        assert torch.backends.mkldnn.enabled is (onednn is not False)
+    assert (torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled) == before
+
+
+def test_backend_flags_restore_after_a_failing_trial():
+    torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled = False, True
+    with pytest.raises(FloatingPointError), backend_flags(Knobs(cudnn_benchmark=True, onednn=False)):
+        raise FloatingPointError("non-finite loss")
+    assert (torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled) == (False, True)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_tf32_is_one_setting_for_matmul_and_cudnn(enabled):
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = not enabled, not enabled
+    set_tf32(enabled)
+    assert torch.backends.cuda.matmul.allow_tf32 is enabled and torch.backends.cudnn.allow_tf32 is enabled
+
+
+def head_outputs(device: torch.device, amp: str) -> tuple[torch.dtype, torch.dtype]:
+    """The dtypes a Linear and a Conv2d (the two box heads' layers) compute in under the knob's autocast."""
+    linear, conv = nn.Linear(8, 4).to(device), nn.Conv2d(8, 4, 3).to(device)
+    with autocast(Knobs(amp=amp), device):
+        return linear(torch.randn(2, 8, device=device)).dtype, conv(torch.randn(1, 8, 5, 5, device=device)).dtype
+
+
+@pytest.mark.parametrize("amp, dtype", [("off", torch.float32), ("bf16", torch.bfloat16)], ids=["off", "bf16"])
+def test_autocast_runs_both_heads_layers_in_the_knobs_dtype_on_cpu(amp, dtype):
+    assert head_outputs(CPU, amp) == (dtype, dtype)
+    assert not grad_scaler(Knobs(amp=amp), CPU).is_enabled()  # bf16 has fp32's range: no loss scaling
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("amp, dtype, scaled", [("off", torch.float32, False), ("fp16", torch.float16, True),
+                                                ("bf16", torch.bfloat16, False)], ids=["off", "fp16", "bf16"])
+def test_autocast_and_loss_scaling_on_cuda(amp, dtype, scaled):
+    assert head_outputs(CUDA, amp) == (dtype, dtype)
+    assert grad_scaler(Knobs(amp=amp), CUDA).is_enabled() is scaled  # fp16 gradients underflow without it
+
+
+def test_channels_last_reaches_conv_weights():
+    conv = nn.Conv2d(8, 4, 3)
+    assert conv.to(memory_format=memory_format(Knobs(channels_last=True))).weight.is_contiguous(
+        memory_format=torch.channels_last)
+    assert conv.to(memory_format=memory_format(Knobs(channels_last=False))).weight.is_contiguous()

@@ -1,0 +1,72 @@
+"""The library's vocabulary, without torch: every setting's name and allowed values, and the columns of the
+result tables a sweep writes.
+
+The torch modules build on these names (rcnn.knobs applies the knobs, rcnn.heads builds the heads, rcnn.bench
+times the phases); params.yaml's parser and the stages that only read result files (report, compare) use them
+without loading torch. A rule (rcnn.rules.Rule) says what a value allows, here beside its name.
+"""
+from __future__ import annotations
+
+from rcnn.rules import Rule, UserError
+
+# --- The knobs a sweep varies, in the tables' column order.
+KNOB_NAMES = ("head", "cudnn_benchmark", "onednn", "amp", "channels_last", "batch_size")
+OTHER_KNOBS = KNOB_NAMES[1:]  # a "setting": every knob but the head
+# Backend switches, each used on one device type only: knob -> (device type, backend).
+DEVICE_KNOBS = {"cudnn_benchmark": ("cuda", "cuDNN"), "onednn": ("cpu", "oneDNN")}
+HEAD_NAMES = ("linear", "conv", "conv_as_linear")  # rcnn.heads builds each; tables and figures use this order
+AMP_DTYPES = {"off": "fp32", "fp16": "fp16", "bf16": "bf16"}  # autocast setting -> the dtype its matmuls run in
+DEVICES = ("auto", "cpu", "cuda")  # rcnn.knobs.resolve_device's names; auto picks CUDA when there is a GPU
+
+HEAD = Rule(choices=HEAD_NAMES)
+AMP = Rule(choices=AMP_DTYPES)
+BATCH_SIZE = Rule(minimum=1)
+DEVICE = Rule(choices=DEVICES)
+
+# --- The detector (rcnn.model.DetectorConfig).
+BACKBONE_NAMES = ("resnet50_fpn", "resnet18_fpn", "mobilenet_v3_fpn")
+BACKBONE = Rule(choices=BACKBONE_NAMES)
+IMAGE_SIZE = Rule(minimum=64, multiple_of=32)  # FPN strides need a multiple of 32
+ROIS_PER_IMAGE = Rule(minimum=1)
+REPRESENTATION_SIZE = Rule(minimum=1)
+
+# --- The data (rcnn.data.synthetic_samples, read_coco).
+NUM_IMAGES = Rule(minimum=1)
+SOURCE_IMAGE_SIZE = Rule(minimum=32)  # images drawn or imported, before the detector's resize
+NUM_CLASSES = Rule(minimum=1)
+SEED = Rule(minimum=0)  # numpy's generators refuse negative seeds
+
+# --- The timing policy (rcnn.stats.TimingPolicy holds the defaults).
+WARMUP = Rule(minimum=0)
+MAX_WARMUP = Rule(minimum=0)
+ITERATIONS = Rule(minimum=1)
+MAX_ITERATIONS = Rule(minimum=1)
+MAX_SECONDS = Rule(minimum=0.001)
+REL_PRECISION = Rule(minimum=0.0001)
+FLOORS = {"max_warmup": "warmup", "max_iterations": "iterations"}  # a bound below its floor would be ignored
+
+# --- What one trial measures: per training step, in ms.
+PHASES = ("forward", "backward", "optimizer", "step", "head_forward", "head_backward")
+WATCHED = ("backward", "head_backward")  # measuring stops once these medians are known to the set precision
+STAT_COLUMNS = {"median": "{}_ms", "iqr": "{}_iqr_ms", "p90": "{}_p90_ms", "ci_low": "{}_ci_low_ms",
+                "ci_high": "{}_ci_high_ms"}  # rcnn.stats.Stats field -> column pattern, per phase
+
+# --- The result tables. The sweep writes exactly these columns; the report reads nothing else.
+SETUP_COLUMNS = ("trial", "status", "device", "backbone", "image_size", "rois_per_image", *KNOB_NAMES)
+MEASURED_COLUMNS = (
+    *(pattern.format(phase) for phase in PHASES for pattern in STAT_COLUMNS.values()),
+    "peak_mem_mb", "warmup_iterations", "iterations", "precision", "precision_met", "rois",
+    "head_forward_gflop", "head_backward_gflop", "head_forward_tflops", "head_backward_tflops",
+    "head_forward_peak_fraction", "head_backward_peak_fraction",
+    "isolated_head_forward_ms", "isolated_head_backward_ms",  # NaN unless sweep.cross_check
+)
+RECORD_COLUMNS = ("mlflow_run_id", "worker", "error")
+TRIAL_COLUMNS = (*SETUP_COLUMNS, *MEASURED_COLUMNS, *RECORD_COLUMNS)
+COMPARISON_COLUMNS = (*OTHER_KNOBS, "numerator", "denominator", "phase", "ratio", "ci_low", "ci_high",
+                      "p_value", "settings")
+KERNEL_COLUMNS = ("trial", *KNOB_NAMES, "kind", "name", "ms", "calls", "share")
+
+
+class ResultsError(UserError):
+    """A results or env file that is missing or lacks the layout the stage writing it gives; the message names
+    the file and the stage to run."""

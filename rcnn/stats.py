@@ -1,0 +1,130 @@
+"""Statistics of per-step times, without torch: medians with bootstrap CIs, ratios between two sets of
+times, and the policy that decides when a measurement has warmed up and when it is precise enough.
+
+The defaults of TimingPolicy are the project's timing defaults: params.yaml's ``timing`` section and the
+commands' flags start from them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import scipy.stats
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Summary of per-iteration times: median, IQR, p90 and a bootstrap 95% CI of the median."""
+    median: float
+    iqr: float
+    p90: float
+    ci_low: float
+    ci_high: float
+
+
+def bootstrap_ci(samples: Sequence[Sequence[float]], statistic: Callable[..., np.ndarray], *, paired: bool = False,
+                 seed: int = 0, resamples: int = 2000) -> tuple[float, float]:
+    """95% percentile-bootstrap CI of ``statistic(*samples, axis=-1)`` (vectorized), each sample resampled on
+    its own, or together when ``paired``; (NaN, NaN) for fewer than 3 values in a sample, non-finite values or
+    all samples constant: there is no interval to resample. The one bootstrap every figure here uses."""
+    arrays = tuple(np.asarray(s, dtype=float) for s in samples)
+    if min(len(a) for a in arrays) < 3 or not all(np.isfinite(a).all() for a in arrays) \
+            or all(np.ptp(a) == 0 for a in arrays):
+        return float("nan"), float("nan")
+    ci = scipy.stats.bootstrap(arrays, statistic, n_resamples=resamples, method="percentile", vectorized=True,
+                               paired=paired, rng=np.random.default_rng(seed)).confidence_interval
+    return float(ci.low), float(ci.high)
+
+
+def _median(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    return np.median(x, axis=axis)
+
+
+def summarize(samples: Sequence[float], seed: int = 0) -> Stats:
+    x = np.asarray(samples, dtype=float)
+    q1, median, q3, p90 = np.percentile(x, [25, 50, 75, 90])
+    low, high = bootstrap_ci((x,), _median, seed=seed)
+    return Stats(median=float(median), iqr=float(q3 - q1), p90=float(p90), ci_low=low, ci_high=high)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """median(a) / median(b) with a bootstrap 95% CI, and the Mann-Whitney U test's two-sided p-value."""
+    ratio: float
+    ci_low: float
+    ci_high: float
+    p_value: float
+
+
+def compare(a: Sequence[float], b: Sequence[float], seed: int = 0) -> Comparison:
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    low, high = bootstrap_ci((x, y), lambda s, t, axis=-1: _median(s, axis) / _median(t, axis), seed=seed)
+    p_value = float(scipy.stats.mannwhitneyu(x, y, alternative="two-sided").pvalue)
+    return Comparison(ratio=float(np.median(x) / np.median(y)), ci_low=low, ci_high=high, p_value=p_value)
+
+
+def median_precision(samples: Sequence[float]) -> float:
+    """Half-width of the distribution-free 95% CI of the median (order statistics), relative to the median.
+
+    Shrinks as samples accumulate, unlike IQR/median; inf until there are enough samples for a 95% CI.
+    """
+    x = np.asarray(samples, dtype=float)
+    if len(x) < 6:  # fewer order statistics cannot cover 95%
+        return float("inf")
+    median = float(np.median(x))
+    ci = scipy.stats.quantile_test(x, q=median, p=0.5).confidence_interval(0.95)
+    if not np.isfinite(ci.low) or not np.isfinite(ci.high) or median <= 0:
+        return float("inf")
+    return float(ci.high - ci.low) / 2 / median
+
+
+@dataclass(frozen=True)
+class TimingPolicy:
+    """When warm-up ends and when measuring stops, in the spirit of torch.utils.benchmark's adaptive_autorange.
+
+    Warm-up runs at least ``warmup`` steps and goes on (up to ``max_warmup``) until the last ``settle_window``
+    step times lie within ``settle_tolerance`` of each other: cudnn.benchmark autotunes on the first steps of
+    each shape, allocators grow. Measuring runs at least ``iterations`` steps, then stops once the median of
+    every watched phase is known to ``rel_precision`` (median_precision), or at ``max_iterations`` or
+    ``max_seconds``.
+    """
+    warmup: int = 2
+    max_warmup: int = 10
+    settle_window: int = 3
+    settle_tolerance: float = 0.15
+    iterations: int = 6
+    max_iterations: int = 30
+    max_seconds: float = 15.0
+    rel_precision: float = 0.05
+
+    def warmed_up(self, step_ms: Sequence[float]) -> bool:
+        n = len(step_ms)
+        if n >= self.max_warmup:
+            return True
+        if n < max(self.warmup, self.settle_window):
+            return False
+        last = step_ms[-self.settle_window:]
+        return max(last) <= min(last) * (1 + self.settle_tolerance)
+
+    def precision_met(self, watched: Sequence[Sequence[float]]) -> bool:
+        return all(median_precision(samples) <= self.rel_precision for samples in watched)
+
+    def done(self, watched: Sequence[Sequence[float]], elapsed_s: float) -> bool:
+        n = len(watched[0])
+        if n < self.iterations:
+            return False
+        return n >= self.max_iterations or elapsed_s >= self.max_seconds or self.precision_met(watched)
+
+
+def geomean_ratio(pairs: Sequence[tuple[Sequence[float], Sequence[float]]],
+                  seed: int = 0) -> tuple[float, float, float]:
+    """Geometric mean over settings of median(num) / median(den), with a bootstrap 95% CI that resamples every
+    setting's two sets of times on their own."""
+    def statistic(*samples: np.ndarray, axis: int = -1) -> np.ndarray:
+        logs = [np.log(_median(num, axis) / _median(den, axis)) for num, den in zip(samples[::2], samples[1::2])]
+        return np.exp(np.mean(logs, axis=0))
+
+    flat = [np.asarray(x, dtype=float) for pair in pairs for x in pair]
+    low, high = bootstrap_ci(flat, statistic, seed=seed)
+    return float(statistic(*flat)), low, high

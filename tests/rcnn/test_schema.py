@@ -1,0 +1,15 @@
+"""The library's vocabulary loads without torch, and so do the stages that only read result files."""
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+@pytest.mark.parametrize("modules", ["rcnn.schema, rcnn.stats, rcnn.rules, pipeline.params",
+                                     "pipeline.report, pipeline.compare"])
+def test_imports_no_torch(modules):
+    check = f"import {modules}, sys; assert 'torch' not in sys.modules and 'torchvision' not in sys.modules"
+    done = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
