@@ -7,6 +7,7 @@ import scipy.stats
 
 from pipeline.results import complete, ms_per_image
 from rcnn.schema import HEAD_NAMES, OTHER_KNOBS
+from rcnn.stats import bootstrap_ci
 
 DEFAULTS = {"cudnn_benchmark": False, "onednn": True, "amp": "off", "channels_last": False}  # PyTorch's own
 
@@ -46,12 +47,8 @@ def at_setting(trials: pd.DataFrame, setting: dict, skip: tuple[str, ...] = ()) 
 
 def _log_ratio_ci(log_ratios: np.ndarray, seed: int = 0) -> tuple[float, float, float]:
     """Geometric mean of ratios with a bootstrap 95% CI over the pairs (NaN CI for fewer than 3 pairs)."""
-    mean = float(np.exp(log_ratios.mean()))
-    if len(log_ratios) < 3 or np.ptp(log_ratios) == 0:
-        return mean, float("nan"), float("nan")
-    ci = scipy.stats.bootstrap((log_ratios,), np.mean, n_resamples=2000, method="percentile",
-                               rng=np.random.default_rng(seed)).confidence_interval
-    return mean, float(np.exp(ci.low)), float(np.exp(ci.high))
+    low, high = bootstrap_ci((log_ratios,), lambda x, axis=-1: np.mean(x, axis=axis), seed=seed)
+    return float(np.exp(log_ratios.mean())), float(np.exp(low)), float(np.exp(high))
 
 
 def _where(series: pd.Series, knob: str, value: object) -> pd.Series:

@@ -92,6 +92,8 @@ def read_json(path: str | Path) -> Any:
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise ResultsError(f"{path}: missing; run the stage that writes it first") from None
+    except OSError as err:  # a folder, no permission
+        raise ResultsError(f"{path}: cannot read it ({err.strerror or err})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ResultsError(f"{path}: not valid JSON ({err})") from None
 

@@ -25,7 +25,8 @@ from rcnn.cli import Parser
 from rcnn.rules import UserError
 from rcnn.schema import KNOB_NAMES
 
-NEEDED = ("status", *KNOB_NAMES, "forward_ms", "backward_ms", "step_ms", "head_backward_ms")
+PHASE_COLUMNS = ["forward_ms", "backward_ms", "step_ms", "head_backward_ms"]  # the per-head medians compared
+NEEDED = ("status", *KNOB_NAMES, *PHASE_COLUMNS)
 TITLE = "# RoI-head backward across machines"
 WRITTEN = {"compare.md": text_start("the comparison", TITLE), "head_backward_by_machine.csv": CSV,
            "figures/head_backward_by_machine.png": PNG}
@@ -40,7 +41,7 @@ def machine_name(env: dict, folder: Path) -> str:
 
 def per_head(trials: pd.DataFrame) -> pd.DataFrame:
     """Median over the complete trials of each head (all its settings) of the timed phases, in ms."""
-    medians = complete(trials).groupby("head")[["forward_ms", "backward_ms", "step_ms", "head_backward_ms"]].median()
+    medians = complete(trials).groupby("head")[PHASE_COLUMNS].median()
     return medians.reindex(head_order(medians.index))
 
 

@@ -24,16 +24,19 @@ from rcnn.stats import TimingPolicy
 
 
 class YamlLoader(yaml.SafeLoader):
-    """YAML 1.2's booleans, as DVC reads and rewrites params.yaml (``dvc exp run -S``): only true and false.
-    In YAML 1.1, PyYAML's default, ``off``, ``on``, ``yes`` and ``no`` are booleans too, so ``amp: off``
-    as DVC writes it back would read False."""
+    """YAML 1.2's booleans and floats, as DVC reads and rewrites params.yaml (``dvc exp run -S``). In YAML 1.1,
+    PyYAML's default, ``off``, ``on``, ``yes`` and ``no`` are booleans too, so ``amp: off`` as DVC writes it
+    back would read False; and ``1e-3`` (no dot) would be a string."""
 
 
+_BOOL, _FLOAT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:float"
 YamlLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_BOOL, _FLOAT)]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-YamlLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                                 list("tTfF"))
+YamlLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+YamlLoader.add_implicit_resolver(_FLOAT, re.compile(  # a dot or an exponent: a plain integer stays an int
+    r"^(?:[-+]?(?:\.[0-9]+|[0-9]+\.[0-9]*|[0-9]+(?:\.[0-9]*)?[eE][-+]?[0-9]+)"
+    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
 
 PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -248,6 +251,8 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         raw = yaml.load(path.read_text(), Loader=YamlLoader)
     except FileNotFoundError:
         raise ParamsError(f"{path}: params file not found") from None
+    except (OSError, UnicodeDecodeError) as err:  # a folder, no permission, not text
+        raise ParamsError(f"{path}: cannot read the params file ({getattr(err, 'strerror', None) or err})") from None
     except yaml.YAMLError as err:
         raise ParamsError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
     try:

@@ -318,7 +318,8 @@ def render(r: Results, lock: Path | None) -> str:
         TITLE, "",
         f"{r.env['fingerprint'].get('device')} ({r.device}); torch {r.env['fingerprint'].get('torch')}; "
         f"{s['complete']} of {s['trials']} trials complete" + (f" (partial sweep: {', '.join(notes)})" if notes else "")
-        + ". Ratios are geometric means over knob settings with 95% CIs from a nested bootstrap.", "",
+        + ". Ratios are geometric means over knob settings with 95% CIs from a bootstrap that resamples every "
+        "trial's step times.", "",
         "## Verdict", "", *verdict(r, effects), "",
         "## Knob effects", "",
         "Switching one knob from PyTorch's default (batch size: the smallest), all else equal (factorial grid): "

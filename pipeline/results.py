@@ -23,20 +23,22 @@ ALL_SETTINGS = "all"  # knob value of the rows that pool every setting (geometri
 # How an earlier file of each is recognised, so the sweep replaces only its own (pipeline.outputs).
 WRITTEN = {"trials": csv_with("trial", "status", "mlflow_run_id"),
            "comparisons": csv_with("numerator", "denominator", "phase", "ratio"),
-           "kernels": csv_with("trial", "kind", "name", "ms"), "summary": json_object("a summary", "trials", "complete")}
+           "kernels": csv_with("trial", "kind", "name", "ms"),
+           "summary": json_object("a summary", "trials", "complete")}
 
 
 def trial_row(measured: dict | None = None, **columns: object) -> dict:
     """One row of the trials table, in TRIAL_COLUMNS' order: the trial's setup and record ``columns``, and the
     ``measured`` columns (all of MEASURED_COLUMNS, or None for a trial that measured nothing: NaN).
-    A key missing or outside the documented columns raises ValueError: a misspelt name is a bug to fix, never
-    an empty column."""
-    given = set(columns) | set(measured or MEASURED_COLUMNS)
-    expected = set(SETUP_COLUMNS) | set(RECORD_COLUMNS) | set(MEASURED_COLUMNS)
-    if given != expected or set(columns) & set(MEASURED_COLUMNS):
-        raise ValueError(f"trial row: unknown {sorted(given - expected)}, missing {sorted(expected - given)}, "
-                         f"measured given as setup {sorted(set(columns) & set(MEASURED_COLUMNS))}")
-    row = columns | (measured or dict.fromkeys(MEASURED_COLUMNS, float("nan")))
+    A key missing, misplaced or outside the documented columns raises ValueError: a misspelt name is a bug to
+    fix, never an empty column."""
+    measured = dict.fromkeys(MEASURED_COLUMNS, float("nan")) if measured is None else measured
+    for part, given, expected in (("measured", measured, MEASURED_COLUMNS),
+                                  ("setup and record", columns, SETUP_COLUMNS + RECORD_COLUMNS)):
+        if set(given) != set(expected):
+            raise ValueError(f"trial row, {part} columns: unknown {sorted(set(given) - set(expected))}, "
+                             f"missing {sorted(set(expected) - set(given))}")
+    row = columns | measured
     return {name: row[name] for name in TRIAL_COLUMNS}
 
 
@@ -58,6 +60,8 @@ def read_table(path: str | Path, columns: tuple[str, ...], stage: str) -> pd.Dat
         table = pd.read_csv(path, keep_default_na=False, na_values=[""])
     except FileNotFoundError:
         raise ResultsError(f"{path}: missing; run the {stage} stage first") from None
+    except OSError as err:  # a folder, no permission
+        raise ResultsError(f"{path}: cannot read it as the {stage} table ({err.strerror or err})") from None
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
         raise ResultsError(f"{path}: not a {stage} table ({str(err).splitlines()[0]})") from None
     missing = [c for c in columns if c not in table.columns]
@@ -119,7 +123,7 @@ def fastest(trials: pd.DataFrame) -> dict | None:
         return None
     best = done.loc[ms_per_image(done).idxmin()]
     knobs = {k: best[k].item() if hasattr(best[k], "item") else best[k] for k in KNOB_NAMES}
-    return knobs | {"ms_per_image": float(best["step_ms"] / best["batch_size"]), "step_ms": float(best["step_ms"])}
+    return knobs | {"ms_per_image": float(ms_per_image(done)[best.name]), "step_ms": float(best["step_ms"])}
 
 
 def summarize_trials(trials: pd.DataFrame, comparisons: pd.DataFrame) -> dict:

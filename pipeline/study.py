@@ -244,7 +244,8 @@ def next_trial(queue: WorkQueue, params: Params) -> optuna.Trial | None:
 def trials_to_run(params: Params, study: optuna.Study) -> int:
     """``n_trials`` counts the whole study, so a rerun only adds what is missing; grid: its queue."""
     trials = study.get_trials(deepcopy=False)
-    budget = params.sweep.n_trials - sum(t.state.is_finished() for t in trials) if params.sweep.n_trials else float("inf")
+    finished = sum(t.state.is_finished() for t in trials)
+    budget = params.sweep.n_trials - finished if params.sweep.n_trials else float("inf")
     if params.sweep.sampler == "grid":
         budget = min(budget, sum(t.state == TrialState.WAITING for t in trials))
     return int(budget)
@@ -258,7 +259,8 @@ def knob_values(trial: optuna.trial.FrozenTrial) -> dict:
 
 def trials_table(study: optuna.Study, config: DetectorConfig, device: torch.device) -> pd.DataFrame:
     rows = [trial_row(t.user_attrs.get("result"), trial=t.number,
-                      status=t.user_attrs.get("status", STATUS[t.state]), device=device.type, backbone=config.backbone, image_size=config.image_size,
+                      status=t.user_attrs.get("status", STATUS[t.state]), device=device.type,
+                      backbone=config.backbone, image_size=config.image_size,
                       rois_per_image=config.rois_per_image, **knob_values(t),
                       mlflow_run_id=t.user_attrs.get("mlflow_run_id"), worker=t.user_attrs.get("worker"),
                       # A failed trial without an error was failed for its dead process (recovery, heartbeat).

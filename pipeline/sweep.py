@@ -421,6 +421,7 @@ def stage(args: argparse.Namespace, params: Params) -> int:
     if is_rdb(params.sweep.storage):
         return run_sweep(args, params)
     check_output(params.sweep.storage, JOURNAL, root=root, what="sweep.storage")
+    check_writable(params.sweep.storage)  # its folder made, so the lock beside it can be taken
     with hold_journal(params.sweep.storage):
         return run_sweep(args, params)
 

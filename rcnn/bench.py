@@ -19,8 +19,9 @@ from rcnn.knobs import (Knobs, autocast, backend_flags, grad_scaler, memory_form
 from rcnn.kernels import capture, head_backward_table
 from rcnn.model import BACKBONE_CHANNELS, ROI_RESOLUTION, DetectorConfig, build_detector
 from rcnn.rules import UserError, ValueNotAllowed, at_least
-from rcnn.schema import (AMP, BACKBONE, BATCH_SIZE, DEVICE, HEAD, IMAGE_SIZE, ITERATIONS, MAX_ITERATIONS, NUM_IMAGES,
-                         PHASES, REL_PRECISION, REPRESENTATION_SIZE, ROIS_PER_IMAGE, STAT_COLUMNS, WARMUP, WATCHED)
+from rcnn.schema import (AMP, BACKBONE, BATCH_SIZE, DEVICE, HEAD, IMAGE_SIZE, ITERATIONS, MAX_ITERATIONS, MAX_SECONDS,
+                         NUM_IMAGES, PHASES, REL_PRECISION, REPRESENTATION_SIZE, ROIS_PER_IMAGE, STAT_COLUMNS, WARMUP,
+                         WATCHED)
 from rcnn.stats import Stats, TimingPolicy, median_precision, summarize
 from rcnn.timing import Clock, ModuleSpanProbe, PeakMemory
 
@@ -206,6 +207,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="least timed steps")
     p.add_argument("--max-iterations", type=MAX_ITERATIONS.arg(int), default=TimingPolicy.max_iterations,
                    help="most timed steps (>= --iterations)")
+    p.add_argument("--max-seconds", type=MAX_SECONDS.arg(float), default=TimingPolicy.max_seconds,
+                   help="stop measuring after this long, precision met or not")
     p.add_argument("--rel-precision", type=REL_PRECISION.arg(float), default=TimingPolicy.rel_precision,
                    help="stop once the backward medians' 95%% CI half-width is this fraction of the median")
     p.add_argument("--data", help="a COCO-format folder; default: synthetic images made in memory")
@@ -239,10 +242,12 @@ def main(argv: list[str] | None = None) -> int:
         # No --max-warmup: the default cap, raised to --warmup so that stays the least number of warm-up steps.
         policy = TimingPolicy(warmup=args.warmup, max_warmup=max(args.warmup, TimingPolicy.max_warmup),
                               iterations=args.iterations, max_iterations=args.max_iterations,
-                              rel_precision=args.rel_precision)
+                              max_seconds=args.max_seconds, rel_precision=args.rel_precision)
         result = run_trial(config, knobs, samples, device=device, policy=policy)
-    except ValueNotAllowed as err:  # keyed by the knob: name it as its flag
-        print(f"error: --{err.key.replace('_', '-')}: {err.problem}", file=sys.stderr)
+    except ValueNotAllowed as err:  # keyed by the knob (or knobs: 'amp with onednn'): name each as its flag
+        flags = " with ".join({"onednn": "--no-onednn"}.get(key, f"--{key.replace('_', '-')}")
+                              for key in err.key.split(" with "))
+        print(f"error: {flags}: {err.problem}", file=sys.stderr)
         return 2
     except (UserError, FloatingPointError) as err:  # anything else is a bug: its traceback shows
         print(f"error: {err}", file=sys.stderr)

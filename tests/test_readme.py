@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.params import parse_params
+from pipeline.params import YamlLoader, parse_params
 from tests.conftest import ROOT, merged
 
 README = (ROOT / "README.md").read_text()
@@ -119,10 +119,10 @@ def set_params(argv: list[str]) -> list[str]:
 
 def check_set_params(assignments: list[str]) -> None:
     """The params.yaml with these changes, as DVC would make them, passes the params parser."""
-    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw = yaml.load((ROOT / "params.yaml").read_text(), Loader=YamlLoader)  # as load_params reads it
     for assignment in assignments:
         key, _, text = assignment.partition("=")
-        change = yaml.safe_load(text)
+        change = yaml.load(text, Loader=YamlLoader)
         for part in reversed(key.split(".")):
             change = {part: change}
         raw = merged(raw, change)

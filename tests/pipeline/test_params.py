@@ -2,6 +2,7 @@ import pytest
 
 from pipeline.params import Params, ParamsError, load_params, parse_params
 from rcnn import bench
+from rcnn.stats import TimingPolicy
 from tests.conftest import ROOT
 
 
@@ -15,6 +16,24 @@ def test_repo_params_load_and_freeze():
 
 def test_missing_keys_take_defaults():
     assert parse_params({}) == Params()
+
+
+def test_the_repo_params_state_the_timing_defaults():
+    """params.yaml's timing section is the library's defaults (rcnn.stats.TimingPolicy), not a fifth set."""
+    assert load_params(ROOT / "params.yaml").timing.policy() == TimingPolicy()
+
+
+def test_values_read_as_dvc_writes_them_back(tmp_path):
+    """dvc exp run -S rewrites params.yaml in YAML 1.2: `off` unquoted is a string there, `1e-3` a float."""
+    path = tmp_path / "params.yaml"
+    path.write_text("sweep:\n  space: {amp: [off, bf16]}\n  profile_at: [{amp: off}]\n"
+                    "timing: {rel_precision: 1e-3}\n")
+    params = load_params(path)
+    assert params.sweep.space.amp == ("off", "bf16") and params.sweep.profile_at[0].amp == "off"
+    assert params.timing.rel_precision == 0.001
+    path.write_text("sweep: {cross_check: yes}\n")  # YAML 1.1's boolean spellings are words in 1.2
+    with pytest.raises(ParamsError, match="sweep.cross_check: expected bool, got 'yes'"):
+        load_params(path)
 
 
 BAD = [
@@ -56,6 +75,8 @@ def test_bad_values_name_the_key_and_what_is_allowed(raw, message):
 def test_bad_files_name_the_file(tmp_path):
     with pytest.raises(ParamsError, match="nope.yaml: params file not found"):
         load_params(tmp_path / "nope.yaml")
+    with pytest.raises(ParamsError, match="cannot read the params file"):
+        load_params(tmp_path)  # a folder
     bad = tmp_path / "bad.yaml"
     bad.write_text("sweep: [unclosed")
     with pytest.raises(ParamsError, match="bad.yaml: not valid YAML"):

@@ -1,6 +1,7 @@
 import pytest
 
-from pipeline.results import ALL_SETTINGS, comparisons_table, read_trials, summarize_trials, trial_row, write_trials
+from pipeline.results import (ALL_SETTINGS, comparisons_table, read_env, read_trials, summarize_trials, trial_row,
+                              write_trials)
 from rcnn.schema import MEASURED_COLUMNS, TRIAL_COLUMNS, ResultsError
 from tests.conftest import fake_trials as fixture
 
@@ -53,6 +54,10 @@ def test_round_trip_and_bad_files(tmp_path):
         read_trials(path)
     with pytest.raises(ResultsError, match="run the sweep stage first"):
         read_trials(tmp_path / "none.csv")
+    with pytest.raises(ResultsError, match="cannot read it as the sweep table"):
+        read_trials(tmp_path)  # a folder given for the file
+    with pytest.raises(ResultsError, match="cannot read it"):
+        read_env(tmp_path)
     path.write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(ResultsError, match="trials.csv"):
         read_trials(path)
@@ -70,5 +75,7 @@ def test_trial_row_refuses_a_misspelt_or_missing_column():
         trial_row({**measured, "stepms": 1.0}, **setup)
     with pytest.raises(ValueError, match="missing \\['step_ms'\\]"):
         trial_row({k: v for k, v in measured.items() if k != "step_ms"}, **setup)
-    with pytest.raises(ValueError, match="missing \\['worker'\\]"):
+    with pytest.raises(ValueError, match="setup and record columns: unknown \\[\\], missing \\['worker'\\]"):
         trial_row(measured, **{k: v for k, v in setup.items() if k != "worker"})
+    with pytest.raises(ValueError, match="measured columns: unknown \\['trial'\\]"):  # would overwrite the setup's
+        trial_row({**measured, "trial": 9}, **setup)

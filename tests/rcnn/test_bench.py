@@ -7,10 +7,12 @@ import torch
 from torch import nn
 
 import rcnn.bench as bench
-from rcnn.bench import PHASES, Trainer, isolated_head_ms, main, run_trial
+from rcnn.bench import Trainer, isolated_head_ms, main, run_trial
 from rcnn.data import synthetic_samples
 from rcnn.knobs import Knobs, backend_flags
 from rcnn.model import BACKBONES, build_detector
+from rcnn.rules import ValueNotAllowed
+from rcnn.schema import PHASES
 from rcnn.stats import TimingPolicy
 from tests.conftest import ROOT, TINY_CONFIG
 
@@ -153,9 +155,9 @@ def test_isolated_head_is_timed_under_the_knobs(monkeypatch, head):
 
 def test_settings_that_do_not_apply_are_refused_before_any_work(monkeypatch):
     monkeypatch.setattr(bench, "build_detector", lambda *args: pytest.fail("a detector was built"))
-    with pytest.raises(ValueError, match="amp: fp16 does not apply on cpu"):
+    with pytest.raises(ValueNotAllowed, match="amp: fp16 does not apply on cpu"):
         run_trial(TINY_CONFIG, Knobs(amp="fp16"), SAMPLES, device=CPU, policy=QUICK)
-    with pytest.raises(ValueError, match="amp with onednn: as set, does not apply on cpu"):
+    with pytest.raises(ValueNotAllowed, match="amp with onednn: as set, does not apply on cpu"):
         run_trial(TINY_CONFIG, Knobs(amp="bf16", onednn=False), SAMPLES, device=CPU, policy=QUICK)
 
 
@@ -172,7 +174,7 @@ def test_detectors_build_and_keep_fixed_size(backbone):
 
 def test_unknown_backbone():
     config = TINY_CONFIG.__class__(**{**TINY_CONFIG.__dict__, "backbone": "vgg"})
-    with pytest.raises(ValueError, match="backbone: 'vgg' is not allowed; allowed: resnet50_fpn"):
+    with pytest.raises(ValueNotAllowed, match="backbone: 'vgg' is not allowed; allowed: resnet50_fpn"):
         build_detector(config, "linear")
 
 

@@ -7,6 +7,7 @@ from torch import nn
 import rcnn.knobs as knobs
 from rcnn.knobs import (Knobs, applicable_space, autocast, backend_flags, grad_scaler, memory_format, resolve_device,
                         set_tf32, why_not, why_not_together)
+from rcnn.rules import ValueNotAllowed
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # a device object only: the tests here that need the GPU itself are marked gpu
@@ -70,7 +71,7 @@ def test_applicable_space_drops_exactly_the_settings_why_not_names(bf16, device,
 
 def test_a_knob_left_empty_is_an_error(bf16):
     bf16(cpu=False, gpu=False)
-    with pytest.raises(ValueError, match=r"amp: no value applies on cpu \(fp16: .*; bf16: .*native bf16") as err:
+    with pytest.raises(ValueNotAllowed, match=r"amp: no value applies on cpu \(fp16: .*; bf16: .*native bf16") as err:
         applicable_space(SPACE | {"amp": ["fp16", "bf16"]}, CPU)
     assert err.value.key == "amp"  # the command that read the space adds where the key sits
 
@@ -88,10 +89,10 @@ def test_onednn_is_a_cpu_knob_and_bf16_needs_it():
 def test_resolve_device():
     assert resolve_device("cpu") == CPU
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
-    with pytest.raises(ValueError, match="allowed: auto, cpu, cuda"):
+    with pytest.raises(ValueNotAllowed, match="allowed: auto, cpu, cuda"):
         resolve_device("tpu")
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="no CUDA GPU"):
+        with pytest.raises(ValueNotAllowed, match="no CUDA GPU"):
             resolve_device("cuda")
 
 

@@ -5,26 +5,26 @@ import sys
 import pytest
 
 from rcnn.cli import Parser
-from rcnn.rules import Rule, at_least
+from rcnn.rules import Rule, ValueNotAllowed, at_least
 from tests.conftest import ROOT
 
 
 def test_check_returns_the_value_or_names_the_key_and_what_is_allowed():
     size = Rule(minimum=64, multiple_of=32)
     assert size.check(96, "size") == 96
-    with pytest.raises(ValueError, match=r"^size: 100 is not allowed; allowed: a multiple of 32$"):
+    with pytest.raises(ValueNotAllowed, match=r"^size: 100 is not allowed; allowed: a multiple of 32$"):
         size.check(100, "size")
-    with pytest.raises(ValueError, match=r"^size: 32 is too small; allowed: >= 64$"):
+    with pytest.raises(ValueNotAllowed, match=r"^size: 32 is too small; allowed: >= 64$"):
         size.check(32, "size")
     colour = Rule(choices={"red": 1, "blue": 2})  # a lookup's keys, in its order
     assert colour.choices == ("red", "blue") and colour.metavar == "{red,blue}"
-    with pytest.raises(ValueError, match=r"^colour: 'green' is not allowed; allowed: red, blue$"):
+    with pytest.raises(ValueNotAllowed, match=r"^colour: 'green' is not allowed; allowed: red, blue$"):
         colour.check("green", "colour")
 
 
 def test_at_least_names_both_keys():
     at_least(5, 5, "max", "min")
-    with pytest.raises(ValueError, match=r"^max: 4 is below min; allowed: >= 5$"):
+    with pytest.raises(ValueNotAllowed, match=r"^max: 4 is below min; allowed: >= 5$"):
         at_least(4, 5, "max", "min")
 
 

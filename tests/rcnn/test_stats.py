@@ -68,13 +68,3 @@ def test_geomean_of_ratios_resamples_each_setting():
     ratio, low, high = geomean_ratio(pairs)
     assert ratio == pytest.approx(4.0, rel=0.05) and low < ratio < high and high / low < 1.2
     assert geomean_ratio([([2.0] * 9, [1.0] * 9), ([8.0] * 9, [1.0] * 9)])[0] == pytest.approx(4.0)
-
-
-def test_policy_defaults_are_the_projects_timing_defaults():
-    """params.yaml's timing section and rcnn.bench's flags start from these (pipeline.params, rcnn.bench)."""
-    from pipeline.params import TimingParams
-    from rcnn.bench import _parser
-    policy, args = TimingPolicy(), _parser().parse_args([])
-    assert TimingParams().policy() == policy
-    assert (args.warmup, args.iterations, args.max_iterations, args.rel_precision) == \
-        (policy.warmup, policy.iterations, policy.max_iterations, policy.rel_precision)
