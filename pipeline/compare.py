@@ -53,7 +53,7 @@ def compare(folders: list[Path], out: Path) -> str:
     names = [name for name, _, _ in runs]
     headline = pd.DataFrame({name: {"trials complete": f"{s.get('complete')} of {s.get('trials')}",
                                     **{k.replace("_over_", " / ").replace("_", " "): ratio_text(s, k) for k in HEADLINES},
-                                    "fastest (ms per image)": (fastest(trials) or {}).get("ms_per_image")}
+                                    "fastest (ms per image)": round((fastest(trials) or {}).get("ms_per_image", float("nan")), 1)}
                              for name, trials, s in runs})
     heads = {name: per_head(trials) for name, trials, _ in runs}
     base = names[0]
