@@ -15,10 +15,11 @@ from PIL import Image
 from pipeline import data, env, sweep
 from pipeline.params import Params
 from rcnn.rules import Rule
+from pipeline.results import WRITTEN
 from tests.conftest import write_tiny_params
+from tests.pipeline.helpers import SWEEP_FILES
 
-OUTPUTS = {"trials": "trials.csv", "comparisons": "comparisons.csv", "kernels": "kernels.csv",
-           "summary": "summary.json"}
+OUTPUTS = {key: SWEEP_FILES[key] for key in WRITTEN}  # the files the sweep stage writes, by option
 EARLIER = {"trials": "trial,status,mlflow_run_id\n0,complete,abc\n", "comparisons": "numerator,denominator,phase,ratio\n",
            "kernels": "trial,kind,name,ms\n", "summary": '{"trials": 1, "complete": 1}\n'}  # as the sweep writes them
 

@@ -202,6 +202,7 @@ BAD_OPTIONS = [  # every numeric and choice option refuses a bad value with one 
     (["--iterations", "0"], "--iterations: 0 is too small; allowed: >= 1"),
     (["--max-iterations", "0"], "--max-iterations: 0 is too small; allowed: >= 1"),
     (["--iterations", "10", "--max-iterations", "5"], "--max-iterations: 5 is below --iterations; allowed: >= 10"),
+    (["--max-seconds", "0"], "--max-seconds: 0.0 is too small; allowed: >= 0.001"),
     (["--rel-precision", "0"], "--rel-precision: 0.0 is too small; allowed: >= 0.0001"),
     (["--num-images", "0"], "--num-images: 0 is too small; allowed: >= 1"),
     (["--batch-size", "two"], "--batch-size: expected int, got 'two'"),
