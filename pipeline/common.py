@@ -6,12 +6,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 from pipeline.params import Params, load_params
 from rcnn.cli import Parser
+from rcnn.outputs import write_atomic
 from rcnn.rules import UserError
 from rcnn.schema import ResultsError
 
@@ -52,34 +52,6 @@ def run_stage(main: Callable[[argparse.Namespace, Params], int | None], parser: 
 def first_line(err: BaseException) -> str:
     """An exception as one line: its type and the first line of its message."""
     return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-
-
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write through a temporary file and rename, so readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-class NotWritable(UserError, OSError):
-    """An output whose folder cannot be created or written to."""
-
-
-def check_writable(*paths: str | Path) -> None:
-    """Raise NotWritable naming the first output path whose folder cannot be created or written to."""
-    for path in map(Path, paths):
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tempfile.TemporaryFile(dir=path.parent).close()
-        except OSError as err:
-            raise NotWritable(f"{path}: cannot write there ({err.strerror or err})") from None
 
 
 def write_json(path: str | Path, obj: Any) -> None:

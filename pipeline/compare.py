@@ -17,8 +17,8 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from pipeline.analysis import head_order
-from pipeline.common import check_writable, read_json, write_atomic
-from pipeline.outputs import CSV, PNG, check_folder, project_root, text_start
+from pipeline.common import read_json
+from rcnn.outputs import CSV, PNG, check_folder, check_writable, project_root, text_start, write_atomic
 from pipeline.report import ratio_text
 from pipeline.results import complete, fastest, read_env, read_table
 from rcnn.cli import Parser

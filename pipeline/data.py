@@ -15,8 +15,8 @@ from pathlib import Path
 
 from PIL import Image
 
-from pipeline.common import check_writable, run_stage, stage_parser, write_atomic
-from pipeline.outputs import claim_folder, project_root
+from pipeline.common import run_stage, stage_parser
+from rcnn.outputs import check_writable, claim_folder, project_root, write_atomic
 from pipeline.params import DataParams, Params, ParamsError
 from rcnn.data import CocoSet, Sample, describe_dropped, read_coco, synthetic_samples, to_coco
 

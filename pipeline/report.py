@@ -25,8 +25,8 @@ import yaml
 
 from pipeline.analysis import (batch_scaling, head_order, knob_effects, pareto_front, reference_setting,
                                roofline, time_split)
-from pipeline.common import check_writable, read_json, run_stage, stage_parser, write_atomic
-from pipeline.outputs import CSV, PNG, Kind, check_folder, project_root, text_start
+from pipeline.common import read_json, run_stage, stage_parser
+from rcnn.outputs import CSV, Kind, PNG, check_folder, check_writable, project_root, text_start, write_atomic
 from pipeline.params import Params
 from pipeline.results import complete, fastest, read_env, read_table, read_trials
 from rcnn.schema import COMPARISON_COLUMNS, KERNEL_COLUMNS, OTHER_KNOBS, ResultsError

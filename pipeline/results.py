@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from pipeline.common import read_json, write_atomic
-from pipeline.outputs import csv_with, json_object
+from pipeline.common import read_json
+from rcnn.outputs import csv_with, json_object, write_atomic
 from rcnn.schema import (COMPARISON_COLUMNS, KNOB_NAMES, MEASURED_COLUMNS, OTHER_KNOBS, RECORD_COLUMNS,
                          SETUP_COLUMNS, TRIAL_COLUMNS, ResultsError)
 from rcnn.stats import compare, geomean_ratio
@@ -20,7 +20,7 @@ from rcnn.stats import compare, geomean_ratio
 PAIRS = (("conv", "linear"), ("conv_as_linear", "linear"))
 COMPARED_PHASES = ("head_backward", "backward", "step")
 ALL_SETTINGS = "all"  # knob value of the rows that pool every setting (geometric mean of the ratios)
-# How an earlier file of each is recognised, so the sweep replaces only its own (pipeline.outputs).
+# How an earlier file of each is recognised, so the sweep replaces only its own (rcnn.outputs).
 WRITTEN = {"trials": csv_with("trial", "status", "mlflow_run_id"),
            "comparisons": csv_with("numerator", "denominator", "phase", "ratio"),
            "kernels": csv_with("trial", "kind", "name", "ms"),

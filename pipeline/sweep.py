@@ -33,8 +33,8 @@ import pandas as pd
 import torch
 from optuna.trial import TrialState
 
-from pipeline.common import Interrupted, check_writable, first_line, git_commit, run_stage, stage_parser, write_json
-from pipeline.outputs import JOURNAL, check_output, project_root
+from pipeline.common import Interrupted, first_line, git_commit, run_stage, stage_parser, write_json
+from rcnn.outputs import JOURNAL, check_output, check_writable, project_root
 from pipeline.params import Params, ParamsError, TrackingParams, keyed
 from pipeline.progress import Progress
 from pipeline.results import WRITTEN, comparisons_table, read_env, summarize_trials, write_table, write_trials

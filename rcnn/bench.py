@@ -7,10 +7,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
 
+from rcnn.attribution import ModuleTimer
 from rcnn.cli import Parser
 from rcnn.data import Sample, device_batches, read_coco, synthetic_samples
 from rcnn.heads import build_box_head
@@ -80,16 +82,19 @@ class Trainer:
         if not probe:
             self.head.remove()
 
-    def step(self, number: int) -> dict[str, float]:
-        """Train on batch ``number`` (cycling); raises FloatingPointError on a non-finite loss."""
+    def step(self, number: int, modules: ModuleTimer | None = None) -> dict[str, float]:
+        """Train on batch ``number`` (cycling); raises FloatingPointError on a non-finite loss. With ``modules``
+        (a ModuleTimer on this model), every module is timed too: read it with ``modules.step_table()``."""
         clock, knobs = self.clock, self.knobs
         images, targets = self.batches[number % len(self.batches)]
         self.head.reset()
+        forward, backward = (modules.forward(), modules.backward()) if modules else (nullcontext(), nullcontext())
         start = clock.mark()
-        with autocast(knobs, self.device):
+        with forward, autocast(knobs, self.device):
             loss = sum(self.model(images, targets).values())
         forward_end = clock.mark()
-        self.scaler.scale(loss).backward()
+        with backward:
+            self.scaler.scale(loss).backward()
         backward_end = clock.mark()
         self.scaler.step(self.optimizer)
         self.scaler.update()

@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from pipeline import data, sweep
-from pipeline.common import Interrupted, NotWritable, run_stage, stage_parser
+from pipeline.common import Interrupted, run_stage, stage_parser
+from rcnn.outputs import NotWritable
 from pipeline.params import ParamsError, keyed
 from rcnn.rules import ValueNotAllowed
 from rcnn.schema import ResultsError

@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from pipeline.outputs import (CSV, JOURNAL, PNG, OutputError, check_folder, check_output, claim_folder, csv_with,
+from rcnn.outputs import (CSV, JOURNAL, PNG, OutputError, check_folder, check_output, claim_folder, csv_with,
                               json_object, project_root, text_start)
 
 

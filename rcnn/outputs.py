@@ -1,4 +1,4 @@
-"""Where a command may write: inside the project, and over nothing it did not write itself.
+"""Where a command may write: inside the project, and over nothing it did not write itself; and how.
 
 The project is the nearest folder at or above a start folder (the params file's, or the working folder)
 that holds dvc.yaml, else the start folder itself. An output must resolve inside it (symlinks followed).
@@ -10,7 +10,9 @@ before anything is measured or written, and raises OutputError naming the path.
 from __future__ import annotations
 
 import json
+import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -125,3 +127,31 @@ def claim_folder(folder: str | Path, owned: re.Pattern, *, root: Path, what: str
         raise OutputError(f"{what}: {folder} holds files this command did not write ({shown}); allowed: an absent "
                           "or empty folder, or one it wrote (nothing was deleted)")
     return entries
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write through a temporary file and rename, so readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class NotWritable(UserError, OSError):
+    """An output whose folder cannot be created or written to."""
+
+
+def check_writable(*paths: str | Path) -> None:
+    """Raise NotWritable naming the first output path whose folder cannot be created or written to."""
+    for path in map(Path, paths):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=path.parent).close()
+        except OSError as err:
+            raise NotWritable(f"{path}: cannot write there ({err.strerror or err})") from None

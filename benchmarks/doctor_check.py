@@ -1,0 +1,103 @@
+"""Does the doctor attribute backward time correctly, and cheaply? Four checks on the project's detector
+(ResNet-18-FPN by default), conv and linear heads, each against its target.
+
+1. Unattributed: the backward no module is charged with (the doctor's outside row) as a share of the
+   measured backward (target: <= 5%).
+2. Box head: the doctor's box-head backward (box_head and box_predictor, inclusive) against the
+   ModuleSpanProbe's span in the same steps (target: within 10%).
+3. Difference: the doctor's conv-minus-linear box-head backward against the A/B difference of whole
+   backward times of uninstrumented detectors (target: within 15%).
+4. Overhead: step time with every module instrumented against without (target: <= 1.05).
+Four detectors (conv and linear, each with and without the doctor) are built side by side and stepped in
+turn, a fresh order each round, so drift and background load hit all alike; every round gives one paired
+value, and each figure comes with a bootstrap 95% CI over rounds.
+
+Run by hand (minutes), from the project folder: .venv/bin/python -m benchmarks.doctor_check [--rounds 20]
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+
+import numpy as np
+
+from benchmarks.measurement_check import knobs_for, median_ratio
+from rcnn.attribution import OUTSIDE, ModuleTimer
+from rcnn.bench import Trainer
+from rcnn.cli import Parser
+from rcnn.data import synthetic_samples
+from rcnn.knobs import backend_flags, resolve_device
+from rcnn.model import DetectorConfig
+from rcnn.rules import Rule, ValueNotAllowed
+from rcnn.schema import BACKBONE, DEVICE, IMAGE_SIZE, ROIS_PER_IMAGE
+from rcnn.stats import bootstrap_ci
+
+HEAD_MODULES = ("roi_heads.box_head", "roi_heads.box_predictor")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = Parser(prog="python -m benchmarks.doctor_check", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", type=DEVICE.arg(), metavar=DEVICE.metavar, default="auto")
+    parser.add_argument("--backbone", type=BACKBONE.arg(), metavar=BACKBONE.metavar, default="resnet18_fpn")
+    parser.add_argument("--image-size", type=IMAGE_SIZE.arg(int), default=256)
+    parser.add_argument("--rois-per-image", type=ROIS_PER_IMAGE.arg(int), default=128)
+    parser.add_argument("--rounds", type=Rule(minimum=3).arg(int), default=20, help="steps of each detector")
+    parser.add_argument("--warmup", type=Rule(minimum=1).arg(int), default=3, help="untimed steps of each first")
+    args = parser.parse_args(argv)
+    try:
+        device = resolve_device(args.device)
+    except ValueNotAllowed as err:
+        parser.error(f"--device: {err.problem}")
+    config = DetectorConfig(backbone=args.backbone, image_size=args.image_size, rois_per_image=args.rois_per_image)
+    samples = synthetic_samples(num_images=8, image_size=args.image_size, num_classes=config.num_classes, seed=0)
+    print(f"device {device}, {config}, {args.rounds} rounds")
+
+    names = [(head, doctor) for head in ("linear", "conv") for doctor in (True, False)]
+    rows: dict[tuple[str, bool], list[dict]] = {name: [] for name in names}
+    rng = random.Random(0)
+    knobs = {head: knobs_for(device, head=head) for head in ("linear", "conv")}
+    with backend_flags(knobs["linear"]):
+        trainers = {(head, doctor): Trainer(config, knobs[head], samples, device=device) for head, doctor in names}
+        timers = {name: ModuleTimer(trainers[name].model, trainers[name].clock) for name in names if name[1]}
+        for number in range(args.warmup + args.rounds):
+            for name in rng.sample(names, len(names)):
+                times = trainers[name].step(number, modules=timers.get(name))
+                if name in timers:
+                    table, totals = timers[name].step_table()
+                    times["doctor_head_backward"] = sum(table.loc[m, "backward_inclusive_ms"] for m in HEAD_MODULES)
+                    times["unattributed"] = table.loc[OUTSIDE, "backward_ms"] / totals["backward_ms"]
+                if number >= args.warmup:
+                    rows[name].append(times)
+    series = {name: {key: np.asarray([r[key] for r in rs]) for key in rs[0]} for name, rs in rows.items()}
+    doctor = {head: series[head, True] for head in ("linear", "conv")}
+    plain = {head: series[head, False] for head in ("linear", "conv")}
+
+    def ci(values: np.ndarray) -> str:
+        low, high = bootstrap_ci((values,), lambda v, axis=-1: np.median(v, axis=axis))
+        return f"CI {low:.3f}-{high:.3f}"
+
+    print(f"\n{'check':<52}{'value':>10}  target")
+    for head in ("linear", "conv"):
+        share = doctor[head]["unattributed"]
+        print(f"{f'1 unattributed backward share, {head}':<52}{np.median(share):>10.3f}  <= 0.05 ({ci(share)})")
+    for head in ("linear", "conv"):
+        ratio, low, high = median_ratio(doctor[head]["doctor_head_backward"], doctor[head]["head_backward"])
+        print(f"{f'2 box-head backward, doctor / probe, {head}':<52}{ratio:>10.3f}  0.90-1.10 (CI {low:.3f}-"
+              f"{high:.3f}; {np.median(doctor[head]['doctor_head_backward']):.1f} vs "
+              f"{np.median(doctor[head]['head_backward']):.1f} ms)")
+    doctor_diff = doctor["conv"]["doctor_head_backward"] - doctor["linear"]["doctor_head_backward"]
+    ab_diff = plain["conv"]["backward"] - plain["linear"]["backward"]
+    ratio, low, high = median_ratio(doctor_diff, ab_diff)
+    print(f"{'3 conv - linear: doctor head diff / A-B backward diff':<52}{ratio:>10.3f}  0.85-1.15 (CI {low:.3f}-"
+          f"{high:.3f}; {np.median(doctor_diff):.1f} vs {np.median(ab_diff):.1f} ms)")
+    for head in ("linear", "conv"):
+        ratio, low, high = median_ratio(doctor[head]["step"], plain[head]["step"])
+        print(f"{f'4 overhead: step with / without the doctor, {head}':<52}{ratio:>10.3f}  <= 1.05 (CI {low:.3f}-"
+              f"{high:.3f}; {np.median(doctor[head]['step']):.1f} vs {np.median(plain[head]['step']):.1f} ms)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

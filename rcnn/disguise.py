@@ -1,0 +1,39 @@
+"""Convolutions that are matrix products in disguise, told apart by the shape they saw.
+
+A convolution with one group, no padding and no dilation is one GEMM when it reuses no input pixel:
+- ``covers-input``: its kernel covers its whole input (an R-CNN box head's 7x7 conv on 7x7 RoI features,
+  squeeze-excite's 1x1 convs on 1x1 maps): a fully connected layer;
+- ``pointwise``: a 1x1 kernel at stride 1: a matrix product over channels at every position;
+- ``patches``: stride equal to the kernel (a ViT's patch embedding): a matrix product over non-overlapping
+  patches.
+Convolution kernels are tuned for reused pixels; run as GEMMs these get the matmul kernels of nn.Linear.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+FIX = "run it as a matrix product (rcnn.fix.linearize)"
+
+
+def _shape(sizes: tuple[int, ...]) -> str:
+    return "x".join(map(str, sizes))
+
+
+def gemm_kind(conv: nn.Module, input_shape: tuple[int, ...]) -> tuple[str, str] | None:
+    """(kind, evidence) for a Conv1d/2d/3d that ran on an input of ``input_shape`` as a GEMM in disguise,
+    or None (another module, or a convolution that reuses pixels)."""
+    if not isinstance(conv, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) or isinstance(conv.padding, str):
+        return None
+    kernel, stride = tuple(conv.kernel_size), tuple(conv.stride)
+    spatial = tuple(input_shape[-len(kernel):])
+    plain = conv.groups == 1 and not any(conv.padding) and all(d == 1 for d in conv.dilation)
+    if not plain:
+        return None
+    if spatial == kernel:
+        return "covers-input", f"kernel {_shape(kernel)} covers its {_shape(spatial)} input, no padding"
+    if all(k == 1 for k in kernel) and all(s == 1 for s in stride):
+        return "pointwise", f"kernel {_shape(kernel)} at stride 1 on a {_shape(spatial)} input"
+    if stride == kernel:
+        return "patches", f"kernel {_shape(kernel)} at stride {_shape(stride)}: non-overlapping patches of a " \
+                          f"{_shape(spatial)} input"
+    return None

@@ -1,0 +1,434 @@
+"""Backward time by module, for any model: which module is slow, and why.
+
+``python -m rcnn.doctor torchvision:vit_b_16 --image-size 64`` times training steps of the model (forward,
+loss, backward, optimizer) with every module instrumented (rcnn.attribution), counts each module's FLOPs,
+and sets its backward speed against the machine's measured matmul peak. It flags:
+
+- ``gemm-in-disguise:<kind>``: a convolution that is a matrix product at the shape it saw (rcnn.disguise);
+- ``slow-for-its-flops``: a module whose own backward reaches under 25% of the peak while holding at least
+  5% of the step's backward FLOPs.
+
+For each flagged module it runs the backward alone at the recorded shape, dtype and layout, split into the
+input gradient and the weight gradient, names the backend implementation that ran each (oneDNN's primitives
+on CPU, the kernels on CUDA) and sets both beside the time the same FLOPs take at the matmul peak.
+MODEL is ``detector:<head>``, ``torchvision:<builder>`` or ``package.module:factory`` (rcnn.workloads).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pandas as pd
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from rcnn.attribution import OUTSIDE, ROOT, ModuleTimer, Seen
+from rcnn.cli import Parser
+from rcnn.disguise import FIX, gemm_kind
+from rcnn.kernels import capture
+from rcnn.knobs import DTYPES, autocast_dtype, resolve_device, why_not
+from rcnn.machine import fingerprint, matmul_size
+from rcnn.outputs import claim_folder, project_root, write_atomic
+from rcnn.roofline import measure_matmul_tflops
+from rcnn.rules import Rule, UserError, ValueNotAllowed
+from rcnn.schema import (AMP, AMP_DTYPES, BACKBONE, BACKBONE_NAMES, BATCH_SIZE, DEVICE, IMAGE_SIZE, MAX_SECONDS, MODULE_COLUMNS,
+                         SLOW_MIN_FLOP_SHARE, SLOW_PEAK_FRACTION, WHY_COLUMNS)
+from rcnn.stats import TimingPolicy, median_precision
+from rcnn.timing import Clock
+from rcnn.workloads import Workload, build_workload
+
+FILES = re.compile(r"modules\.csv|why\.csv|env\.json")  # what --out holds: the doctor writes these, nothing else
+TOP = Rule(minimum=1)
+FRAMES = Rule(minimum=1)
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    modules: pd.DataFrame  # rcnn.schema.MODULE_COLUMNS: one row per module, then the OUTSIDE row
+    why: pd.DataFrame      # rcnn.schema.WHY_COLUMNS: one row per flagged module
+    summary: dict[str, Any]
+
+
+# -- measuring
+
+def _steps(workload: Workload, timer: ModuleTimer, *, device: torch.device, amp: str) -> Callable[[], dict]:
+    """One training step under the timer; returns its phase totals (ms) after the clock's sync."""
+    model, clock = workload.model, timer.clock
+    # The optimizer's arithmetic is the same at any rate; 0 keeps an untrained model on synthetic data from
+    # diverging over the measured steps.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")  # fp16 gradients need loss scaling
+
+    def step() -> dict:
+        with timer.forward(), torch.autocast(device.type, dtype=autocast_dtype(amp), enabled=amp != "off"):
+            loss = workload.loss(model, workload.batch)
+        with timer.backward():
+            scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        clock.sync()
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss {loss.item()}")
+        return timer.step_table()
+
+    return step
+
+
+def _medians(tables: list[pd.DataFrame], totals: list[dict]) -> tuple[pd.DataFrame, dict]:
+    """Each module's median over the measured steps; the OUTSIDE row is the median step minus the modules' sum,
+    so the rows add up to the median step."""
+    table = pd.concat(tables).groupby(level=0, sort=False).median()
+    total = {phase: float(pd.Series([t[phase] for t in totals]).median()) for phase in totals[0]}
+    inside = table.drop(index=OUTSIDE)
+    for phase in ("forward", "backward"):
+        outside = total[f"{phase}_ms"] - inside[f"{phase}_ms"].sum()
+        table.loc[OUTSIDE, [f"{phase}_ms", f"{phase}_inclusive_ms"]] = outside
+    return table, total
+
+
+def flags(model: nn.Module, timer: ModuleTimer, table: pd.DataFrame, peak_tflops: float | None
+          ) -> dict[str, tuple[str, str]]:
+    """module name -> (flags, evidence), both joined with '; ', for the modules the doctor flags."""
+    out: dict[str, tuple[list[str], list[str]]] = {}
+    modules = {name or ROOT: module for name, module in model.named_modules()}
+    for name, seen in timer.seen.items():
+        if found := gemm_kind(modules[name], seen.input_shape):
+            kind, evidence = found
+            out.setdefault(name, ([], []))
+            out[name][0].append(f"gemm-in-disguise:{kind}")
+            out[name][1].append(f"{evidence}; fix: {FIX}")
+    total_flops = table["backward_gflop"].sum()
+    if peak_tflops and total_flops > 0:
+        for name, row in table.drop(index=OUTSIDE).iterrows():
+            share = row["backward_gflop"] / total_flops
+            if share >= SLOW_MIN_FLOP_SHARE and row["peak_fraction"] < SLOW_PEAK_FRACTION:
+                out.setdefault(name, ([], []))
+                out[name][0].append("slow-for-its-flops")
+                out[name][1].append(f"backward at {row['peak_fraction']:.0%} of the matmul peak with {share:.0%} "
+                                    f"of the step's backward FLOPs")
+    return {name: ("; ".join(f), "; ".join(e)) for name, (f, e) in out.items()}
+
+
+def diagnose(workload: Workload, *, device: torch.device, amp: str = "off", policy: TimingPolicy = TimingPolicy(),
+             peak_tflops: float | None = None, explain: bool = True) -> Diagnosis:
+    """Time ``workload``'s training steps by module until ``policy`` says stop, count FLOPs in one more step,
+    flag modules, and (``explain``) run each flagged module's backward alone.
+
+    ``peak_tflops``: the matmul peak for the dtype ``amp`` computes in; None leaves peak fractions NaN.
+    Raises ValueNotAllowed keyed MODEL when the first step fails (the model cannot take its batch) and
+    FloatingPointError on a non-finite loss.
+    """
+    clock = Clock(device)
+    timer = ModuleTimer(workload.model, clock)
+    try:
+        step = _steps(workload, timer, device=device, amp=amp)
+        try:  # a model that cannot take its batch fails here, on the first step
+            _, totals = step()
+        except (RuntimeError, ValueError, TypeError, AssertionError, IndexError, KeyError, NotImplementedError) as err:
+            raise ValueNotAllowed("MODEL", f"{workload.name} failed on its synthetic batch ({type(err).__name__}: "
+                                  f"{str(err).splitlines()[0] if str(err) else ''}); allowed: a model of the kind "
+                                  "its spec names, or a factory returning (model, make_batch)") from None
+        warm = [totals["forward_ms"] + totals["backward_ms"]]
+        while not policy.warmed_up(warm):
+            _, totals = step()
+            warm.append(totals["forward_ms"] + totals["backward_ms"])
+        tables, totals = [], []
+        started = time.perf_counter()
+        while not policy.done([[t["backward_ms"] for t in totals]], time.perf_counter() - started):
+            table, total = step()
+            tables.append(table)
+            totals.append(total)
+        with timer.counting_flops():
+            step()
+        table, total = _medians(tables, totals)
+        table = table.join(timer.flop_table())
+        table["type"] = pd.Series(timer.types)
+        table.loc[OUTSIDE, "type"] = ""
+        table["backward_share"] = table["backward_ms"] / total["backward_ms"]
+        # GFLOP per ms is TFLOP/s.
+        table["backward_tflops"] = (table["backward_gflop"] / table["backward_ms"]).where(table["backward_ms"] > 0)
+        table["peak_fraction"] = table["backward_tflops"] / peak_tflops if peak_tflops else float("nan")
+        found = flags(workload.model, timer, table, peak_tflops)
+        table["flag"] = pd.Series({name: f for name, (f, _) in found.items()})
+        table["evidence"] = pd.Series({name: e for name, (_, e) in found.items()})
+        table[["flag", "evidence"]] = table[["flag", "evidence"]].fillna("")
+        modules = table.rename_axis("module").reset_index()[list(MODULE_COLUMNS)]
+        why_rows = []
+        if explain:
+            named = {name or ROOT: module for name, module in workload.model.named_modules()}
+            for name in modules.set_index("module").loc[list(found)].sort_values("backward_ms",
+                                                                                ascending=False).index:
+                if name in timer.seen:
+                    why_rows.append({"module": name, "flag": found[name][0],
+                                     **backward_alone(named[name], timer.seen[name], device, peak_tflops)})
+        why = pd.DataFrame(why_rows, columns=list(WHY_COLUMNS))
+        backward = [t["backward_ms"] for t in totals]
+        summary = {"forward_ms": total["forward_ms"], "backward_ms": total["backward_ms"],
+                   "warmup_steps": len(warm), "steps": len(totals), "precision": median_precision(backward),
+                   "precision_met": policy.precision_met([backward]), "peak_tflops": peak_tflops,
+                   "dtype": AMP_DTYPES[amp],
+                   "outside_backward_share": float(table.loc[OUTSIDE, "backward_share"]),
+                   "flagged": len(found)}
+        return Diagnosis(modules, why, summary)
+    finally:
+        timer.remove()
+
+
+# -- one module's backward alone
+
+def _first_tensor(value: Any) -> torch.Tensor:
+    while not isinstance(value, torch.Tensor):
+        value = value[0] if isinstance(value, (tuple, list)) else next(iter(value.values()))
+    return value
+
+
+def backward_alone(module: nn.Module, seen: Seen, device: torch.device, peak_tflops: float | None,
+                   repeats: int = 5) -> dict[str, Any]:
+    """The module's backward run alone at the shape, dtype and layout it saw: the input gradient and the
+    weight gradient each on its own (ms, GFLOP, the implementation that ran it) and the time the same FLOPs
+    take at the matmul peak. The module's parameters and their .grad are left as they were."""
+    layout = torch.channels_last if seen.channels_last else torch.contiguous_format
+    x = torch.randn(seen.input_shape, device=device, dtype=seen.input_dtype).contiguous(memory_format=layout)
+    params = [p for p in module.parameters() if p.is_floating_point()]
+    casts = seen.output_dtype != seen.input_dtype and seen.output_dtype in (torch.bfloat16, torch.float16)
+    clock = Clock(device)
+    saved = [p.requires_grad for p in params]
+    row: dict[str, Any] = {"input_shape": "x".join(map(str, seen.input_shape)),
+                           "dtype": str(seen.output_dtype).removeprefix("torch."),
+                           "layout": "channels_last" if seen.channels_last else "contiguous"}
+    try:
+        for part, wrt in (("input_grad", [x]), ("weight_grad", params)):
+            if not wrt:
+                row |= {f"{part}_ms": float("nan"), f"{part}_gflop": float("nan"), f"{part}_impl": "none"}
+                continue
+            x.requires_grad_(part == "input_grad")
+            for p in params:
+                p.requires_grad_(part == "weight_grad")
+
+            def forward() -> tuple[torch.Tensor, torch.Tensor]:
+                with torch.autocast(device.type, dtype=seen.output_dtype, enabled=casts):
+                    out = _first_tensor(module(x))
+                return out, torch.ones_like(out)
+
+            def timed() -> float:
+                out, grad = forward()
+                clock.sync()
+                start = clock.mark()
+                torch.autograd.grad(out, wrt, grad)
+                end = clock.mark()
+                clock.sync()
+                return clock.ms(start, end)
+
+            for _ in range(2):  # burn-in: kernel choice, oneDNN primitive caches
+                timed()
+            times = sorted(timed() for _ in range(repeats))
+            out, grad = forward()
+            with FlopCounterMode(display=False) as counter:
+                torch.autograd.grad(out, wrt, grad)
+            out, grad = forward()
+            row |= {f"{part}_ms": times[len(times) // 2], f"{part}_gflop": counter.get_total_flops() / 1e9,
+                    f"{part}_impl": implementation(lambda: torch.autograd.grad(out, wrt, grad, retain_graph=True),
+                                                   device)}
+    finally:
+        for p, flag in zip(params, saved):
+            p.requires_grad_(flag)
+    flops = sum(row[f"{part}_gflop"] for part in ("input_grad", "weight_grad") if row[f"{part}_gflop"] == row[f"{part}_gflop"])
+    row["gemm_ms"] = flops / peak_tflops if peak_tflops else float("nan")  # GFLOP / (TFLOP/s) = ms
+    return row
+
+
+@contextlib.contextmanager
+def _stdout_captured() -> Iterator[list[str]]:
+    """What C code prints on file descriptor 1 inside (oneDNN's verbose lines), appended to the list on exit."""
+    lines: list[str] = []
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 1)
+        try:
+            yield lines
+        finally:
+            ctypes.CDLL(None).fflush(None)
+            os.dup2(saved, 1)
+            os.close(saved)
+            sink.seek(0)
+            lines += sink.read().decode(errors="replace").splitlines()
+
+
+def onednn_primitives(lines: list[str]) -> str:
+    """oneDNN verbose 'exec' lines summed by primitive: 'convolution jit:avx2 backward_weights 0.71 ms x1'."""
+    spent: dict[str, list[float]] = {}
+    for line in lines:
+        fields = line.split(",")
+        if not fields[0].endswith("_verbose") or "exec" not in fields:
+            continue
+        i = fields.index("exec")
+        if len(fields) < i + 5:
+            continue
+        key = " ".join(fields[i + 2:i + 5])  # primitive kind, implementation, propagation kind
+        try:
+            ms = float(fields[-1])
+        except ValueError:
+            ms = float("nan")
+        spent.setdefault(key, [0.0, 0])
+        spent[key][0] += ms
+        spent[key][1] += 1
+    ranked = sorted(spent.items(), key=lambda item: -item[1][0])
+    return "; ".join(f"{key} {ms:.2f} ms x{n}" for key, (ms, n) in ranked[:3])
+
+
+class _OpTimes(TorchDispatchMode):
+    """Host time of each aten operator called inside: on CPU, where the time goes, without a profiler."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spent: dict[str, float] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        name = f"aten::{func._overloadpacket.__name__}"
+        self.spent[name] = self.spent.get(name, 0.0) + (time.perf_counter() - start) * 1e3
+        return out
+
+
+def implementation(run: Callable[[], Any], device: torch.device) -> str:
+    """What ran ``run`` (called once or twice): the CUDA kernels (by time) on GPU; on CPU oneDNN's primitives,
+    or where oneDNN was not used, the aten operators that took the time (MKL's GEMMs run as aten::mm)."""
+    if device.type == "cuda":
+        spent: dict[str, float] = {}
+        for event in capture(run, device, steps=1):
+            for kernel in getattr(event, "kernels", []):
+                spent[kernel.name] = spent.get(kernel.name, 0.0) + kernel.duration / 1e3
+    else:
+        if torch.backends.mkldnn.enabled:
+            with _stdout_captured() as lines, torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+                run()
+            if found := onednn_primitives(lines):
+                return f"oneDNN: {found}"
+        with _OpTimes() as ops:
+            run()
+        spent = ops.spent
+    ranked = sorted(spent.items(), key=lambda item: -item[1])[:3]
+    return "; ".join(f"{name[:80]} {ms:.2f} ms" for name, ms in ranked)
+
+
+# -- the command
+
+def _parser() -> argparse.ArgumentParser:
+    p = Parser(prog="python -m rcnn.doctor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODEL",
+                   help="detector:<head>, torchvision:<builder> or package.module:factory")
+    p.add_argument("--batch-size", type=BATCH_SIZE.arg(int), default=2, help="images (or clips) per step")
+    p.add_argument("--image-size", type=IMAGE_SIZE.arg(int), default=224, help="square input size in pixels")
+    p.add_argument("--frames", type=FRAMES.arg(int), default=8, help="frames per clip, for video models")
+    p.add_argument("--amp", type=AMP.arg(), metavar=AMP.metavar, default="off", help="autocast dtype")
+    p.add_argument("--channels-last", action="store_true", help="model and images in NHWC")
+    p.add_argument("--device", type=DEVICE.arg(), metavar=DEVICE.metavar, default="auto",
+                   help="auto picks CUDA when there is a GPU")
+    p.add_argument("--backbone", type=BACKBONE.arg(), metavar=BACKBONE.metavar, default=BACKBONE_NAMES[1],
+                   help="the detector's backbone (detector:<head> only)")
+    p.add_argument("--top", type=TOP.arg(int), default=15, help="modules to print, by their own backward time")
+    p.add_argument("--max-seconds", type=MAX_SECONDS.arg(float), default=TimingPolicy.max_seconds,
+                   help="stop measuring after this long, precision met or not")
+    p.add_argument("--out", help="a folder for modules.csv, why.csv and env.json (absent, empty, or written by "
+                                 "the doctor before)")
+    p.add_argument("--mlflow", action="store_true",
+                   help="log the tables to MLflow (MLFLOW_TRACKING_URI, default sqlite:///mlflow.db)")
+    return p
+
+
+def _print(diagnosis: Diagnosis, top: int, title: str) -> None:
+    s = diagnosis.summary
+    print(title)
+    print(f"{s['warmup_steps']} warm-up and {s['steps']} timed steps (backward median known to "
+          f"{s['precision']:.1%}); forward {s['forward_ms']:.1f} ms, backward {s['backward_ms']:.1f} ms; "
+          f"matmul peak {s['peak_tflops']} TFLOP/s ({s['dtype']}, measured)")
+    modules = diagnosis.modules
+    shown = modules[modules["module"] != OUTSIDE].nlargest(top, "backward_ms")
+    shown = pd.concat([shown, modules[modules["module"] == OUTSIDE]])
+    columns = ["module", "type", "calls", "forward_ms", "backward_ms", "backward_inclusive_ms", "backward_share",
+               "backward_gflop", "backward_tflops", "peak_fraction", "flag"]
+    print(f"\nTop {top} modules by their own backward time (ms per step; inclusive: with their children):")
+    print(shown[columns].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    if len(diagnosis.why):
+        print("\nWhy, for each flagged module (its backward run alone; GEMM: the same FLOPs at the matmul peak):")
+        for row in diagnosis.why.itertuples():
+            print(f"- {row.module} [{row.flag}] {row.input_shape} {row.dtype} {row.layout}: "
+                  f"input grad {row.input_grad_ms:.2f} ms ({row.input_grad_impl}); "
+                  f"weight grad {row.weight_grad_ms:.2f} ms ({row.weight_grad_impl}); GEMM {row.gemm_ms:.2f} ms")
+
+
+def _log_mlflow(args: argparse.Namespace, diagnosis: Diagnosis, env: dict) -> str:
+    try:
+        import mlflow  # only for --mlflow: the library itself needs no tracking server
+    except ImportError:
+        raise ValueNotAllowed("--mlflow", "mlflow is not installed here; allowed: install it, or leave --mlflow out") \
+            from None
+    mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"))
+    mlflow.set_experiment("rcnn-doctor")
+    with mlflow.start_run(run_name=args.model) as run:
+        mlflow.log_params({k: v for k, v in vars(args).items() if k not in ("out", "mlflow")})
+        mlflow.log_metrics({k: float(v) for k, v in diagnosis.summary.items()
+                            if isinstance(v, (int, float)) and v == v})
+        mlflow.log_text(diagnosis.modules.to_csv(index=False), "modules.csv")
+        mlflow.log_text(diagnosis.why.to_csv(index=False), "why.csv")
+        mlflow.log_dict(env, "env.json")
+    return run.info.run_id
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.out:  # before anything is measured: a folder it may fill
+            claim_folder(args.out, FILES, root=project_root(Path.cwd()), what="--out")
+        device = resolve_device(args.device)
+        if reason := why_not("amp", args.amp, device):
+            raise ValueNotAllowed("--amp", f"{args.amp} does not apply on {device.type}: {reason}")
+        workload = build_workload(args.model, batch_size=args.batch_size, image_size=args.image_size,
+                                  frames=args.frames, device=device, backbone=args.backbone,
+                                  channels_last=args.channels_last)
+        dtype = AMP_DTYPES[args.amp]
+        peak = round(measure_matmul_tflops(device, DTYPES[dtype], n=matmul_size(device)), 3)
+        policy = TimingPolicy(max_seconds=args.max_seconds)
+        diagnosis = diagnose(workload, device=device, amp=args.amp, policy=policy, peak_tflops=peak)
+    except (UserError, FloatingPointError) as err:
+        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+    env = {"fingerprint": fingerprint(device), "ceilings": {"matmul_tflops": {dtype: peak}},
+           "model": args.model, "batch_size": args.batch_size, "image_size": args.image_size,
+           "frames": args.frames, "amp": args.amp, "channels_last": args.channels_last,
+           "summary": diagnosis.summary}
+    where = env["fingerprint"].get("gpu", env["fingerprint"]["cpu_model"])
+    _print(diagnosis, args.top, f"{args.model} on {device.type} ({where}), batch {args.batch_size}, "
+                                f"{args.image_size} px, {dtype}{', channels_last' if args.channels_last else ''}")
+    if args.out:
+        out = Path(args.out)
+        write_atomic(out / "modules.csv", diagnosis.modules.to_csv(index=False))
+        write_atomic(out / "why.csv", diagnosis.why.to_csv(index=False))
+        write_atomic(out / "env.json", json.dumps(env, indent=2, sort_keys=True, default=str) + "\n")
+        print(f"\nwrote {out / 'modules.csv'}, {out / 'why.csv'}, {out / 'env.json'}")
+    if args.mlflow:
+        try:
+            print(f"MLflow run {_log_mlflow(args, diagnosis, env)}")
+        except UserError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""A model to diagnose, with one synthetic batch on the device and its training loss, named by a spec.
+
+- ``detector:<head>``: this project's Faster R-CNN with a built-in head (``detector:conv``).
+- ``torchvision:<builder>``: a torchvision classification, detection, segmentation or video builder by name,
+  untrained (``weights=None``), fed inputs and a loss of its kind: images and cross-entropy on labels; images
+  and box targets (with masks or keypoints where the model needs them) for detectors; per-pixel labels for
+  segmentation; clips (B, 3, frames, S, S) for video.
+- ``package.module:factory``: the user's own model. ``factory()`` returns either an ``nn.Module`` taking
+  images (B, 3, S, S) and returning class scores (B, K), trained with cross-entropy; or a pair
+  ``(model, make_batch)`` where ``make_batch(batch_size, device)`` returns ``(batch, loss)`` and
+  ``loss(model, batch)`` runs the forward and returns a scalar loss.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rcnn.data import device_batches, synthetic_samples
+from rcnn.model import DetectorConfig, build_detector
+from rcnn.rules import ValueNotAllowed
+from rcnn.schema import HEAD, HEAD_NAMES
+
+KINDS = ("detector", "torchvision", "package.module")
+NUM_CLASSES = 4  # object classes of the synthetic detection targets, background excluded
+
+Loss = Callable[[nn.Module, Any], torch.Tensor]
+
+
+@dataclass
+class Workload:
+    """A model with one batch already on its device, and the loss of a training step on that batch."""
+    name: str
+    model: nn.Module
+    batch: Any
+    loss: Loss
+
+
+class ModelError(ValueNotAllowed):
+    """A MODEL spec that names nothing usable, or a model that fails on its synthetic batch."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__("MODEL", problem)
+
+
+def _classification_loss(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    out = model(images)
+    logits = getattr(out, "logits", out)  # GoogLeNet and Inception return named tuples while training
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ModelError(f"the model's output on images {tuple(images.shape)} is not class scores (N, K); "
+                         "allowed: a classifier, or a factory returning (model, make_batch)")
+    labels = torch.arange(len(images), device=images.device) % logits.shape[1]
+    return F.cross_entropy(logits.float(), labels)
+
+
+def _images(batch_size: int, image_size: int, device: torch.device, *, frames: int | None = None) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    shape = (batch_size, 3, *((frames,) if frames else ()), image_size, image_size)
+    return torch.rand(shape, generator=generator).to(device)
+
+
+def _detection_batch(name: str, batch_size: int, image_size: int, device: torch.device) -> Any:
+    (images, targets), = device_batches(
+        synthetic_samples(num_images=batch_size, image_size=image_size, num_classes=NUM_CLASSES, seed=0),
+        batch_size=batch_size, device=device)
+    for target in targets:
+        boxes = target["boxes"]
+        if name.startswith("maskrcnn"):  # a filled box as each object's mask
+            masks = torch.zeros(len(boxes), image_size, image_size, dtype=torch.uint8, device=device)
+            for mask, (x1, y1, x2, y2) in zip(masks, boxes.int().tolist()):
+                mask[y1:y2, x1:x2] = 1
+            target["masks"] = masks
+        if name.startswith("keypointrcnn"):  # 17 visible keypoints on each box's diagonal
+            t = torch.linspace(0, 1, 17, device=device)[None, :, None]
+            points = boxes[:, None, :2] + t * (boxes[:, None, 2:] - boxes[:, None, :2])
+            target["keypoints"] = torch.cat([points, torch.ones_like(points[..., :1])], dim=-1)
+    return images, targets
+
+
+def _detection_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    images, targets = batch
+    return sum(model(images, targets).values())
+
+
+def _segmentation_loss(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    scores = model(images)["out"]
+    labels = (torch.arange(images.shape[-1], device=images.device) * scores.shape[1] // images.shape[-1])
+    return F.cross_entropy(scores.float(), labels.expand(len(images), images.shape[-2], -1))
+
+
+def _torchvision(builder: str, *, batch_size: int, image_size: int, frames: int,
+                 device: torch.device) -> tuple[nn.Module, Any, Loss]:
+    from torchvision import models
+
+    kinds = {"classification": models, "detection": models.detection, "segmentation": models.segmentation,
+             "video": models.video}
+    kind = next((k for k, module in kinds.items() if builder in models.list_models(module=module)), None)
+    if kind is None:
+        known = sorted(name for module in kinds.values() for name in models.list_models(module=module))
+        raise ModelError(f"torchvision:{builder} is not a torchvision classification, detection, segmentation "
+                         f"or video builder; allowed: {', '.join(known)}")
+    options: dict[str, Any] = {"weights": None}
+    if builder.startswith("vit_"):
+        options["image_size"] = image_size  # a ViT's position embeddings are built for one size
+    if builder.startswith("maxvit"):
+        options["input_size"] = (image_size, image_size)
+    if kind in ("detection", "segmentation"):
+        options["weights_backbone"] = None  # its default downloads ImageNet weights
+    if kind == "detection":
+        options["num_classes"] = NUM_CLASSES + 1
+        if not builder.startswith("ssd"):  # SSD resizes to its own fixed size
+            options |= {"min_size": image_size, "max_size": image_size}
+    model = models.get_model(builder, **options)
+    if kind == "detection":
+        return model, _detection_batch(builder, batch_size, image_size, device), _detection_loss
+    if kind == "segmentation":
+        return model, _images(batch_size, image_size, device), _segmentation_loss
+    return model, _images(batch_size, image_size, device, frames=frames if kind == "video" else None), \
+        _classification_loss
+
+
+def _factory(spec: str, *, batch_size: int, image_size: int, device: torch.device) -> tuple[nn.Module, Any, Loss]:
+    module_name, _, attribute = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except ImportError as err:
+        raise ModelError(f"cannot import {module_name} ({err}); allowed: an importable package.module:factory "
+                         "(run from the folder that holds the package, or install it)") from None
+    except AttributeError:
+        raise ModelError(f"{module_name} has no {attribute!r}; allowed: package.module:factory naming a function "
+                         "there") from None
+    try:
+        made = factory()
+    except Exception as err:
+        raise ModelError(f"{spec}() raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") \
+            from None
+    if isinstance(made, nn.Module):
+        return made, _images(batch_size, image_size, device), _classification_loss
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module) and callable(made[1]):
+        model, make_batch = made
+        try:
+            batch, loss = make_batch(batch_size, device)
+        except Exception as err:
+            raise ModelError(f"{spec}'s make_batch({batch_size}, {device}) raised {type(err).__name__}: "
+                             f"{str(err).splitlines()[0] if str(err) else ''}") from None
+        return model, batch, loss
+    raise ModelError(f"{spec}() returned {type(made).__name__}; allowed: an nn.Module, or (model, make_batch)")
+
+
+def build_workload(spec: str, *, batch_size: int, image_size: int, device: torch.device, frames: int = 8,
+                   backbone: str = "resnet18_fpn", channels_last: bool = False) -> Workload:
+    """The model a spec names (see the module's docstring), on ``device``, with its batch and loss.
+
+    Raises ModelError (a ValueNotAllowed keyed 'MODEL') for a spec that names nothing usable.
+    """
+    kind, sep, rest = spec.partition(":")
+    if not sep or not rest:
+        raise ModelError(f"{spec!r} is not a model spec; allowed: detector:<head>, torchvision:<builder>, "
+                         "package.module:factory")
+    if kind == "detector":
+        if HEAD.problem(rest):
+            raise ModelError(f"{spec}: unknown head; allowed: " + ", ".join(f"detector:{h}" for h in HEAD_NAMES))
+        head = rest
+        config = DetectorConfig(backbone=backbone, image_size=image_size)
+        model: nn.Module = build_detector(config, head)
+        batch: Any = _detection_batch("detector", batch_size, image_size, device)
+        loss: Loss = _detection_loss
+    elif kind == "torchvision":
+        model, batch, loss = _torchvision(rest, batch_size=batch_size, image_size=image_size, frames=frames,
+                                          device=device)
+    else:
+        model, batch, loss = _factory(spec, batch_size=batch_size, image_size=image_size, device=device)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    model = model.to(device=device, memory_format=layout).train()
+    if channels_last:
+        batch = _to_layout(batch, layout)
+    return Workload(spec, model, batch, loss)
+
+
+def _to_layout(value: Any, layout: torch.memory_format) -> Any:
+    """Image tensors (4-d) in ``layout``; anything else unchanged."""
+    if isinstance(value, torch.Tensor):
+        return value.contiguous(memory_format=layout) if value.dim() == 4 else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_layout(v, layout) for v in value)
+    return value

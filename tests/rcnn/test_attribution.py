@@ -1,0 +1,83 @@
+import pytest
+import torch
+
+from rcnn.attribution import OUTSIDE, ROOT, ModuleTimer
+from rcnn.doctor import diagnose
+from rcnn.stats import TimingPolicy
+from rcnn.timing import Clock
+from rcnn.workloads import build_workload
+from tests.fixtures import models
+from tests.fixtures.models import SLEEP_S
+
+CPU = torch.device("cpu")
+QUICK = TimingPolicy(warmup=1, max_warmup=2, iterations=5, max_iterations=5, max_seconds=60)
+
+
+@pytest.fixture
+def one_thread():
+    # After a sleep, a multi-threaded op first wakes its idle worker threads: that is real time, but it would
+    # land on the op after the sleeping module and blur what this test checks.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _diagnosis(monkeypatch, sleep_s: float):
+    monkeypatch.setattr(models, "SLEEP_S", sleep_s)
+    workload = build_workload("tests.fixtures.models:sleepy", batch_size=8, image_size=64, device=CPU)
+    return diagnose(workload, device=CPU, policy=QUICK, explain=False).modules.set_index("module")
+
+
+def test_backward_is_charged_to_the_module_that_created_it(monkeypatch, one_thread):
+    slept = _diagnosis(monkeypatch, SLEEP_S)
+    awake = _diagnosis(monkeypatch, 0.0)
+    # Called twice per step, each time before ReLU(inplace=True): both sleeps, within 5%, and only there.
+    assert slept.loc["sleepy", "calls"] == 2
+    assert slept.loc["sleepy", "backward_ms"] == pytest.approx(2 * SLEEP_S * 1e3, rel=0.05)
+    gained = slept["backward_ms"] - awake["backward_ms"]
+    assert (gained.drop(index="sleepy").abs() < 0.05 * 2 * SLEEP_S * 1e3).all(), gained
+    # Inclusive time holds the children's: the model's row holds both sleeps, the sleeper's own row nothing more.
+    assert slept.loc[ROOT, "backward_inclusive_ms"] >= slept.loc["sleepy", "backward_ms"]
+    assert slept.loc["sleepy", "backward_inclusive_ms"] == slept.loc["sleepy", "backward_ms"]
+
+
+def test_rows_add_up_to_the_step(monkeypatch, one_thread):
+    monkeypatch.setattr(models, "SLEEP_S", 0.0)
+    workload = build_workload("tests.fixtures.models:sleepy", batch_size=8, image_size=64, device=CPU)
+    timer = ModuleTimer(workload.model, Clock(CPU))
+    with timer.forward():
+        loss = workload.loss(workload.model, workload.batch)
+    with timer.backward():
+        loss.backward()
+    table, totals = timer.step_table()
+    for phase in ("forward", "backward"):
+        assert table[f"{phase}_ms"].sum() == pytest.approx(totals[f"{phase}_ms"])
+        assert (table[f"{phase}_ms"].drop(index=OUTSIDE) >= 0).all()
+    # The loss is computed after the model, outside every module: its forward and backward are OUTSIDE's.
+    assert table.loc[OUTSIDE, "backward_ms"] > 0
+    timer.remove()
+
+
+def test_flops_by_module_match_flop_counter_mode(monkeypatch):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    monkeypatch.setattr(models, "SLEEP_S", 0.0)
+    workload = build_workload("tests.fixtures.models:sleepy", batch_size=8, image_size=64, device=CPU)
+    timer = ModuleTimer(workload.model, Clock(CPU))
+    with timer.counting_flops():
+        with timer.forward():
+            loss = workload.loss(workload.model, workload.batch)
+        with timer.backward():
+            loss.backward()
+    flops = timer.flop_table() * 1e9
+    # Linear(64, 64) on 8 rows: 2*8*64*64 forward; backward twice that for the hidden layers (input and weight
+    # gradients). The first layer's input needs no gradient, so its backward is the weight gradient only.
+    assert flops.loc["second", "forward_gflop"] == pytest.approx(2 * 8 * 64 * 64)
+    assert flops.loc["second", "backward_gflop"] == pytest.approx(2 * 2 * 8 * 64 * 64)
+    assert flops.loc["first", "backward_gflop"] == pytest.approx(2 * 8 * 64 * 64)
+    assert flops.loc[ROOT, "backward_inclusive_gflop"] == pytest.approx(flops["backward_gflop"].sum())
+    with FlopCounterMode(display=False) as counter:
+        workload.loss(workload.model, workload.batch).backward()
+    assert flops[["forward_gflop", "backward_gflop"]].to_numpy().sum() == pytest.approx(counter.get_total_flops())
+    timer.remove()

@@ -1,0 +1,98 @@
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from rcnn import doctor
+from rcnn.attribution import OUTSIDE, ROOT
+from rcnn.schema import MODULE_COLUMNS, WHY_COLUMNS
+from tests.conftest import ROOT as REPO
+
+QUICK = ["--batch-size", "2", "--image-size", "64", "--max-seconds", "2", "--device", "cpu"]
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A working folder that is its own project (--out must lie inside), with the fixtures importable."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(REPO))
+    return tmp_path
+
+
+def test_tables_for_a_users_model(project, capsys):
+    assert doctor.main(["tests.fixtures.models:box_head_like", *QUICK, "--out", "out", "--top", "3"]) == 0
+    modules = pd.read_csv(project / "out" / "modules.csv", keep_default_na=False).set_index("module")
+    why = pd.read_csv(project / "out" / "why.csv").set_index("module")
+    env = json.loads((project / "out" / "env.json").read_text())
+    assert list(modules.reset_index().columns) == list(MODULE_COLUMNS)
+    assert list(why.reset_index().columns) == list(WHY_COLUMNS)
+    assert list(modules.index) == [ROOT, "features", "pool", "fc6", "fc7", "score", OUTSIDE]
+    # The rows add up to the step, and the shares to one.
+    assert modules["backward_ms"].sum() == pytest.approx(env["summary"]["backward_ms"])
+    assert modules["backward_share"].sum() == pytest.approx(1)
+    # The 7x7 conv on 7x7 features and the 1x1 conv on its 1x1 output are GEMMs; the padded 3x3 conv is not.
+    assert modules.loc["fc6", "flag"].startswith("gemm-in-disguise:covers-input")
+    assert modules.loc["fc7", "flag"].startswith("gemm-in-disguise:covers-input")
+    assert "7x7 covers its 7x7 input" in modules.loc["fc6", "evidence"]
+    assert "gemm-in-disguise" not in modules.loc["features", "flag"]
+    # FLOPs: fc6 is 2 * 2 images * 16*7*7 * 64 forward; backward twice that (input and weight gradients).
+    assert modules.loc["fc6", "forward_gflop"] * 1e9 == pytest.approx(2 * 2 * 16 * 49 * 64)
+    assert modules.loc["fc6", "backward_gflop"] * 1e9 == pytest.approx(2 * 2 * 2 * 16 * 49 * 64)
+    assert modules.loc["fc6", "peak_fraction"] == pytest.approx(
+        modules.loc["fc6", "backward_tflops"] / env["ceilings"]["matmul_tflops"]["fp32"])
+    # Every flagged module has its why: both gradients timed alone, the implementation named.
+    assert set(why.index) == set(modules.index[modules["flag"] != ""])
+    assert (why.loc["fc6", ["input_grad_ms", "weight_grad_ms", "gemm_ms"]] > 0).all()
+    assert why.loc["fc6", "input_shape"] == "2x16x7x7" and why.loc["fc6", "dtype"] == "float32"
+    assert why.loc["fc6", "input_grad_gflop"] * 1e9 == pytest.approx(2 * 2 * 16 * 49 * 64)
+    assert why["input_grad_impl"].str.len().min() > 0
+    assert env["fingerprint"]["torch"] and env["model"] == "tests.fixtures.models:box_head_like"
+    printed = capsys.readouterr().out
+    assert "Top 3 modules" in printed and "- fc6 [gemm-in-disguise:covers-input" in printed
+
+
+def test_out_is_rewritten_but_never_a_foreign_folder(project, capsys):
+    (project / "notes").mkdir()
+    (project / "notes" / "mine.txt").write_text("keep me")
+    assert doctor.main(["tests.fixtures.models:sleepy", *QUICK, "--out", "notes"]) == 2
+    assert "--out: notes holds files this command did not write (mine.txt)" in capsys.readouterr().err
+    assert sorted(p.name for p in (project / "notes").iterdir()) == ["mine.txt"]
+    assert doctor.main(["tests.fixtures.models:sleepy", *QUICK, "--out", "out"]) == 0
+    assert doctor.main(["tests.fixtures.models:sleepy", *QUICK, "--out", "out"]) == 0  # its own: rewritten
+
+
+@pytest.mark.parametrize("args, message", [
+    (["torchvision:nope"], "error: MODEL: torchvision:nope is not a torchvision"),
+    (["no_such_package.models:make"], "error: MODEL: cannot import no_such_package.models"),
+    (["tests.fixtures.models:raises"], "error: MODEL: tests.fixtures.models:raises() raised RuntimeError"),
+    (["tests.fixtures.models:flat"], "error: MODEL: tests.fixtures.models:flat failed on its synthetic batch"),
+    (["detector:fc"], "error: MODEL: detector:fc: unknown head; allowed: detector:linear"),
+    (["tests.fixtures.models:sleepy", "--batch-size", "0"], "error: --batch-size: 0 is too small; allowed: >= 1"),
+    (["tests.fixtures.models:sleepy", "--image-size", "100"],
+     "error: --image-size: 100 is not allowed; allowed: a multiple of 32"),
+    (["tests.fixtures.models:sleepy", "--amp", "fp8"], "error: --amp: 'fp8' is not allowed; allowed: off, fp16, bf16"),
+    (["tests.fixtures.models:sleepy", "--amp", "fp16", "--device", "cpu"],
+     "error: --amp: fp16 does not apply on cpu"),
+    (["tests.fixtures.models:sleepy", "--top", "0"], "error: --top: 0 is too small; allowed: >= 1"),
+    (["tests.fixtures.models:sleepy", "--out", "/"], "error: --out: / resolves outside the project"),
+])
+def test_bad_input_is_one_line_and_exit_2(project, capsys, args, message):
+    with pytest.raises(SystemExit) as exited:
+        sys.exit(doctor.main([*args, *QUICK[:4]]))
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
+@pytest.mark.slow
+def test_the_command_as_a_user_runs_it(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "rcnn.doctor", "tests.fixtures.models:box_head_like", *QUICK,
+                           "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 2 and "resolves outside the project" in done.stderr  # tmp_path is not in it
+    done = subprocess.run([sys.executable, "-m", "rcnn.doctor", "detector:conv", "--image-size", "128",
+                           "--max-seconds", "3", "--device", "cpu", "--top", "5"], cwd=REPO, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    assert "roi_heads.box_head.0 [gemm-in-disguise:covers-input]" in done.stdout
