@@ -30,6 +30,7 @@ from pipeline.params import Params, ParamsError, SweepParams
 from pipeline.results import trial_row
 from rcnn.knobs import Skipped, why_not_together
 from rcnn.model import DetectorConfig
+from rcnn.outputs import owner_of
 from rcnn.schema import DEVICE_KNOBS, KERNEL_COLUMNS, KNOB_NAMES, TRIAL_COLUMNS
 
 STATUS = {TrialState.COMPLETE: "complete", TrialState.FAIL: "failed", TrialState.RUNNING: "running",
@@ -67,7 +68,7 @@ def hold_journal(journal: str | Path) -> Iterator[None]:
     journal's own locks, but a second stage started by hand would fail the first one's running trial as
     interrupted: it is refused at once, naming the process that holds the journal. The lock is an flock,
     which dies with its process, so a killed sweep never blocks its resume."""
-    with open(f"{journal}.owner", "a+") as owner:
+    with open(owner_of(journal), "a+") as owner:
         try:
             fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

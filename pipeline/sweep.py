@@ -34,7 +34,7 @@ import torch
 from optuna.trial import TrialState
 
 from pipeline.common import Interrupted, first_line, git_commit, run_stage, stage_parser, write_json
-from rcnn.outputs import JOURNAL, check_output, check_writable, project_root
+from rcnn.outputs import JOURNAL, OWNER, check_output, check_sqlite_url, check_writable, owner_of, project_root
 from pipeline.params import Params, ParamsError, TrackingParams, keyed
 from pipeline.progress import Progress
 from pipeline.results import WRITTEN, comparisons_table, read_env, summarize_trials, write_table, write_trials
@@ -418,9 +418,12 @@ def stage(args: argparse.Namespace, params: Params) -> int:
     for key, kind in WRITTEN.items():
         check_output(getattr(args, key), kind, root=root, what=f"--{key}")
     check_writable(*(getattr(args, key) for key in WRITTEN))
+    check_sqlite_url(params.tracking.mlflow_uri, root=root, what="tracking.mlflow_uri")
     if is_rdb(params.sweep.storage):
+        check_sqlite_url(params.sweep.storage, root=root, what="sweep.storage")
         return run_sweep(args, params)
     check_output(params.sweep.storage, JOURNAL, root=root, what="sweep.storage")
+    check_output(owner_of(params.sweep.storage), OWNER, root=root, what="sweep.storage")
     check_writable(params.sweep.storage)  # its folder made, so the lock beside it can be taken
     with hold_journal(params.sweep.storage):
         return run_sweep(args, params)

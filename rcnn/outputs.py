@@ -64,10 +64,20 @@ def text_start(name: str, prefix: str) -> Kind:
 
 CSV = Kind("a CSV table", lambda path: "," in _first_line(path) and b"\0" not in _head(path))
 PNG = Kind("a PNG image", lambda path: _head(path, 8) == b"\x89PNG\r\n\x1a\n")
+# The lock file a sweep stage holds beside its journal (pipeline.study.hold_journal): who holds it.
+OWNER = Kind("a journal's lock file", lambda path: path.stat().st_size == 0 or _first_line(path).startswith("pid "))
 # Optuna's JournalFileBackend writes one JSON record per line, each with an op_code; it creates the file
-# empty when opened, so a run stopped before its study was created leaves an empty one.
-JOURNAL = Kind("an Optuna journal", lambda path: path.stat().st_size == 0
+# empty when opened, so a run stopped before its study was created leaves an empty one, always beside the
+# lock file the stage took first (an empty source file such as a package's __init__.py has none).
+JOURNAL = Kind("an Optuna journal", lambda path: (path.stat().st_size == 0 and is_ours(owner_of(path), OWNER))
                or (isinstance(record := _json(_first_line(path)), dict) and "op_code" in record))
+# SQLite creates a database file empty and writes its header with the first table.
+SQLITE = Kind("an SQLite database", lambda path: path.stat().st_size == 0 or _head(path, 16) == b"SQLite format 3\0")
+
+
+def owner_of(journal: str | Path) -> Path:
+    """The lock file beside a journal."""
+    return Path(f"{journal}.owner")
 
 
 def project_root(start: str | Path) -> Path:
@@ -100,6 +110,14 @@ def check_output(path: str | Path, kind: Kind, *, root: Path, what: str) -> Path
         raise OutputError(f"{what}: {path} exists and is not {kind.name} this command wrote; allowed: a new "
                           f"path or one it wrote before (nothing was changed)")
     return resolved
+
+
+def check_sqlite_url(url: str, *, root: Path, what: str) -> None:
+    """For an ``sqlite:///path`` URL, the checks of ``check_output`` on its database file; other URLs (a
+    database server, an MLflow server) write nothing here and pass."""
+    scheme, sep, rest = url.partition(":///")
+    if sep and scheme.split("+")[0] == "sqlite" and rest:
+        check_output(rest.partition("?")[0], SQLITE, root=root, what=what)
 
 
 def check_folder(folder: str | Path, files: dict[str, Kind], *, root: Path, what: str) -> Path:

@@ -80,6 +80,19 @@ def coco_folder(project: Path, file_name: str, link: Path | None = None) -> None
         "categories": [{"id": 1, "name": "a"}]}))
 
 
+def crowd_only(project: Path) -> None:
+    coco_folder(project, "img.png")
+    (project / "coco" / "img.png").write_bytes((project.parent / "sentinel" / "img.png").read_bytes())
+    coco = json.loads((project / "coco" / "annotations.json").read_text())
+    coco["annotations"][0]["iscrowd"] = 1
+    (project / "coco" / "annotations.json").write_text(json.dumps(coco))
+
+
+def users_owner_file(project: Path) -> None:
+    (project / "notes").mkdir(exist_ok=True)
+    (project / "notes" / "optuna.journal.owner").write_text("who owns what: my notes\n")
+
+
 def user_report(project: Path) -> None:
     (project / "notes").mkdir(exist_ok=True)
     (project / "notes" / "report.md").write_text("# My notes\n")
@@ -106,6 +119,8 @@ CASES = [
      lambda p: coco_folder(p, str(p.parent / "sentinel" / "img.png")), "sentinel/img.png"),
     ("coco-file-name-symlink-out", ("data", {"data": {"source": "coco", "name": "imported"}}, {}),
      lambda p: coco_folder(p, "img.png", link=p.parent / "sentinel" / "img.png"), "img.png"),
+    ("coco-no-usable-image", ("data", {"data": {"source": "coco", "name": "imported"}}, {}), crowd_only,
+     "no image has a usable box (1 crowd region"),
     ("env-out-params", ("env", {}, {"--out": "params.yaml"}), None,
      "--out: params.yaml exists and is not an env.json this command wrote"),
     ("env-out-outside", ("env", {}, {"--out": f"{SENTINEL}/env.json"}), None, "resolves outside the project"),
@@ -113,6 +128,16 @@ CASES = [
      "sweep.storage: params.yaml exists and is not an Optuna journal this command wrote"),
     ("storage-source-file", ("sweep", {"sweep": {"storage": "pipeline/sweep.py"}}, {}), None,
      "sweep.storage: pipeline/sweep.py exists and is not an Optuna journal"),
+    ("storage-empty-source-file", ("sweep", {"sweep": {"storage": "tests/__init__.py"}}, {}), None,
+     "sweep.storage: tests/__init__.py exists and is not an Optuna journal"),
+    ("storage-lock-users-file", ("sweep", {"sweep": {"storage": "notes/optuna.journal"}}, {}), users_owner_file,
+     "sweep.storage: notes/optuna.journal.owner exists and is not a journal's lock file"),
+    ("storage-sqlite-outside", ("sweep", {"sweep": {"storage": f"sqlite:///{SENTINEL}/optuna.db"}}, {}), None,
+     "sweep.storage: ../sentinel/optuna.db resolves outside the project"),
+    ("storage-sqlite-params", ("sweep", {"sweep": {"storage": "sqlite:///params.yaml"}}, {}), None,
+     "sweep.storage: params.yaml exists and is not an SQLite database"),
+    ("tracking-sqlite-outside", ("sweep", {"tracking": {"mlflow_uri": f"sqlite:///{SENTINEL}/mlflow.db"}}, {}), None,
+     "tracking.mlflow_uri: ../sentinel/mlflow.db resolves outside the project"),
     ("storage-outside", ("sweep", {"sweep": {"storage": f"{SENTINEL}/optuna.journal"}}, {}), None,
      "sweep.storage: ../sentinel/optuna.journal resolves outside the project"),
     ("storage-password", ("sweep", {"sweep": {"storage": f"postgresql://u:{SECRET}@127.0.0.1:1/db"}}, {}), None,
@@ -130,6 +155,10 @@ CASES = [
      "--out: notes/report.md exists and is not the report this command wrote"),
     ("compare-out-outside", ["python", "-m", "pipeline.compare", "reports/h200", "reports/h200", "--out", SENTINEL],
      None, "--out: ../sentinel resolves outside the project"),
+    ("doctor-out-outside", ["python", "-m", "rcnn.doctor", "tests.fixtures.models:sleepy", "--out", SENTINEL],
+     None, "--out: ../sentinel resolves outside the project"),
+    ("doctor-out-source-folder", ["python", "-m", "rcnn.doctor", "tests.fixtures.models:sleepy", "--out", "rcnn"],
+     None, "--out: rcnn holds files this command did not write"),
     ("run-workdir-project", ["python", "-m", "pipeline.run", "--params", "params.yaml", "--workdir", "."], None,
      "--workdir: . is not empty and was not made by pipeline.run"),
 ]

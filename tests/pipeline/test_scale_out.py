@@ -18,7 +18,7 @@ import sqlalchemy.pool
 from pipeline import sweep
 from pipeline.results import read_trials
 from tests.conftest import ROOT
-from tests.pipeline.helpers import SLOW, kill_mid_trial, prepare
+from tests.pipeline.helpers import SLOW, SWEEP_FILES, kill_mid_trial, prepare
 from tests.services import mlflow_server, postgres
 
 GRID = {"head": ["linear", "conv"], "batch_size": [1, 2], "channels_last": [False, True]}  # 8 points
@@ -114,6 +114,17 @@ def test_two_machines_on_postgresql_and_an_mlflow_server(tmp_path, tiny_params, 
         print(f"2 machines: {done['worker'].value_counts().tolist()} complete trials each, 1 killed mid-trial and "
               f"re-run, {points(done).duplicated().sum()} duplicates, {len(children)} child runs")
 
+        # The report, attached to the sweep's parent run: the artifact store gets report.html, figures, trials.
+        res = {key: str(tmp_path / name) for key, name in SWEEP_FILES.items()}
+        report = subprocess.run([sys.executable, "-m", "pipeline.report", "--params", args[1], "--out",
+                                 str(tmp_path / "reports"), "--mlflow", "--lock", str(tmp_path / "no-dvc.lock"),
+                                 *(f"--{key}={res[key]}" for key in ("trials", "comparisons", "kernels", "summary",
+                                                                     "env"))],
+                                cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert report.returncode == 0, report.stderr
+        stored = [p for p in (tmp_path / "artifacts").rglob("*") if p.is_file()]
+        assert {"report.html", "trials.csv"} <= {p.name for p in stored}, stored
+
         # A wrong MLflow password stops the sweep stage at once with one line, before the study is touched.
         before, results = completed(db.urls["optuna"]), (tmp_path / "trials.csv").read_bytes()
         started = time.monotonic()
@@ -135,9 +146,10 @@ def test_two_machines_on_postgresql_and_an_mlflow_server(tmp_path, tiny_params, 
                    base64.b64encode(f"{tracking.username}:{tracking.password}".encode()).decode()]  # a logged header
         files = {str(p): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
         outputs = {"sweep stage": output.encode(), "wrong password": (wrong.stdout + wrong.stderr).encode(),
+                   "report stage": (report.stdout + report.stderr).encode(),
                    "MLflow runs": runs.to_csv().encode(), "postgres log": db.log.read_bytes()}
         hits = secret_hits(files | outputs, secrets)
-        print(f"secret search: {len(files)} files under tmp_path ({sum(map(len, files.values()))} bytes) and "
+        print(f"secret search: {len(files)} files under tmp_path (of them {len(stored)} in the artifact store) ({sum(map(len, files.values()))} bytes) and "
               f"{len(outputs)} outputs ({sum(map(len, outputs.values()))} bytes), {len(secrets)} secrets: "
               f"{sum(hits.values())} hits")
         assert files and not any(hits.values()), {name: n for name, n in hits.items() if n}

@@ -3,8 +3,8 @@ import re
 
 import pytest
 
-from rcnn.outputs import (CSV, JOURNAL, PNG, OutputError, check_folder, check_output, claim_folder, csv_with,
-                              json_object, project_root, text_start)
+from rcnn.outputs import (CSV, JOURNAL, OWNER, PNG, SQLITE, OutputError, check_folder, check_output, check_sqlite_url,
+                          claim_folder, csv_with, json_object, owner_of, project_root, text_start)
 
 
 def test_project_is_the_nearest_folder_with_dvc_yaml(tmp_path):
@@ -32,7 +32,8 @@ def test_outputs_outside_the_project_are_refused_symlinks_followed(tmp_path):
     (json_object("a summary", "trials"), '{\n  "trials": 3\n}\n', '{"other": 1}'),
     (text_start("the report", "# Why"), "# Why it is slow\n", "# Notes\n"),
     (JOURNAL, '{"op_code": 0, "worker_id": "a"}\n', "data:\n  name: x\n"),
-    (JOURNAL, "", "import os\n"),
+    (OWNER, "pid 12 on host, since 2026-01-01 00:00:00\n", "my notes\n"),
+    (SQLITE, "SQLite format 3\0...", "a,b\n"),
     (CSV, "a,b\n1,2\n", "just text\n"),
 ])
 def test_an_existing_file_is_replaced_only_if_it_has_the_layout_written(tmp_path, kind, ours, foreign):
@@ -41,6 +42,35 @@ def test_an_existing_file_is_replaced_only_if_it_has_the_layout_written(tmp_path
     check_output(tmp_path / "ours", kind, root=tmp_path, what="--x")
     with pytest.raises(OutputError, match=r"^--x: .*foreign exists and is not .* this command wrote"):
         check_output(tmp_path / "foreign", kind, root=tmp_path, what="--x")
+
+
+def test_an_empty_journal_is_ours_only_beside_its_lock_file(tmp_path):
+    # Optuna creates the journal empty; the stage took the lock beside it first. An empty source file
+    # (a package's __init__.py) has no lock beside it.
+    (tmp_path / "__init__.py").write_text("")
+    with pytest.raises(OutputError, match="__init__.py exists and is not an Optuna journal"):
+        check_output(tmp_path / "__init__.py", JOURNAL, root=tmp_path, what="sweep.storage")
+    (tmp_path / "optuna.journal").write_text("")
+    owner_of(tmp_path / "optuna.journal").write_text("pid 1 on host, since 2026-01-01 00:00:00\n")
+    check_output(tmp_path / "optuna.journal", JOURNAL, root=tmp_path, what="sweep.storage")
+
+
+@pytest.mark.parametrize("url, problem", [
+    ("sqlite:///../elsewhere.db", "resolves outside the project"),
+    ("sqlite:///notes.txt", "notes.txt exists and is not an SQLite database"),
+    ("sqlite+pysqlite:///notes.txt?timeout=5", "notes.txt exists and is not an SQLite database"),
+    ("sqlite:///mlflow.db", None),
+    ("postgresql://u@host/db", None),   # a server: nothing is written here
+    ("http://127.0.0.1:5000", None),
+])
+def test_sqlite_urls_are_output_paths(tmp_path, monkeypatch, url, problem):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine\n")
+    if problem:
+        with pytest.raises(OutputError, match=problem):
+            check_sqlite_url(url, root=tmp_path.resolve(), what="tracking.mlflow_uri")
+    else:
+        check_sqlite_url(url, root=tmp_path.resolve(), what="tracking.mlflow_uri")
 
 
 def test_png_and_folders(tmp_path):
