@@ -5,8 +5,8 @@ import numpy as np
 import pandas as pd
 import scipy.stats
 
-from pipeline.results import complete, ms_per_image
-from rcnn.schema import HEAD_NAMES, OTHER_KNOBS
+from pipeline.results import complete, head_order, ms_per_image
+from rcnn.schema import OTHER_KNOBS
 from rcnn.stats import bootstrap_ci
 
 DEFAULTS = {"cudnn_benchmark": False, "onednn": True, "amp": "off", "channels_last": False}  # PyTorch's own
@@ -17,11 +17,6 @@ def baseline_first(knob: str, values: list) -> list:
     values = sorted(values, key=str) if knob != "batch_size" else sorted(values)
     default = DEFAULTS.get(knob)
     return sorted(values, key=lambda v: str(v) != str(default)) if knob in DEFAULTS else values
-
-
-def head_order(present) -> list[str]:
-    """The heads among ``present`` in the library's order (linear, conv, conv_as_linear)."""
-    return [h for h in HEAD_NAMES if h in set(present)]
 
 
 def reference_setting(trials: pd.DataFrame, preferred: list[dict] | None = None) -> dict:

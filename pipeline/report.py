@@ -1,6 +1,6 @@
 """Report stage: report.md and a self-contained report.html that answer the question with figures.
 
-Reads only results files (trials, comparisons, kernels, summary, env). Each figure's data is also a CSV
+Reads only results files (trials, comparisons, kernels, modules, summary, env). Each figure's data is also a CSV
 under plots/ that ``dvc plots show`` renders; the HTML embeds the figures. With --mlflow, the sweep's
 parent run gets the report, the figures and the trials table as artifacts.
 """
@@ -29,7 +29,7 @@ from pipeline.common import read_json, run_stage, stage_parser
 from rcnn.outputs import CSV, Kind, PNG, check_folder, check_writable, project_root, text_start, write_atomic
 from pipeline.params import Params
 from pipeline.results import complete, fastest, read_env, read_table, read_trials
-from rcnn.schema import COMPARISON_COLUMNS, KERNEL_COLUMNS, OTHER_KNOBS, ResultsError
+from rcnn.schema import COMPARISON_COLUMNS, KERNEL_COLUMNS, MODULE_TABLE_COLUMNS, OTHER_KNOBS, OUTSIDE, ResultsError
 
 TITLE = "# Why the conv box head's backward is slow, and what fixes it"
 HTML_START = "<!doctype html><html><head><meta charset='utf-8'><title>RoI-head backward"
@@ -46,6 +46,7 @@ class Results:
     kernels: pd.DataFrame
     summary: dict
     env: dict
+    modules: pd.DataFrame  # empty where the sweep wrote none (--modules not given)
 
     @property
     def device(self) -> str:
@@ -63,10 +64,12 @@ class Results:
         return reference_setting(self.trials, [profiled] if isinstance(profiled, dict) else profiled)
 
 
-def load_results(trials: str, comparisons: str, kernels: str, summary: str, env: str) -> Results:
+def load_results(trials: str, comparisons: str, kernels: str, summary: str, env: str,
+                 modules: str | None = None) -> Results:
     return Results(trials=read_trials(trials), comparisons=read_table(comparisons, COMPARISON_COLUMNS, "sweep"),
                    kernels=read_table(kernels, KERNEL_COLUMNS, "sweep"), summary=read_json(summary),
-                   env=read_env(env))
+                   env=read_env(env), modules=read_table(modules, MODULE_TABLE_COLUMNS, "sweep") if modules
+                   else pd.DataFrame(columns=MODULE_TABLE_COLUMNS))
 
 
 def setting_label(row: pd.Series | dict, skip: tuple[str, ...] = ()) -> str:
@@ -272,6 +275,35 @@ def kernel_section(kernels: pd.DataFrame) -> list[str]:
     return out
 
 
+MODULES_SHOWN = ["module", "type", "calls", "backward_ms", "backward_share", "backward_gflop", "backward_tflops",
+                 "peak_fraction", "flag"]
+FIRST_LAYER = {"conv": "roi_heads.box_head.0", "linear": "roi_heads.box_head.1"}  # the 7x7 conv, its nn.Linear
+
+
+def module_section(modules: pd.DataFrame, top: int = 5) -> list[str]:
+    """Per profiled setting and head: the modules with the most backward time of their own (rcnn.doctor), then
+    the box head's flagged ones, and the conv head's 7x7 conv against the linear head's first nn.Linear."""
+    if modules.empty:
+        return ["No by-module table (sweep.profile_steps: 0, or the profiled setting did not run).", ""]
+    out = ["Each module's own backward (the autograd work its forward created), per step, with its FLOPs and the "
+           "fraction of the measured matmul peak it reaches (`python -m rcnn.doctor` gives this for any model).", ""]
+    labels = modules.apply(setting_label, axis=1)
+    for (label, head), group in modules.groupby([labels, "head"], sort=False):
+        own = group[group["module"] != OUTSIDE]
+        shown = pd.concat([own.nlargest(top, "backward_ms"),
+                           own[own["module"].str.startswith("roi_heads.") & (own["flag"].fillna("") != "")]])
+        out += [f"**{head}** ({label}): top {top} modules by own backward, then the box head's flagged ones", "",
+                shown.drop_duplicates("module")[MODULES_SHOWN].round(3).to_markdown(index=False), ""]
+        first = {h: modules[(labels == label) & (modules["head"] == h) & (modules["module"] == m)]["backward_ms"]
+                 for h, m in FIRST_LAYER.items()}
+        if head == "conv" and all(len(v) for v in first.values()):
+            conv, linear = (float(first[h].iloc[0]) for h in ("conv", "linear"))
+            out += [f"The conv head's 7x7 conv ({FIRST_LAYER['conv']}) takes {conv:.1f} ms of backward of its own, "
+                    f"{conv / linear:.2f}x the linear head's first nn.Linear ({FIRST_LAYER['linear']}, "
+                    f"{linear:.1f} ms) at the same setting.", ""]
+    return out
+
+
 def drift_line(summary: dict) -> str:
     drift = summary.get("drift")
     if not drift:
@@ -345,6 +377,7 @@ def render(r: Results, lock: Path | None) -> str:
         .round(3).to_markdown(index=False), "",
         "`isolated_head_backward_ms` times the head alone with torch.utils.benchmark (a cross-check of the hooks).", "",
         "## Why", "", *kernel_section(r.kernels),
+        "## Backward by module", "", *module_section(r.modules),
         "## Environment and reproduction", "", drift_line(s), "", *environment_section(r, lock), "",
         "## Trials", "", "Times are medians per training step, in ms.", "",
         r.trials.reindex(columns=SHOWN).round(2).to_markdown(index=False), "",
@@ -393,7 +426,7 @@ def written_files() -> dict[str, Kind]:
 def stage(args: argparse.Namespace, params: Params) -> None:
     check_folder(args.out, written_files(), root=project_root(Path(args.params).parent), what="--out")
     check_writable(Path(args.out) / "report.md")
-    r = load_results(args.trials, args.comparisons, args.kernels, args.summary, args.env)
+    r = load_results(args.trials, args.comparisons, args.kernels, args.summary, args.env, args.modules)
     if complete(r.trials).empty:
         raise ResultsError(f"{args.trials}: no complete trial to report; run the sweep stage until one completes")
     out = Path(args.out)
@@ -412,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", required=True, help="trials table from the sweep (CSV)")
     parser.add_argument("--comparisons", required=True, help="head comparisons from the sweep (CSV)")
     parser.add_argument("--kernels", required=True, help="kernel tables from the sweep (CSV)")
+    parser.add_argument("--modules", help="by-module tables from the sweep (CSV); without it, no such section")
     parser.add_argument("--summary", required=True, help="summary.json from the sweep")
     parser.add_argument("--env", required=True, help="env.json from the env stage")
     parser.add_argument("--out", required=True, help="report folder")

@@ -13,17 +13,37 @@ import pandas as pd
 
 from pipeline.common import read_json
 from rcnn.outputs import csv_with, json_object, write_atomic
-from rcnn.schema import (COMPARISON_COLUMNS, KNOB_NAMES, MEASURED_COLUMNS, OTHER_KNOBS, RECORD_COLUMNS,
+from rcnn.schema import (COMPARISON_COLUMNS, HEAD_NAMES, KNOB_NAMES, MEASURED_COLUMNS, OTHER_KNOBS, RECORD_COLUMNS,
                          SETUP_COLUMNS, TRIAL_COLUMNS, ResultsError)
 from rcnn.stats import compare, geomean_ratio
 
-PAIRS = (("conv", "linear"), ("conv_as_linear", "linear"))
+
+def head_order(present) -> list[str]:
+    """The heads among ``present`` in the library's order (linear, conv, conv_as_linear), then users' heads
+    (package.module:factory) sorted by name."""
+    present = set(present)
+    return [h for h in HEAD_NAMES if h in present] + sorted(present - set(HEAD_NAMES))
+
+
+PAIRS = (("conv", "linear"), ("conv_as_linear", "linear"))  # the summary's headline ratios, always present
+
+
+def head_pairs(heads, reference: str | None = None) -> list[tuple[str, str]]:
+    """(numerator, denominator) of each head comparison among ``heads``: every head against linear or, where
+    linear was not swept, against ``reference`` (the sweep's first head; by default the first in head order)."""
+    ordered = head_order(heads)
+    if "linear" in ordered or reference not in ordered:
+        reference = "linear" if "linear" in ordered else ordered[0] if ordered else None
+    return [(head, reference) for head in ordered if head != reference]
+
+
 COMPARED_PHASES = ("head_backward", "backward", "step")
 ALL_SETTINGS = "all"  # knob value of the rows that pool every setting (geometric mean of the ratios)
 # How an earlier file of each is recognised, so the sweep replaces only its own (rcnn.outputs).
 WRITTEN = {"trials": csv_with("trial", "status", "mlflow_run_id"),
            "comparisons": csv_with("numerator", "denominator", "phase", "ratio"),
            "kernels": csv_with("trial", "kind", "name", "ms"),
+           "modules": csv_with("trial", "module", "backward_ms", "flag"),
            "summary": json_object("a summary", "trials", "complete")}
 
 
@@ -83,15 +103,16 @@ def read_env(path: str | Path) -> dict:
 
 
 def comparisons_table(trials: pd.DataFrame, samples: dict[int, dict[str, list[float]] | None],
-                      seed: int = 0) -> pd.DataFrame:
-    """Per setting of the other knobs, each head pair's ratio of medians per phase with a bootstrap CI and
-    the Mann-Whitney p-value; then one pooled row per pair and phase (knobs = 'all', geometric mean)."""
+                      seed: int = 0, reference: str | None = None) -> pd.DataFrame:
+    """Per setting of the other knobs, each head pair's ratio of medians per phase (head_pairs) with a bootstrap
+    CI and the Mann-Whitney p-value; then one pooled row per pair and phase (knobs = 'all', geometric mean)."""
     done = complete(trials)
     done = done[done["trial"].isin([t for t, kept in samples.items() if kept])]
     rows, pooled = [], {}
+    pairs = head_pairs(done["head"].unique(), reference)
     for setting, group in done.groupby(list(OTHER_KNOBS), dropna=False, sort=True):
         trial_of = dict(zip(group["head"], group["trial"]))
-        for num, den in PAIRS:
+        for num, den in pairs:
             if num not in trial_of or den not in trial_of:
                 continue
             for phase in COMPARED_PHASES:
@@ -135,10 +156,12 @@ def summarize_trials(trials: pd.DataFrame, comparisons: pd.DataFrame) -> dict:
                      "timeout": int((status == "timeout").sum()),
                      "not_run": int(status.isin(["not run", "running"]).sum())}
     pooled = comparisons[comparisons[OTHER_KNOBS[0]] == ALL_SETTINGS]
-    for num, den in PAIRS:
+    compared = list(zip(pooled["numerator"], pooled["denominator"]))
+    for num, den in dict.fromkeys([*PAIRS, *compared]):
         for phase in COMPARED_PHASES:
             match = pooled[(pooled["numerator"] == num) & (pooled["denominator"] == den) & (pooled["phase"] == phase)]
-            name = f"{num}_over_{den}_{phase}"
+            # A metric name (MLflow, DVC) has no ':': a user's head package.module:factory reads package.module.factory.
+            name = f"{num}_over_{den}_{phase}".replace(":", ".")
             for suffix, column in (("", "ratio"), ("_ci_low", "ci_low"), ("_ci_high", "ci_high")):
                 summary[name + suffix] = round(float(match[column].iloc[0]), 3) if len(match) else None
     if best := fastest(trials):

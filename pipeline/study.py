@@ -31,7 +31,7 @@ from pipeline.results import trial_row
 from rcnn.knobs import Skipped, why_not_together
 from rcnn.model import DetectorConfig
 from rcnn.outputs import owner_of
-from rcnn.schema import DEVICE_KNOBS, KERNEL_COLUMNS, KNOB_NAMES, TRIAL_COLUMNS
+from rcnn.schema import DEVICE_KNOBS, KERNEL_COLUMNS, KNOB_NAMES, MODULE_TABLE_COLUMNS, TRIAL_COLUMNS
 
 STATUS = {TrialState.COMPLETE: "complete", TrialState.FAIL: "failed", TrialState.RUNNING: "running",
           TrialState.PRUNED: "pruned", TrialState.WAITING: "not run"}  # queued, but the time budget ran out first
@@ -274,6 +274,13 @@ def kernels_table(study: optuna.Study) -> pd.DataFrame:
     rows = [{"trial": t.number, **knob_values(t), **row}
             for t in study.get_trials(deepcopy=False) for row in t.user_attrs.get("kernels", [])]
     return pd.DataFrame(rows, columns=KERNEL_COLUMNS)
+
+
+def modules_table(study: optuna.Study) -> pd.DataFrame:
+    """The by-module tables of the profiled trials (rcnn.doctor), one row per module and trial."""
+    rows = [{"trial": t.number, **knob_values(t), **row}
+            for t in study.get_trials(deepcopy=False) for row in t.user_attrs.get("modules", [])]
+    return pd.DataFrame(rows, columns=MODULE_TABLE_COLUMNS)
 
 
 def finished_count(study: optuna.Study) -> int:

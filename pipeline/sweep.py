@@ -2,7 +2,8 @@
 
 The stage opens the study (the grid queued, inside the sweep's MLflow parent run), runs this host's workers
 on it, collects its tables and writes them: the trials table (--trials), the head comparisons
-(--comparisons), the head-backward kernel tables (--kernels) and the headline metrics (--summary). The study
+(--comparisons), the head-backward kernel tables (--kernels), the by-module tables of the profiled trials
+(--modules, rcnn.doctor) and the headline metrics (--summary). The study
 lives in ``sweep.storage`` under a name derived from everything that shapes the numbers, so an identical
 rerun resumes the same study instead of measuring again; ``sweep.workers`` processes here, and machines
 started with ``--join``, work it together as a queue (pipeline.study). A trial's time limit and where Ctrl-C
@@ -40,13 +41,15 @@ from pipeline.progress import Progress
 from pipeline.results import WRITTEN, comparisons_table, read_env, summarize_trials, write_table, write_trials
 from pipeline.stopping import TrialTimeout, interrupts, sigint_blocked, time_limit
 from pipeline.study import (WorkQueue, finished_count, grid_points, hold_journal, is_rdb, kernels_table, make_sampler,
-                            next_trial, open_storage, planned_count, trials_table, trials_to_run, wait_for_study)
+                            modules_table, next_trial, open_storage, planned_count, trials_table, trials_to_run,
+                            wait_for_study)
 from rcnn.bench import TrialResult, isolated_head_ms, run_trial
 from rcnn.data import Sample, read_coco
 from rcnn.knobs import Knobs, Skipped, applicable_space, resolve_device, set_tf32
 from rcnn.model import BACKBONE_CHANNELS, ROI_RESOLUTION, DetectorConfig
 from rcnn.roofline import achieved, head_flops
-from rcnn.schema import AMP_DTYPES, KNOB_NAMES
+from rcnn.factory import source_of
+from rcnn.schema import AMP_DTYPES, HEAD_NAMES, KNOB_NAMES
 
 
 def check_credentials(uri: str) -> None:
@@ -89,8 +92,11 @@ def connect_tracking(tracking: TrackingParams) -> None:
 
 
 def study_name(params: Params, grid: dict, fingerprint: dict, data_dir: Path) -> str:
-    """Experiment name plus a hash of the model, timing, grid, environment, data and library code."""
+    """Experiment name plus a hash of the model, timing, grid, environment, data and library code, and the code
+    of users' heads (the module defining each factory): a change to any re-measures."""
     code = "".join(p.read_text() for p in sorted(Path(__file__).parents[1].glob("rcnn/*.py")))
+    with keyed("sweep.space."):
+        code += "".join(source_of(head, "head") for head in grid["head"] if head not in HEAD_NAMES)
     shape = {"model": asdict(params.model), "timing": asdict(params.timing), "grid": grid, "env": fingerprint,
              "sampler": [params.sweep.sampler, params.sweep.seed], "tf32": params.sweep.allow_tf32,
              "annotations": (data_dir / "annotations.json").read_text(), "code": code}
@@ -201,7 +207,11 @@ class Sweep:
                     torch.cuda.empty_cache()
             mlflow.log_metrics({k: float(v) for k, v in row.items() if v == v})  # NaN is not a metric
             if result.kernels:
-                mlflow.log_table(pd.DataFrame(result.kernels), artifact_file=f"kernels/{knobs.head}.json")
+                # An artifact name has no ':': a user's head package.module:factory reads package.module.factory.
+                mlflow.log_table(pd.DataFrame(result.kernels),
+                                 artifact_file=f"kernels/{knobs.head.replace(':', '.')}.json")
+            if result.modules:
+                mlflow.log_text(pd.DataFrame(result.modules).to_csv(index=False), "modules.csv")
         self.progress.line(
             f"  step {result.median('step'):.0f} ms, backward {result.median('backward'):.0f} ms, head backward "
             f"{result.median('head_backward'):.1f} ms ({result.iterations} steps, precision "
@@ -214,7 +224,8 @@ class Sweep:
         with interrupts.interruptible():  # no store is written in here: Ctrl-C may stop it at once
             result = run_trial(self.config, knobs, self.samples, device=self.device, policy=self.policy,
                                seed=self.params.sweep.seed,
-                               profile_steps=self.params.sweep.profile_steps if profile else 0)
+                               profile_steps=self.params.sweep.profile_steps if profile else 0,
+                               peak_tflops=self.ceilings.get("matmul_tflops", {}).get(AMP_DTYPES[knobs.amp]))
             isolated = (isolated_head_ms(self.config, knobs, rois=result.rois, device=self.device)
                         if self.params.sweep.cross_check else (float("nan"), float("nan")))
         return result, measured_columns(result, knobs, self.config, self.ceilings, isolated)
@@ -239,6 +250,8 @@ class Sweep:
         trial.set_user_attr("samples", result.samples)
         if result.kernels:
             trial.set_user_attr("kernels", result.kernels)
+        if result.modules:
+            trial.set_user_attr("modules", result.modules)
         return result.median("step")
 
     def work(self, study: optuna.Study, deadline: float) -> int:
@@ -518,27 +531,31 @@ class Tables:
     trials: pd.DataFrame
     comparisons: pd.DataFrame
     kernels: pd.DataFrame
+    modules: pd.DataFrame
     summary: dict
 
 
 def collect_tables(params: Params, setup: Setup, study: optuna.Study, parent_run_id: str) -> Tables:
-    """The trials table, the head comparisons, the kernel tables and the headline metrics of the whole study
+    """The trials table, the head comparisons, the kernel and by-module tables and the headline metrics of the whole study
     (every run and machine that worked it)."""
     trials = trials_table(study, setup.config, setup.device)
     samples_by_trial = {t.number: t.user_attrs.get("samples") for t in study.get_trials(deepcopy=False)}
-    comparisons = comparisons_table(trials, samples_by_trial, seed=params.sweep.seed)
+    comparisons = comparisons_table(trials, samples_by_trial, seed=params.sweep.seed,
+                                    reference=params.sweep.space.head[0])
     summary = summarize_trials(trials, comparisons) | {
         "device": setup.device.type, "study": setup.study_name, "skipped": [asdict(s) for s in setup.skipped],
         "drift": study.user_attrs.get("drift"), "profile_at": setup.profiled, "git_commit": setup.tags["git_commit"],
         "ceilings": study.user_attrs.get("ceilings", setup.ceilings), "workers": params.sweep.workers,
         "mlflow_parent_run_id": parent_run_id}
-    return Tables(trials=trials, comparisons=comparisons, kernels=kernels_table(study), summary=summary)
+    return Tables(trials=trials, comparisons=comparisons, kernels=kernels_table(study), modules=modules_table(study),
+                  summary=summary)
 
 
 def write_outputs(args: argparse.Namespace, tables: Tables) -> None:
     write_trials(tables.trials, args.trials)
     write_table(tables.comparisons, args.comparisons)
     write_table(tables.kernels, args.kernels)
+    write_table(tables.modules, args.modules)
     write_json(args.summary, tables.summary)
     print(f"{tables.summary['complete']} of {tables.summary['trials']} trials complete; "
           f"study {tables.summary['study']}")
@@ -551,6 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", help="trials table to write (CSV)")
     parser.add_argument("--comparisons", help="head comparisons to write (CSV)")
     parser.add_argument("--kernels", help="head-backward kernel tables to write (CSV)")
+    parser.add_argument("--modules", help="by-module tables of the profiled trials to write (CSV)")
     parser.add_argument("--summary", help="headline metrics to write (JSON)")
     parser.add_argument("--join", action="store_true",
                         help="another machine: work the study the sweep stage runs elsewhere (sweep.storage must be "

@@ -25,10 +25,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from rcnn.schema import OUTSIDE, ROOT
 from rcnn.timing import Clock
 
-ROOT = "(model)"                 # the model itself: its qualified name is ""
-OUTSIDE = "(outside modules)"    # time and FLOPs no module's forward created
 TIME_COLUMNS = ["forward_ms", "forward_inclusive_ms", "backward_ms", "backward_inclusive_ms"]
 FLOP_COLUMNS = ["forward_gflop", "backward_gflop", "backward_inclusive_gflop"]
 

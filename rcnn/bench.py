@@ -15,6 +15,7 @@ import torch
 from rcnn.attribution import ModuleTimer
 from rcnn.cli import Parser
 from rcnn.data import Sample, device_batches, read_coco, synthetic_samples
+from rcnn.doctor import diagnose
 from rcnn.heads import build_box_head
 from rcnn.knobs import (Knobs, autocast, backend_flags, grad_scaler, memory_format, resolve_device, why_not,
                         why_not_together)
@@ -26,6 +27,7 @@ from rcnn.schema import (AMP, BACKBONE, BATCH_SIZE, DEVICE, HEAD, IMAGE_SIZE, IT
                          WATCHED)
 from rcnn.stats import Stats, TimingPolicy, median_precision, summarize
 from rcnn.timing import Clock, ModuleSpanProbe, PeakMemory
+from rcnn.workloads import Workload, detection_loss
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class TrialResult:
     precision_met: bool
     rois: int              # box-head input rows per step (batch_size * rois_per_image given enough proposals)
     kernels: list[dict] = field(default_factory=list)  # rcnn.kernels table when the trial was profiled
+    modules: list[dict] = field(default_factory=list)  # rcnn.doctor's table (MODULE_COLUMNS rows), idem
 
     def median(self, phase: str) -> float:
         return self.stats[phase].median
@@ -117,9 +120,11 @@ class Trainer:
 
 
 def run_trial(config: DetectorConfig, knobs: Knobs, samples: list[Sample], *, device: torch.device,
-              policy: TimingPolicy, seed: int = 0, profile_steps: int = 0, probe: bool = True) -> TrialResult:
+              policy: TimingPolicy, seed: int = 0, profile_steps: int = 0, probe: bool = True,
+              peak_tflops: float | None = None) -> TrialResult:
     """Warm up until step times settle, then time training steps until ``policy`` says stop; with
-    ``profile_steps``, then profile that many more steps and keep the head-backward kernel table.
+    ``profile_steps``, then profile that many more steps and keep the head-backward kernel table, and time
+    that many with every module instrumented (rcnn.doctor, against the matmul peak ``peak_tflops``).
 
     Batches are on the device before the first step, so data loading is never timed. Raises
     ValueNotAllowed for a knob setting that does not apply on ``device`` and FloatingPointError on a
@@ -139,10 +144,15 @@ def run_trial(config: DetectorConfig, knobs: Knobs, samples: list[Sample], *, de
             while not policy.done([times[p] for p in watched], time.perf_counter() - started):
                 for phase, ms in trainer.step(len(warm) + len(times["step"])).items():
                     times[phase].append(ms)
-            kernels = []
-            if profile_steps:  # after measuring: the profiler's own overhead never reaches the numbers
+            kernels, modules = [], []
+            if profile_steps:  # after measuring: the profiler's and the doctor's overhead never reach the numbers
                 events = capture(lambda: trainer.step(0), device, profile_steps)
                 kernels = head_backward_table(events, profile_steps)
+                by_module = TimingPolicy(warmup=1, max_warmup=1, iterations=profile_steps,
+                                         max_iterations=profile_steps, max_seconds=float("inf"))
+                workload = Workload(f"detector:{knobs.head}", trainer.model, trainer.batches[0], detection_loss)
+                modules = diagnose(workload, device=device, amp=knobs.amp, policy=by_module, peak_tflops=peak_tflops,
+                                   explain=False).modules.to_dict("records")
         finally:
             trainer.close()
     return TrialResult(
@@ -150,7 +160,7 @@ def run_trial(config: DetectorConfig, knobs: Knobs, samples: list[Sample], *, de
         peak_mem_mb=memory.peak_mb(), warmup_iterations=len(warm), iterations=len(times["step"]),
         precision=max(median_precision(times[p]) for p in watched),
         precision_met=policy.precision_met([times[p] for p in watched]),
-        rois=trainer.rois, kernels=kernels,
+        rois=trainer.rois, kernels=kernels, modules=modules,
     )
 
 

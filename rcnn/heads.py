@@ -15,6 +15,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from rcnn.factory import call_factory
+from rcnn.rules import ValueNotAllowed
 from rcnn.schema import HEAD
 
 
@@ -113,8 +115,32 @@ HEADS: dict[str, Callable[..., tuple[nn.Module, nn.Module]]] = {
 }  # rcnn.schema.HEAD_NAMES, in that order
 
 
+class Passthrough(nn.Module):
+    """The box predictor of a user's head that maps RoI features to (class_logits, box_regression) itself."""
+
+    def forward(self, outputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return outputs
+
+
+def users_head(spec: str, **sizes: int) -> tuple[nn.Module, nn.Module]:
+    """A user's head: ``package.module:factory`` called with the keyword arguments ``in_channels, resolution,
+    representation_size, num_classes``, returning ``(box_head, box_predictor)`` or one module that maps RoI
+    features (N, C, resolution, resolution) to ``(class_logits, box_regression)``."""
+    made = call_factory(spec, "head", **sizes)
+    if isinstance(made, nn.Module):
+        return made, Passthrough()
+    if isinstance(made, tuple) and len(made) == 2 and all(isinstance(m, nn.Module) for m in made):
+        return made
+    raise ValueNotAllowed("head", f"{spec}() returned {type(made).__name__}; allowed: (box_head, box_predictor) "
+                                  "or one nn.Module returning (class_logits, box_regression)")
+
+
 def build_box_head(name: str, *, in_channels: int, resolution: int, representation_size: int,
                    num_classes: int) -> tuple[nn.Module, nn.Module]:
-    """Return (box_head, box_predictor) for a head name in ``HEADS``; ``num_classes`` excludes background."""
-    return HEADS[HEAD.check(name, "head")](in_channels=in_channels, resolution=resolution,
-                                           representation_size=representation_size, num_classes=num_classes)
+    """Return (box_head, box_predictor) for a head name in ``HEADS`` or a user's ``package.module:factory``
+    (``users_head``); ``num_classes`` excludes background."""
+    sizes = dict(in_channels=in_channels, resolution=resolution, representation_size=representation_size,
+                 num_classes=num_classes)
+    if HEAD.check(name, "head") in HEADS:
+        return HEADS[name](**sizes)
+    return users_head(name, **sizes)

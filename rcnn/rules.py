@@ -9,6 +9,7 @@ value reads the same wherever it is given. The caller names the key (``model.ima
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar
 
@@ -32,11 +33,13 @@ class ValueNotAllowed(UserError, ValueError):
 
 @dataclass(frozen=True)
 class Rule:
-    """Allowed values: one of ``choices`` (any iterable: a lookup's keys), at least ``minimum``, a multiple
-    of ``multiple_of``; None leaves that check out."""
+    """Allowed values: one of ``choices`` (any iterable: a lookup's keys) or, with ``other``, a text matching
+    its pattern (``other = (regex, what it is called)``); at least ``minimum``; a multiple of ``multiple_of``.
+    None leaves that check out."""
     choices: Iterable | None = None
     minimum: float | None = None
     multiple_of: int | None = None
+    other: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.choices is not None:  # a tuple: a lookup dict passed in stays hashable and ordered
@@ -45,7 +48,10 @@ class Rule:
     def problem(self, value: Any) -> str | None:
         """What is wrong with ``value`` and what is allowed ('0 is too small; allowed: >= 1'), or None."""
         if self.choices is not None and value not in self.choices:
-            return f"{value!r} is not allowed; allowed: {', '.join(map(str, self.choices))}"
+            if self.other and isinstance(value, str) and re.fullmatch(self.other[0], value):
+                return None
+            also = f", or {self.other[1]}" if self.other else ""
+            return f"{value!r} is not allowed; allowed: {', '.join(map(str, self.choices))}{also}"
         if self.minimum is not None and value < self.minimum:
             return f"{value!r} is too small; allowed: >= {self.minimum}"
         if self.multiple_of and value % self.multiple_of:
@@ -74,7 +80,9 @@ class Rule:
     @property
     def metavar(self) -> str | None:
         """argparse's ``{a,b,c}`` for a choice, which it writes only for its own ``choices=``."""
-        return "{" + ",".join(map(str, self.choices)) + "}" if self.choices is not None else None
+        if self.choices is None:
+            return None
+        return "{" + ",".join([*map(str, self.choices), *([self.other[1]] if self.other else [])]) + "}"
 
 
 def at_least(value: float, floor: float, key: str, floor_key: str) -> None:

@@ -18,7 +18,9 @@ HEAD_NAMES = ("linear", "conv", "conv_as_linear")  # rcnn.heads builds each; tab
 AMP_DTYPES = {"off": "fp32", "fp16": "fp16", "bf16": "bf16"}  # autocast setting -> the dtype its matmuls run in
 DEVICES = ("auto", "cpu", "cuda")  # rcnn.knobs.resolve_device's names; auto picks CUDA when there is a GPU
 
-HEAD = Rule(choices=HEAD_NAMES)
+# A user's head: a factory the detector calls with in_channels, resolution, representation_size, num_classes.
+FACTORY = (r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", "package.module:factory")
+HEAD = Rule(choices=HEAD_NAMES, other=FACTORY)
 AMP = Rule(choices=AMP_DTYPES)
 BATCH_SIZE = Rule(minimum=1)
 DEVICE = Rule(choices=DEVICES)
@@ -51,6 +53,17 @@ WATCHED = ("backward", "head_backward")  # measuring stops once these medians ar
 STAT_COLUMNS = {"median": "{}_ms", "iqr": "{}_iqr_ms", "p90": "{}_p90_ms", "ci_low": "{}_ci_low_ms",
                 "ci_high": "{}_ci_high_ms"}  # rcnn.stats.Stats field -> column pattern, per phase
 
+# --- The doctor's tables (rcnn.doctor): one row per module, and the why of each flagged one.
+ROOT = "(model)"                 # the model itself: its qualified name is ""
+OUTSIDE = "(outside modules)"    # time and FLOPs no module's forward created
+MODULE_COLUMNS = ("module", "type", "calls", "forward_ms", "forward_inclusive_ms", "backward_ms",
+                  "backward_inclusive_ms", "backward_share", "forward_gflop", "backward_gflop", "backward_tflops",
+                  "peak_fraction", "flag", "evidence")
+WHY_COLUMNS = ("module", "flag", "input_shape", "dtype", "layout", "input_grad_ms", "input_grad_gflop",
+               "input_grad_impl", "weight_grad_ms", "weight_grad_gflop", "weight_grad_impl", "gemm_ms")
+SLOW_PEAK_FRACTION = 0.25   # slow-for-its-flops: backward under this fraction of the matmul peak ...
+SLOW_MIN_FLOP_SHARE = 0.05  # ... while holding at least this share of the step's backward FLOPs
+
 # --- The result tables. The sweep writes exactly these columns; the report reads nothing else.
 SETUP_COLUMNS = ("trial", "status", "device", "backbone", "image_size", "rois_per_image", *KNOB_NAMES)
 MEASURED_COLUMNS = (
@@ -65,17 +78,9 @@ TRIAL_COLUMNS = (*SETUP_COLUMNS, *MEASURED_COLUMNS, *RECORD_COLUMNS)
 COMPARISON_COLUMNS = (*OTHER_KNOBS, "numerator", "denominator", "phase", "ratio", "ci_low", "ci_high",
                       "p_value", "settings")
 KERNEL_COLUMNS = ("trial", *KNOB_NAMES, "kind", "name", "ms", "calls", "share")
+MODULE_TABLE_COLUMNS = ("trial", *KNOB_NAMES, *MODULE_COLUMNS)  # the sweep's by-module tables, at profile_at
 
 
 class ResultsError(UserError):
     """A results or env file that is missing or lacks the layout the stage writing it gives; the message names
     the file and the stage to run."""
-
-# --- The doctor's tables (rcnn.doctor): one row per module, and the why of each flagged one.
-MODULE_COLUMNS = ("module", "type", "calls", "forward_ms", "forward_inclusive_ms", "backward_ms",
-                  "backward_inclusive_ms", "backward_share", "forward_gflop", "backward_gflop", "backward_tflops",
-                  "peak_fraction", "flag", "evidence")
-WHY_COLUMNS = ("module", "flag", "input_shape", "dtype", "layout", "input_grad_ms", "input_grad_gflop",
-               "input_grad_impl", "weight_grad_ms", "weight_grad_gflop", "weight_grad_impl", "gemm_ms")
-SLOW_PEAK_FRACTION = 0.25   # slow-for-its-flops: backward under this fraction of the matmul peak ...
-SLOW_MIN_FLOP_SHARE = 0.05  # ... while holding at least this share of the step's backward FLOPs

@@ -1,6 +1,7 @@
 """A model to diagnose, with one synthetic batch on the device and its training loss, named by a spec.
 
-- ``detector:<head>``: this project's Faster R-CNN with a built-in head (``detector:conv``).
+- ``detector:<head>``: this project's Faster R-CNN with a built-in head (``detector:conv``) or a user's
+  (``detector:package.module:factory``, as rcnn.heads.users_head takes it).
 - ``torchvision:<builder>``: a torchvision classification, detection, segmentation or video builder by name,
   untrained (``weights=None``), fed inputs and a loss of its kind: images and cross-entropy on labels; images
   and box targets (with masks or keypoints where the model needs them) for detectors; per-pixel labels for
@@ -12,7 +13,6 @@
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rcnn.data import device_batches, synthetic_samples
+from rcnn.factory import call_factory
 from rcnn.model import DetectorConfig, build_detector
 from rcnn.rules import ValueNotAllowed
 from rcnn.schema import HEAD, HEAD_NAMES
@@ -81,7 +82,7 @@ def _detection_batch(name: str, batch_size: int, image_size: int, device: torch.
     return images, targets
 
 
-def _detection_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+def detection_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     images, targets = batch
     return sum(model(images, targets).values())
 
@@ -116,7 +117,7 @@ def _torchvision(builder: str, *, batch_size: int, image_size: int, frames: int,
             options |= {"min_size": image_size, "max_size": image_size}
     model = models.get_model(builder, **options)
     if kind == "detection":
-        return model, _detection_batch(builder, batch_size, image_size, device), _detection_loss
+        return model, _detection_batch(builder, batch_size, image_size, device), detection_loss
     if kind == "segmentation":
         return model, _images(batch_size, image_size, device), _segmentation_loss
     return model, _images(batch_size, image_size, device, frames=frames if kind == "video" else None), \
@@ -124,20 +125,7 @@ def _torchvision(builder: str, *, batch_size: int, image_size: int, frames: int,
 
 
 def _factory(spec: str, *, batch_size: int, image_size: int, device: torch.device) -> tuple[nn.Module, Any, Loss]:
-    module_name, _, attribute = spec.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attribute)
-    except ImportError as err:
-        raise ModelError(f"cannot import {module_name} ({err}); allowed: an importable package.module:factory "
-                         "(run from the folder that holds the package, or install it)") from None
-    except AttributeError:
-        raise ModelError(f"{module_name} has no {attribute!r}; allowed: package.module:factory naming a function "
-                         "there") from None
-    try:
-        made = factory()
-    except Exception as err:
-        raise ModelError(f"{spec}() raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") \
-            from None
+    made = call_factory(spec, "MODEL")
     if isinstance(made, nn.Module):
         return made, _images(batch_size, image_size, device), _classification_loss
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module) and callable(made[1]):
@@ -163,12 +151,13 @@ def build_workload(spec: str, *, batch_size: int, image_size: int, device: torch
                          "package.module:factory")
     if kind == "detector":
         if HEAD.problem(rest):
-            raise ModelError(f"{spec}: unknown head; allowed: " + ", ".join(f"detector:{h}" for h in HEAD_NAMES))
+            raise ModelError(f"{spec}: unknown head; allowed: " + ", ".join(f"detector:{h}" for h in HEAD_NAMES)
+                             + ", or detector:package.module:factory (a head of your own)")
         head = rest
         config = DetectorConfig(backbone=backbone, image_size=image_size)
         model: nn.Module = build_detector(config, head)
         batch: Any = _detection_batch("detector", batch_size, image_size, device)
-        loss: Loss = _detection_loss
+        loss: Loss = detection_loss
     elif kind == "torchvision":
         model, batch, loss = _torchvision(rest, batch_size=batch_size, image_size=image_size, frames=frames,
                                           device=device)

@@ -17,7 +17,7 @@ from pipeline import data, env
 SLOW = {"timing": {"warmup": 1, "max_warmup": 1, "iterations": 25, "max_iterations": 25, "max_seconds": 60},
         "sweep": {"profile_steps": 0, "cross_check": False}}
 SWEEP_FILES = {"data": "data", "env": "env.json", "trials": "trials.csv", "comparisons": "comparisons.csv",
-               "kernels": "kernels.csv", "summary": "summary.json"}  # the sweep stage's options, files under tmp_path
+               "kernels": "kernels.csv", "modules": "modules.csv", "summary": "summary.json"}  # the sweep stage's options, files under tmp_path
 
 
 def prepare(tmp_path: Path, tiny_params: Callable[[dict | None], Path], override: dict | None) -> list[str]:

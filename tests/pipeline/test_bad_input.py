@@ -110,7 +110,7 @@ CASES = [  # id, params override, what is done to the files, what the one line m
     ("zero-profile-batch", {"sweep": {"profile_at": [{"batch_size": 0}]}}, None,
      "sweep.profile_at.batch_size: 0 is too small; allowed: >= 1"),
     ("unknown-head", {"sweep": {"space": {"head": ["linear", "mlp"]}}}, None,
-     "sweep.space.head: 'mlp' is not allowed; allowed: linear, conv, conv_as_linear"),
+     "sweep.space.head: 'mlp' is not allowed; allowed: linear, conv, conv_as_linear, or package.module:factory"),
     ("unknown-amp", {"sweep": {"space": {"amp": ["fp8"]}}}, None,
      "sweep.space.amp: 'fp8' is not allowed; allowed: off, fp16, bf16"),
     ("negative-warmup", {"timing": {"warmup": -1}}, None, "timing.warmup: -1 is too small; allowed: >= 0"),

@@ -37,7 +37,7 @@ def test_values_read_as_dvc_writes_them_back(tmp_path):
 
 
 BAD = [
-    ({"sweep": {"space": {"head": ["mlp"]}}}, "sweep.space.head: 'mlp' is not allowed; allowed: linear, conv, conv_as_linear"),
+    ({"sweep": {"space": {"head": ["mlp"]}}}, "sweep.space.head: 'mlp' is not allowed; allowed: linear, conv, conv_as_linear, or package.module:factory"),
     ({"sweep": {"space": {"batch_size": [0]}}}, "sweep.space.batch_size: 0 is too small; allowed: >= 1"),
     ({"sweep": {"space": {"amp": ["fp8"]}}}, "sweep.space.amp: 'fp8' is not allowed; allowed: off, fp16, bf16"),
     ({"sweep": {"spcae": {}}}, "sweep.spcae: unknown key; allowed: device, sampler"),

@@ -13,7 +13,7 @@ from rcnn.schema import KERNEL_COLUMNS
 from tests.conftest import ROOT, fake_trials
 
 SECTIONS = ["## Verdict", "## Knob effects", "## Where the time goes", "## Batch-size scaling", "## Speed vs memory",
-            "## Against the limit", "## Why", "## Environment and reproduction", "## Trials"]
+            "## Against the limit", "## Why", "## Backward by module", "## Environment and reproduction", "## Trials"]
 FIGURES = ["head_backward", "time_split", "batch_scaling", "pareto", "roofline"]
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from pipeline.results import (ALL_SETTINGS, comparisons_table, read_env, read_trials, summarize_trials, trial_row,
+from pipeline.results import (ALL_SETTINGS, comparisons_table, head_order, head_pairs, read_env, read_trials, summarize_trials, trial_row,
                               write_trials)
 from rcnn.schema import MEASURED_COLUMNS, TRIAL_COLUMNS, ResultsError
 from tests.conftest import fake_trials as fixture
@@ -36,12 +36,25 @@ def test_best_setting_is_the_least_time_per_image_not_per_step():
     assert best["ms_per_image"] == pytest.approx(best["step_ms"] / 2, rel=0.01)
 
 
-def test_missing_head_gives_no_ratio_not_an_error():
+def test_without_linear_heads_are_compared_with_the_first_and_the_headline_is_none():
     trials, samples = fixture()
     only = trials.query("head != 'linear'")
     table = comparisons_table(only, samples)
-    assert table.empty
-    assert summarize_trials(only, table)["conv_over_linear_head_backward"] is None
+    assert set(zip(table["numerator"], table["denominator"])) == {("conv_as_linear", "conv")}
+    summary = summarize_trials(only, table)
+    assert summary["conv_over_linear_head_backward"] is None
+    assert summary["conv_as_linear_over_conv_head_backward"] == pytest.approx(
+        table.query("phase == 'head_backward' and onednn == 'all'")["ratio"].iloc[0], abs=1e-3)
+
+
+def test_head_pairs_take_users_heads_after_the_built_in_ones():
+    user = "tests.fixtures.question_heads:conv"
+    users_linear = "tests.fixtures.question_heads:linear"
+    assert head_pairs(["conv", user, "linear"]) == [("conv", "linear"), (user, "linear")]
+    assert head_pairs([user, users_linear], reference=users_linear) == [(user, users_linear)]  # the sweep's first
+    assert head_pairs([user, users_linear]) == [(users_linear, user)]
+    assert head_order(["b:x", "conv", "a:y"]) == ["conv", "a:y", "b:x"]
+    assert head_pairs([]) == []
 
 
 def test_round_trip_and_bad_files(tmp_path):

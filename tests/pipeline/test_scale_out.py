@@ -149,7 +149,8 @@ def test_two_machines_on_postgresql_and_an_mlflow_server(tmp_path, tiny_params, 
                    "report stage": (report.stdout + report.stderr).encode(),
                    "MLflow runs": runs.to_csv().encode(), "postgres log": db.log.read_bytes()}
         hits = secret_hits(files | outputs, secrets)
-        print(f"secret search: {len(files)} files under tmp_path (of them {len(stored)} in the artifact store) ({sum(map(len, files.values()))} bytes) and "
+        print(f"secret search: {len(files)} files under tmp_path ({sum(map(len, files.values()))} bytes; {len(stored)} "
+              f"of them in the MLflow artifact store) and "
               f"{len(outputs)} outputs ({sum(map(len, outputs.values()))} bytes), {len(secrets)} secrets: "
               f"{sum(hits.values())} hits")
         assert files and not any(hits.values()), {name: n for name, n in hits.items() if n}

@@ -11,6 +11,7 @@ import pytest
 from pipeline import data, env, report, sweep
 from pipeline.results import COMPARED_PHASES, read_trials
 from tests.conftest import ROOT, TINY_PARAMS
+from tests.pipeline.helpers import SWEEP_FILES
 
 pytestmark = pytest.mark.slow  # every test runs a stage: in a subprocess, a sweep, or the env stage's measurements
 
@@ -84,9 +85,7 @@ def test_missing_data_folder_and_source(tmp_path, tiny_params):
 
 def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
     params = tiny_params()
-    paths = {k: tmp_path / v for k, v in {"data": "data", "env": "env.json", "trials": "trials.csv",
-                                          "comparisons": "comparisons.csv", "kernels": "kernels.csv",
-                                          "summary": "summary.json"}.items()}
+    paths = {k: tmp_path / v for k, v in SWEEP_FILES.items()}
     assert data.main(["--params", str(params), "--out", str(paths["data"])]) == 0
     assert env.main(["--params", str(params), "--out", str(paths["env"])]) == 0
     sweep_args = ["--params", str(params)] + [a for k, p in paths.items() for a in (f"--{k}", str(p))]
@@ -137,6 +136,14 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
     kernels = pd.read_csv(paths["kernels"])
     assert set(kernels["head"]) == {"conv", "linear"}  # both heads profiled at the first setting
     assert set(kernels["trial"]) <= set(trials["trial"]) and kernels["share"].between(0, 1, inclusive="right").all()
+    # ... and timed by module: the conv head's 7x7 conv is a GEMM in disguise, the linear head has none.
+    modules = pd.read_csv(paths["modules"], keep_default_na=False).set_index(["head", "module"])
+    assert set(modules.index.get_level_values("head")) == {"conv", "linear"}
+    assert modules.loc[("conv", "roi_heads.box_head.0"), "flag"].startswith("gemm-in-disguise:covers-input")
+    linear_box_head = modules.loc["linear"].filter(like="roi_heads.box_head", axis=0)
+    assert len(linear_box_head) and not linear_box_head["flag"].str.contains("gemm-in-disguise").any()
+    for head in ("conv", "linear"):  # the rows add up to the step's backward; shares to one
+        assert modules.loc[head, "backward_share"].sum() == pytest.approx(1)
 
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = mlflow.search_runs(experiment_names=["test"])
@@ -148,6 +155,8 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
     assert (children["tags.mlflow.parentRunId"] == parents["run_id"].iloc[0]).all()
     assert set(children["run_id"]) == set(trials["mlflow_run_id"])
     assert children["metrics.head_backward_ms"].gt(0).all() and set(children["params.head"]) == {"conv", "linear"}
+    for run_id in children["run_id"]:  # the profiled trials (here both) carry their by-module table
+        assert "modules.csv" in {a.path for a in mlflow.MlflowClient().list_artifacts(run_id)}
     assert set(children["tags.trial"]) == {"0", "1"} and children["tags.torch"].notna().all()
 
     # Rerun with nothing changed: the same study resumes, nothing is measured twice.
@@ -157,11 +166,12 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
 
     out = tmp_path / "reports"
     assert report.main(["--params", str(params), "--out", str(out), "--mlflow"] + [
-        a for k in ("trials", "comparisons", "kernels", "summary", "env") for a in (f"--{k}", str(paths[k]))]) == 0
+        a for k in ("trials", "comparisons", "kernels", "modules", "summary", "env") for a in (f"--{k}", str(paths[k]))]) == 0
     text = (out / "report.md").read_text()
     assert "## Verdict" in text and f"{summary['conv_over_linear_head_backward']:.2f}x" in text
     assert "fastest setting, by time per image" in text
     assert "aten::convolution_backward" in text and "Baseline" in text
+    assert "## Backward by module" in text and "The conv head's 7x7 conv (roi_heads.box_head.0)" in text
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(parents["run_id"].iloc[0])}
     assert {"report.html", "figures", "trials.csv"} <= artifacts
 

@@ -207,7 +207,7 @@ BAD_OPTIONS = [  # every numeric and choice option refuses a bad value with one 
     (["--num-images", "0"], "--num-images: 0 is too small; allowed: >= 1"),
     (["--batch-size", "two"], "--batch-size: expected int, got 'two'"),
     (["--device", "tpu"], "--device: 'tpu' is not allowed; allowed: auto, cpu, cuda"),
-    (["--head", "mlp"], "--head: 'mlp' is not allowed; allowed: linear, conv, conv_as_linear"),
+    (["--head", "mlp"], "--head: 'mlp' is not allowed; allowed: linear, conv, conv_as_linear, or package.module:factory"),
     (["--amp", "fp8"], "--amp: 'fp8' is not allowed; allowed: off, fp16, bf16"),
     (["--backbone", "vgg16"],
      "--backbone: 'vgg16' is not allowed; allowed: resnet50_fpn, resnet18_fpn, mobilenet_v3_fpn"),

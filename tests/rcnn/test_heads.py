@@ -67,7 +67,7 @@ def test_outputs_have_background_class_and_question_init(name):
 
 
 def test_unknown_head_names_the_allowed_ones():
-    with pytest.raises(ValueNotAllowed, match="head: 'mlp' is not allowed; allowed: linear, conv, conv_as_linear"):
+    with pytest.raises(ValueNotAllowed, match="head: 'mlp' is not allowed; allowed: linear, conv, conv_as_linear, or package.module:factory"):
         heads("mlp")
 
 
@@ -78,3 +78,22 @@ def test_the_heads_built_are_the_heads_named():
 def test_conv_as_linear_refuses_inputs_larger_than_its_kernel():
     with pytest.raises(ValueError, match="as large as its kernel"):
         Conv2dAsLinear(C, D, kernel_size=R)(torch.randn(1, C, R + 1, R + 1))
+
+
+@pytest.mark.parametrize("spec", ["tests.fixtures.question_heads:linear", "tests.fixtures.question_heads:conv"])
+def test_a_users_head_by_factory(spec):
+    box_head, predictor = build_box_head(spec, in_channels=8, resolution=7, representation_size=16, num_classes=3)
+    scores, deltas = predictor(box_head(torch.randn(5, 8, 7, 7)))  # one module: the predictor passes it through
+    assert scores.shape == (5, 4) and deltas.shape == (5, 16)
+
+
+@pytest.mark.parametrize("spec, problem", [
+    ("no_such_heads:conv", "head: cannot import no_such_heads"),
+    ("tests.fixtures.question_heads:nope", "head: tests.fixtures.question_heads has no 'nope'"),
+    ("tests.fixtures.models:not_a_model", r"head: tests.fixtures.models:not_a_model\(\) raised TypeError"),
+    ("tests.fixtures.question_heads:_cfg", r"head: tests.fixtures.question_heads:_cfg\(\) raised TypeError"),
+    ("tests.fixtures.models:not_a_head", r"returned int; allowed: \(box_head, box_predictor\) or one nn.Module"),
+])
+def test_a_users_head_that_cannot_be_built_is_one_line(spec, problem):
+    with pytest.raises(ValueNotAllowed, match=problem):
+        build_box_head(spec, in_channels=8, resolution=7, representation_size=16, num_classes=3)

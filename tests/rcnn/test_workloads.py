@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from rcnn.rules import ValueNotAllowed
-from rcnn.workloads import ModelError, build_workload
+from rcnn.workloads import build_workload
 
 CPU = torch.device("cpu")
 
@@ -54,7 +54,7 @@ def test_channels_last_reaches_model_and_images():
     ("tests.fixtures.models:not_a_model", "returned int; allowed: an nn.Module, or (model, make_batch)"),
 ])
 def test_bad_specs_name_what_is_allowed(spec, words):
-    with pytest.raises(ModelError, match="MODEL: ") as err:
+    with pytest.raises(ValueNotAllowed, match="MODEL: ") as err:
         build_workload(spec, batch_size=1, image_size=64, device=CPU)
     assert words in str(err.value) and "\n" not in str(err.value)
     assert isinstance(err.value, ValueNotAllowed)
