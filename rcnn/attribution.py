@@ -16,14 +16,14 @@ import contextlib
 import functools
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pandas as pd
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import conv_flop_count, flop_registry
 
 from rcnn.schema import OUTSIDE, ROOT
 from rcnn.timing import Clock
@@ -74,26 +74,42 @@ class _Creation(TorchFunctionMode):
         return out
 
 
-class _FlopCount(TorchDispatchMode):
-    """Counts each aten call's FLOPs with FlopCounterMode's formulas, for the module it runs for: in forward the
-    innermost active module, in backward the module that created the running node."""
+def _conv_backward_flops(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, _bias, _stride, _padding,
+                         _dilation, transposed: bool, _output_padding, _groups, output_mask, out_val=None) -> int:
+    """Each gradient of a convolution costs its forward's FLOPs. FlopCounterMode's own formula (torch 2.14)
+    counts a grouped convolution's weight gradient as if ungrouped: a depthwise conv's backward groups-fold."""
+    forward = conv_flop_count(list(x.shape), list(weight.shape), list(grad_out.shape), transposed)
+    return forward * (int(output_mask[0]) + int(output_mask[1]))
 
-    def __init__(self, timer: ModuleTimer) -> None:
+
+# FlopCounterMode's formulas, by aten operator, with the convolution backward's corrected.
+FLOP_FORMULAS = {**flop_registry, torch.ops.aten.convolution_backward: _conv_backward_flops}
+
+
+class FlopCount(TorchDispatchMode):
+    """Counts the FLOPs of each aten call inside (FLOP_FORMULAS), passing each count to ``count`` (by default
+    summed in ``total``)."""
+
+    def __init__(self, count: Callable[[int], None] | None = None) -> None:
         super().__init__()
-        self.timer = timer
+        self.total = 0
+        self.count = count or self._add
+
+    def _add(self, flops: int) -> None:
+        self.total += flops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         packet = func._overloadpacket
-        if packet not in flop_registry and hasattr(func, "decompose"):
+        if packet not in FLOP_FORMULAS and hasattr(func, "decompose"):
             # As FlopCounterMode: an op without a formula may decompose into ops with one.
             with self:
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
                 return out
         out = func(*args, **kwargs)
-        if packet in flop_registry:
-            self.timer._count(flop_registry[packet](*args, **kwargs, out_val=out))
+        if packet in FLOP_FORMULAS:
+            self.count(FLOP_FORMULAS[packet](*args, **kwargs, out_val=out))
         return out
 
 
@@ -224,7 +240,8 @@ class ModuleTimer:
     def counting_flops(self) -> Iterator[None]:
         """Count FLOPs by module over one step's ``forward()`` and ``backward()`` inside this."""
         self.flops.clear()
-        with _FlopCount(self):
+        # In forward, for the innermost active module; in backward, for the module that created the running node.
+        with FlopCount(self._count):
             yield
 
     def step_table(self) -> tuple[pd.DataFrame, dict[str, float]]:

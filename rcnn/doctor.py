@@ -32,9 +32,8 @@ import pandas as pd
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
 
-from rcnn.attribution import OUTSIDE, ROOT, ModuleTimer, Seen
+from rcnn.attribution import OUTSIDE, ROOT, FlopCount, ModuleTimer, Seen
 from rcnn.cli import Parser
 from rcnn.disguise import FIX, gemm_kind
 from rcnn.kernels import capture
@@ -87,15 +86,14 @@ def _steps(workload: Workload, timer: ModuleTimer, *, device: torch.device, amp:
     return step
 
 
-def _medians(tables: list[pd.DataFrame], totals: list[dict]) -> tuple[pd.DataFrame, dict]:
-    """Each module's median over the measured steps; the OUTSIDE row is the median step minus the modules' sum,
-    so the rows add up to the median step."""
-    table = pd.concat(tables).groupby(level=0, sort=False).median()
-    total = {phase: float(pd.Series([t[phase] for t in totals]).median()) for phase in totals[0]}
-    inside = table.drop(index=OUTSIDE)
-    for phase in ("forward", "backward"):
-        outside = total[f"{phase}_ms"] - inside[f"{phase}_ms"].sum()
-        table.loc[OUTSIDE, [f"{phase}_ms", f"{phase}_inclusive_ms"]] = outside
+def _typical(tables: list[pd.DataFrame], totals: list[dict]) -> tuple[pd.DataFrame, dict]:
+    """The middle half of the measured steps (by backward time), averaged row by row: as robust to an outlying
+    step as a median, and unlike per-row medians the rows, the OUTSIDE row included, add up to the steps'."""
+    order = sorted(range(len(totals)), key=lambda i: totals[i]["backward_ms"])
+    cut = len(order) // 4
+    kept = order[cut:len(order) - cut]
+    table = pd.concat([tables[i] for i in kept]).groupby(level=0, sort=False).mean()
+    total = {phase: sum(totals[i][phase] for i in kept) / len(kept) for phase in totals[0]}
     return table, total
 
 
@@ -153,7 +151,7 @@ def diagnose(workload: Workload, *, device: torch.device, amp: str = "off", poli
             totals.append(total)
         with timer.counting_flops():
             step()
-        table, total = _medians(tables, totals)
+        table, total = _typical(tables, totals)
         table = table.join(timer.flop_table())
         table["type"] = pd.Series(timer.types)
         table.loc[OUTSIDE, "type"] = ""
@@ -236,10 +234,10 @@ def backward_alone(module: nn.Module, seen: Seen, device: torch.device, peak_tfl
                 timed()
             times = sorted(timed() for _ in range(repeats))
             out, grad = forward()
-            with FlopCounterMode(display=False) as counter:
+            with FlopCount() as counter:
                 torch.autograd.grad(out, wrt, grad)
             out, grad = forward()
-            row |= {f"{part}_ms": times[len(times) // 2], f"{part}_gflop": counter.get_total_flops() / 1e9,
+            row |= {f"{part}_ms": times[len(times) // 2], f"{part}_gflop": counter.total / 1e9,
                     f"{part}_impl": implementation(lambda: torch.autograd.grad(out, wrt, grad, retain_graph=True),
                                                    device)}
     finally:
@@ -355,7 +353,8 @@ def _print(diagnosis: Diagnosis, top: int, title: str) -> None:
     s = diagnosis.summary
     print(title)
     print(f"{s['warmup_steps']} warm-up and {s['steps']} timed steps (backward median known to "
-          f"{s['precision']:.1%}); forward {s['forward_ms']:.1f} ms, backward {s['backward_ms']:.1f} ms; "
+          f"{s['precision']:.1%}); times are means of the middle half of the steps: forward {s['forward_ms']:.1f} ms, "
+          f"backward {s['backward_ms']:.1f} ms; "
           f"matmul peak {s['peak_tflops']} TFLOP/s ({s['dtype']}, measured)")
     modules = diagnosis.modules
     shown = modules[modules["module"] != OUTSIDE].nlargest(top, "backward_ms")

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
+from rcnn.attribution import FlopCount
 from rcnn.heads import build_box_head
 from rcnn.stats import summarize
 from rcnn.timing import Clock
@@ -11,7 +11,8 @@ from rcnn.timing import Clock
 
 def head_flops(head: str, *, rois: int, in_channels: int, resolution: int, representation_size: int,
                num_classes: int) -> tuple[int, int]:
-    """(forward, backward) FLOPs of box head + predictor for ``rois`` RoIs, counted by torch's FlopCounterMode.
+    """(forward, backward) FLOPs of box head + predictor for ``rois`` RoIs, counted with FlopCounterMode's formulas
+    (rcnn.attribution.FlopCount, which corrects grouped convolutions' backward).
 
     Counted on the meta device (shapes only, no memory, no arithmetic); backward includes the input
     gradient, as inside the detector where the pooled features come from a trainable backbone.
@@ -20,11 +21,11 @@ def head_flops(head: str, *, rois: int, in_channels: int, resolution: int, repre
         box_head, predictor = build_box_head(head, in_channels=in_channels, resolution=resolution,
                                              representation_size=representation_size, num_classes=num_classes)
         x = torch.empty(rois, in_channels, resolution, resolution, requires_grad=True)
-    with FlopCounterMode(display=False) as forward:
+    with FlopCount() as forward:
         scores, deltas = predictor(box_head(x))
-    with FlopCounterMode(display=False) as backward:
+    with FlopCount() as backward:
         (scores.sum() + deltas.sum()).backward()
-    return forward.get_total_flops(), backward.get_total_flops()
+    return forward.total, backward.total
 
 
 def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, repeats: int = 5) -> float:

@@ -81,3 +81,23 @@ def test_flops_by_module_match_flop_counter_mode(monkeypatch):
         workload.loss(workload.model, workload.batch).backward()
     assert flops[["forward_gflop", "backward_gflop"]].to_numpy().sum() == pytest.approx(counter.get_total_flops())
     timer.remove()
+
+
+@pytest.mark.parametrize("groups", [1, 4, 16])
+def test_a_convolutions_gradients_each_cost_its_forward(groups):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from rcnn.attribution import FlopCount
+
+    conv = torch.nn.Conv2d(16, 32, 3, padding=1, groups=groups)
+    x = torch.randn(2, 16, 8, 8, requires_grad=True)
+    with FlopCount() as forward:
+        y = conv(x)
+    with FlopCount() as backward:
+        y.sum().backward()
+    assert forward.total == 2 * 2 * 32 * (16 // groups) * 9 * 64
+    assert backward.total == 2 * forward.total
+    if groups == 1:  # where FlopCounterMode's own formula is right, the two agree
+        with FlopCounterMode(display=False) as reference:
+            conv(x).sum().backward()
+        assert reference.get_total_flops() == forward.total + backward.total

@@ -95,4 +95,36 @@ def test_the_command_as_a_user_runs_it(tmp_path):
                            "--max-seconds", "3", "--device", "cpu", "--top", "5"], cwd=REPO, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr
-    assert "roi_heads.box_head.0 [gemm-in-disguise:covers-input]" in done.stdout
+    assert "- roi_heads.box_head.0 [gemm-in-disguise:covers-input" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_conv_heads_7x7_conv_is_its_slowest_module_and_flagged(project):
+    assert doctor.main(["detector:conv", "--image-size", "128", "--max-seconds", "5", "--device", "cpu",
+                        "--out", "conv"]) == 0
+    modules = pd.read_csv(project / "conv" / "modules.csv", keep_default_na=False).set_index("module")
+    box_head = modules.filter(regex=r"^roi_heads\.box_(head|predictor)\.", axis=0)
+    assert box_head["backward_ms"].idxmax() == "roi_heads.box_head.0"
+    assert modules.loc["roi_heads.box_head.0", "flag"].startswith("gemm-in-disguise:covers-input")
+    assert modules.loc["roi_heads.box_head.0", "calls"] == 1 and modules.loc["rpn.head.conv.0.0", "calls"] == 5  # every FPN level
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_kernels_are_named(project):
+    assert doctor.main(["tests.fixtures.models:box_head_like", "--batch-size", "8", "--image-size", "64",
+                        "--max-seconds", "2", "--device", "cuda", "--out", "out"]) == 0
+    why = pd.read_csv(project / "out" / "why.csv").set_index("module")
+    assert why.loc["fc6", "input_grad_ms"] > 0 and len(why.loc["fc6", "weight_grad_impl"]) > 0
+
+
+def test_mlflow_gets_the_tables(project, monkeypatch, capsys):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project / 'mlflow.db'}")
+    assert doctor.main(["tests.fixtures.models:box_head_like", *QUICK, "--mlflow"]) == 0
+    assert "MLflow run " in capsys.readouterr().out
+    mlflow.set_tracking_uri(f"sqlite:///{project / 'mlflow.db'}")
+    run = mlflow.search_runs(experiment_names=["rcnn-doctor"]).iloc[0]
+    assert run["params.model"] == "tests.fixtures.models:box_head_like" and run["metrics.backward_ms"] > 0
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run["run_id"])}
+    assert {"modules.csv", "why.csv", "env.json"} <= artifacts
