@@ -49,11 +49,6 @@ def run_stage(main: Callable[[argparse.Namespace, Params], int | None], parser: 
         return 2
 
 
-def first_line(err: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message."""
-    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-
-
 def write_json(path: str | Path, obj: Any) -> None:
     write_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 

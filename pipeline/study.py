@@ -25,7 +25,7 @@ from optuna.storages import JournalStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from pipeline.common import first_line
+from rcnn.rules import first_line
 from pipeline.params import Params, ParamsError, SweepParams
 from pipeline.results import trial_row
 from rcnn.knobs import Skipped, why_not_together

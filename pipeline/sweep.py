@@ -34,7 +34,7 @@ import pandas as pd
 import torch
 from optuna.trial import TrialState
 
-from pipeline.common import Interrupted, first_line, git_commit, run_stage, stage_parser, write_json
+from pipeline.common import Interrupted, git_commit, run_stage, stage_parser, write_json
 from rcnn.outputs import JOURNAL, OWNER, check_output, check_sqlite_url, check_writable, owner_of, project_root
 from pipeline.params import Params, ParamsError, TrackingParams, keyed
 from pipeline.progress import Progress
@@ -49,6 +49,7 @@ from rcnn.knobs import Knobs, Skipped, applicable_space, resolve_device, set_tf3
 from rcnn.model import BACKBONE_CHANNELS, ROI_RESOLUTION, DetectorConfig
 from rcnn.roofline import achieved, head_flops
 from rcnn.factory import source_of
+from rcnn.rules import first_line
 from rcnn.schema import AMP_DTYPES, HEAD_NAMES, KNOB_NAMES
 
 

@@ -34,11 +34,32 @@ FLOP_COLUMNS = ["forward_gflop", "backward_gflop", "backward_inclusive_gflop"]
 
 @dataclass(frozen=True)
 class Seen:
-    """What a module with parameters saw in its first forward call: enough to run its backward alone."""
+    """What a module saw in a forward call: enough to run it again alone, alike."""
     input_shape: tuple[int, ...]
     input_dtype: torch.dtype
     output_dtype: torch.dtype  # the dtype it computed in (autocast's, or the input's)
-    channels_last: bool
+    channels_last: bool        # the input's memory is channels-last (NHWC, NDHWC)
+    input_requires_grad: bool = True
+
+    @classmethod
+    def of(cls, args: tuple, output: Any) -> Seen | None:
+        """What a call with ``args`` that returned ``output`` saw; None unless it took one tensor."""
+        inputs, outputs = list(_tensors(args)), list(_tensors(output))
+        if len(inputs) != 1 or not outputs:
+            return None
+        x = inputs[0]
+        return cls(tuple(x.shape), x.dtype, outputs[0].dtype, channels_last(x), x.requires_grad)
+
+
+def example_input(seen: Seen, device: torch.device) -> torch.Tensor:
+    """A random input like the one ``seen``: its shape, dtype and memory layout (no grad)."""
+    x = torch.randn(seen.input_shape, device=device, dtype=seen.input_dtype)
+    return x.movedim(1, -1).contiguous().movedim(-1, 1) if seen.channels_last else x
+
+
+def channels_last(x: torch.Tensor) -> bool:
+    """Whether ``x``'s memory is channels-last: its channel dimension (1) moved last is contiguous."""
+    return x.dim() > 2 and not x.is_contiguous() and x.movedim(1, -1).is_contiguous()
 
 
 @dataclass
@@ -166,13 +187,8 @@ class ModuleTimer:
         call.end = self.clock.mark()
         name = call.stack[-1]
         if name not in self.seen and any(True for _ in module.parameters(recurse=False)):
-            inputs = [t for t in _tensors(args)]
-            outputs = [t for t in _tensors(output)]
-            if inputs and outputs and len(inputs) == 1:
-                x = inputs[0]
-                self.seen[name] = Seen(tuple(x.shape), x.dtype, outputs[0].dtype,
-                                       x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
-                                       and not x.is_contiguous())
+            if seen := Seen.of(args, output):
+                self.seen[name] = seen
 
     def _claim(self, output: Any) -> None:
         owner = self._owner()

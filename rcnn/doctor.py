@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import ctypes
 import json
+import math
 import os
 import re
 import sys
@@ -33,16 +34,17 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rcnn.attribution import OUTSIDE, ROOT, FlopCount, ModuleTimer, Seen
+from rcnn.attribution import OUTSIDE, ROOT, FlopCount, ModuleTimer, Seen, example_input
 from rcnn.cli import Parser
 from rcnn.disguise import FIX, gemm_kind
 from rcnn.kernels import capture
-from rcnn.knobs import DTYPES, autocast_dtype, resolve_device, why_not
+from rcnn.knobs import DTYPES, autocast_dtype, resolve_device, set_tf32, why_not
 from rcnn.machine import fingerprint, matmul_size
-from rcnn.outputs import claim_folder, project_root, write_atomic
+from rcnn.model import DetectorConfig
+from rcnn.outputs import check_sqlite_url, claim_folder, project_root, write_atomic
 from rcnn.roofline import measure_matmul_tflops
-from rcnn.rules import Rule, UserError, ValueNotAllowed
-from rcnn.schema import (AMP, AMP_DTYPES, BACKBONE, BACKBONE_NAMES, BATCH_SIZE, DEVICE, IMAGE_SIZE, MAX_SECONDS, MODULE_COLUMNS,
+from rcnn.rules import Rule, UserError, ValueNotAllowed, first_line
+from rcnn.schema import (AMP, AMP_DTYPES, BACKBONE, BATCH_SIZE, DEVICE, IMAGE_SIZE, MAX_SECONDS, MODULE_COLUMNS,
                          SLOW_MIN_FLOP_SHARE, SLOW_PEAK_FRACTION, WHY_COLUMNS)
 from rcnn.stats import TimingPolicy, median_precision
 from rcnn.timing import Clock
@@ -136,9 +138,10 @@ def diagnose(workload: Workload, *, device: torch.device, amp: str = "off", poli
         try:  # a model that cannot take its batch fails here, on the first step
             _, totals = step()
         except (RuntimeError, ValueError, TypeError, AssertionError, IndexError, KeyError, NotImplementedError) as err:
-            raise ValueNotAllowed("MODEL", f"{workload.name} failed on its synthetic batch ({type(err).__name__}: "
-                                  f"{str(err).splitlines()[0] if str(err) else ''}); allowed: a model of the kind "
-                                  "its spec names, or a factory returning (model, make_batch)") from None
+            raise ValueNotAllowed("MODEL", f"{workload.name} failed on its synthetic batch ({first_line(err)}); "
+                                  "allowed: a model of the kind its spec names, or a factory returning (model, "
+                                  "make_batch); if it ran out of memory, a smaller --batch-size or --image-size") \
+                from None
         warm = [totals["forward_ms"] + totals["backward_ms"]]
         while not policy.warmed_up(warm):
             _, totals = step()
@@ -169,9 +172,10 @@ def diagnose(workload: Workload, *, device: torch.device, amp: str = "off", poli
             named = {name or ROOT: module for name, module in workload.model.named_modules()}
             for name in modules.set_index("module").loc[list(found)].sort_values("backward_ms",
                                                                                 ascending=False).index:
-                if name in timer.seen:
-                    why_rows.append({"module": name, "flag": found[name][0],
-                                     **backward_alone(named[name], timer.seen[name], device, peak_tflops)})
+                alone = (backward_alone(named[name], timer.seen[name], device, peak_tflops) if name in timer.seen
+                         else {"input_grad_impl": "not run alone: its forward takes more than one tensor, or it has "
+                                                  "no parameters of its own"})
+                why_rows.append({"module": name, "flag": found[name][0], **alone})
         why = pd.DataFrame(why_rows, columns=list(WHY_COLUMNS))
         backward = [t["backward_ms"] for t in totals]
         summary = {"forward_ms": total["forward_ms"], "backward_ms": total["backward_ms"],
@@ -198,8 +202,7 @@ def backward_alone(module: nn.Module, seen: Seen, device: torch.device, peak_tfl
     """The module's backward run alone at the shape, dtype and layout it saw: the input gradient and the
     weight gradient each on its own (ms, GFLOP, the implementation that ran it) and the time the same FLOPs
     take at the matmul peak. The module's parameters and their .grad are left as they were."""
-    layout = torch.channels_last if seen.channels_last else torch.contiguous_format
-    x = torch.randn(seen.input_shape, device=device, dtype=seen.input_dtype).contiguous(memory_format=layout)
+    x = example_input(seen, device)
     params = [p for p in module.parameters() if p.is_floating_point()]
     casts = seen.output_dtype != seen.input_dtype and seen.output_dtype in (torch.bfloat16, torch.float16)
     clock = Clock(device)
@@ -243,7 +246,7 @@ def backward_alone(module: nn.Module, seen: Seen, device: torch.device, peak_tfl
     finally:
         for p, flag in zip(params, saved):
             p.requires_grad_(flag)
-    flops = sum(row[f"{part}_gflop"] for part in ("input_grad", "weight_grad") if row[f"{part}_gflop"] == row[f"{part}_gflop"])
+    flops = sum(row[f"{part}_gflop"] for part in ("input_grad", "weight_grad") if not math.isnan(row[f"{part}_gflop"]))
     row["gemm_ms"] = flops / peak_tflops if peak_tflops else float("nan")  # GFLOP / (TFLOP/s) = ms
     return row
 
@@ -289,7 +292,8 @@ def onednn_primitives(lines: list[str]) -> str:
 
 
 class _OpTimes(TorchDispatchMode):
-    """Host time of each aten operator called inside: on CPU, where the time goes, without a profiler."""
+    """Host time of each aten operator called inside: on CPU, where the time goes. (torch.profiler would tell
+    too, but its CPU-only capture prints its own start, stop and GPU-probe lines on stderr.)"""
 
     def __init__(self) -> None:
         super().__init__()
@@ -337,8 +341,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--channels-last", action="store_true", help="model and images in NHWC")
     p.add_argument("--device", type=DEVICE.arg(), metavar=DEVICE.metavar, default="auto",
                    help="auto picks CUDA when there is a GPU")
-    p.add_argument("--backbone", type=BACKBONE.arg(), metavar=BACKBONE.metavar, default=BACKBONE_NAMES[1],
+    p.add_argument("--backbone", type=BACKBONE.arg(), metavar=BACKBONE.metavar, default=DetectorConfig.backbone,
                    help="the detector's backbone (detector:<head> only)")
+    p.add_argument("--allow-tf32", action="store_true",
+                   help="CUDA: let fp32 matmuls and convolutions use TF32 (both alike; the peak is measured so too)")
     p.add_argument("--top", type=TOP.arg(int), default=15, help="modules to print, by their own backward time")
     p.add_argument("--max-seconds", type=MAX_SECONDS.arg(float), default=TimingPolicy.max_seconds,
                    help="stop measuring after this long, precision met or not")
@@ -352,7 +358,7 @@ def _parser() -> argparse.ArgumentParser:
 def _print(diagnosis: Diagnosis, top: int, title: str) -> None:
     s = diagnosis.summary
     print(title)
-    print(f"{s['warmup_steps']} warm-up and {s['steps']} timed steps (backward median known to "
+    print(f"{s['warmup_steps']} warm-up and {s['steps']} timed steps (the step backward's median known to "
           f"{s['precision']:.1%}); times are means of the middle half of the steps: forward {s['forward_ms']:.1f} ms, "
           f"backward {s['backward_ms']:.1f} ms; "
           f"matmul peak {s['peak_tflops']} TFLOP/s ({s['dtype']}, measured)")
@@ -377,16 +383,26 @@ def _log_mlflow(args: argparse.Namespace, diagnosis: Diagnosis, env: dict) -> st
     except ImportError:
         raise ValueNotAllowed("--mlflow", "mlflow is not installed here; allowed: install it, or leave --mlflow out") \
             from None
-    mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"))
-    mlflow.set_experiment("rcnn-doctor")
-    with mlflow.start_run(run_name=args.model) as run:
-        mlflow.log_params({k: v for k, v in vars(args).items() if k not in ("out", "mlflow")})
-        mlflow.log_metrics({k: float(v) for k, v in diagnosis.summary.items()
-                            if isinstance(v, (int, float)) and v == v})
-        mlflow.log_text(diagnosis.modules.to_csv(index=False), "modules.csv")
-        mlflow.log_text(diagnosis.why.to_csv(index=False), "why.csv")
-        mlflow.log_dict(env, "env.json")
+    uri = tracking_uri()
+    try:
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_experiment("rcnn-doctor")
+        with mlflow.start_run(run_name=args.model) as run:
+            mlflow.log_params({k: v for k, v in vars(args).items() if k not in ("out", "mlflow")})
+            mlflow.log_metrics({k: float(v) for k, v in diagnosis.summary.items()
+                                if isinstance(v, (int, float)) and not math.isnan(v)})
+            mlflow.log_text(diagnosis.modules.to_csv(index=False), "modules.csv")
+            mlflow.log_text(diagnosis.why.to_csv(index=False), "why.csv")
+            mlflow.log_dict(env, "env.json")
+    except Exception as err:  # a server that is down or refuses: the tables printed and --out stay
+        raise ValueNotAllowed("--mlflow", f"cannot log to {uri} ({first_line(err)}); allowed: a reachable "
+                                          "MLFLOW_TRACKING_URI") from None
     return run.info.run_id
+
+
+def tracking_uri() -> str:
+    """Where --mlflow logs: MLFLOW_TRACKING_URI, else this folder's sqlite:///mlflow.db (what `make ui` shows)."""
+    return os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -395,6 +411,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:  # before anything is measured: a folder it may fill
             claim_folder(args.out, FILES, root=project_root(Path.cwd()), what="--out")
         device = resolve_device(args.device)
+        if args.mlflow:
+            check_sqlite_url(tracking_uri(), root=project_root(Path.cwd()), what="MLFLOW_TRACKING_URI")
+        if device.type == "cuda":
+            set_tf32(args.allow_tf32)  # cuDNN defaults to TF32 and matmul not: the same for both, and the peak
         if reason := why_not("amp", args.amp, device):
             raise ValueNotAllowed("--amp", f"{args.amp} does not apply on {device.type}: {reason}")
         workload = build_workload(args.model, batch_size=args.batch_size, image_size=args.image_size,

@@ -3,23 +3,24 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from pathlib import Path
 from typing import Any, Callable
 
-from rcnn.rules import ValueNotAllowed
+from rcnn.rules import ValueNotAllowed, first_line
 
 
 def import_factory(spec: str, key: str) -> Callable[..., Any]:
     """The callable ``spec`` names; ValueNotAllowed keyed ``key`` when it cannot be imported."""
     module_name, _, attribute = spec.partition(":")
     try:
-        factory = getattr(importlib.import_module(module_name), attribute)
-    except ImportError as err:
-        raise ValueNotAllowed(key, f"cannot import {module_name} ({err}); allowed: an importable "
-                                   "package.module:factory (run from the folder that holds the package, or install "
-                                   "it)") from None
-    except AttributeError:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # not found, or the module itself fails: a SyntaxError, a NameError, ...
+        raise ValueNotAllowed(key, f"cannot import {module_name!r} ({first_line(err)}); allowed: an importable "
+                                   "package.module:factory (on PYTHONPATH, or installed)") from None
+    factory = getattr(module, attribute, None)
+    if factory is None:
         raise ValueNotAllowed(key, f"{module_name} has no {attribute!r}; allowed: package.module:factory naming a "
-                                   "function there") from None
+                                   "function there")
     if not callable(factory):
         raise ValueNotAllowed(key, f"{spec} is a {type(factory).__name__}, not a function; allowed: "
                                    "package.module:factory naming a function")
@@ -32,12 +33,20 @@ def call_factory(spec: str, key: str, *args: Any, **kwargs: Any) -> Any:
     try:
         return factory(*args, **kwargs)
     except Exception as err:
-        raise ValueNotAllowed(key, f"{spec}() raised {type(err).__name__}: "
-                                   f"{str(err).splitlines()[0] if str(err) else ''}") from None
+        raise ValueNotAllowed(key, f"{spec}() raised {first_line(err)}") from None
 
 
 def source_of(spec: str, key: str) -> str:
-    """The source of the module that defines ``spec``'s factory: what a measurement of it depends on.
+    """What a measurement of ``spec`` depends on: the source of the module it names and of the module that
+    defines the factory (where it re-exports one), or their files' bytes where there is no source.
     ValueNotAllowed keyed ``key`` when it cannot be imported."""
-    import_factory(spec, key)
-    return inspect.getsource(importlib.import_module(spec.partition(":")[0]))
+    factory = import_factory(spec, key)
+    modules = {importlib.import_module(spec.partition(":")[0]), inspect.getmodule(factory)} - {None}
+    texts = []
+    for module in sorted(modules, key=lambda m: m.__name__):
+        try:
+            texts.append(inspect.getsource(module))
+        except (OSError, TypeError):  # compiled, or built without a source file
+            path = getattr(module, "__file__", None)
+            texts.append(Path(path).read_bytes().hex() if path else module.__name__)
+    return "".join(texts)

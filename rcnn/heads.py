@@ -5,7 +5,8 @@
 - ``conv``: Conv2d(C, 1024, 7) -> ReLU -> Conv2d(1024, 1024, 1) -> ReLU, 1x1 conv predictors; the question's
   ``FastRCNNHeadConv``. Same function as ``linear``, much slower backward.
 - ``conv_as_linear``: the drop-in fix. The conv head's modules, names and shapes (a ``conv`` state_dict
-  loads unchanged), but every conv whose kernel covers its whole input runs as one GEMM (``F.linear``).
+  loads unchanged), but every conv whose kernel covers its whole input runs as one GEMM (``F.linear``):
+  rcnn.fix.Conv2dAsLinear, what rcnn.fix.linearize swaps such a conv for.
 """
 from __future__ import annotations
 
@@ -13,33 +14,11 @@ from typing import Callable
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from rcnn.factory import call_factory
+from rcnn.fix import Conv2dAsLinear
 from rcnn.rules import ValueNotAllowed
 from rcnn.schema import HEAD
-
-
-class Conv2dAsLinear(nn.Conv2d):
-    """An ``nn.Conv2d`` for inputs exactly as large as its kernel, computed as one matrix product.
-
-    A convolution whose kernel covers the whole input is a fully connected layer; computing it with
-    ``F.linear`` runs the GEMM kernels of ``nn.Linear`` instead of convolution weight-gradient kernels
-    that are poorly tuned for kernel == input. Output shape is the conv's: (N, out_channels, 1, 1).
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-2:] != self.weight.shape[-2:] or self.padding != (0, 0):
-            raise ValueError(
-                f"Conv2dAsLinear needs an unpadded input as large as its kernel {tuple(self.weight.shape[-2:])}, "
-                f"got {tuple(x.shape[-2:])} with padding {self.padding}"
-            )
-        weight = self.weight
-        if weight.is_contiguous(memory_format=torch.channels_last) and not weight.is_contiguous():
-            # Flatten in (h, w, c) order for both operands: free views for channels_last, same dot product.
-            x, weight = x.permute(0, 2, 3, 1), weight.permute(0, 2, 3, 1)
-        out = F.linear(x.flatten(1), weight.flatten(1), self.bias)
-        return out[:, :, None, None]
 
 
 def _init_like_question(module: nn.Module) -> None:

@@ -85,6 +85,11 @@ class Rule:
         return "{" + ",".join([*map(str, self.choices), *([self.other[1]] if self.other else [])]) + "}"
 
 
+def first_line(err: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
 def at_least(value: float, floor: float, key: str, floor_key: str) -> None:
     """ValueNotAllowed when an upper bound sits below its floor (``max_iterations`` below ``iterations``),
     which would otherwise be ignored silently."""

@@ -23,10 +23,9 @@ from torch import nn
 from rcnn.data import device_batches, synthetic_samples
 from rcnn.factory import call_factory
 from rcnn.model import DetectorConfig, build_detector
-from rcnn.rules import ValueNotAllowed
+from rcnn.rules import ValueNotAllowed, first_line
 from rcnn.schema import HEAD, HEAD_NAMES
 
-KINDS = ("detector", "torchvision", "package.module")
 NUM_CLASSES = 4  # object classes of the synthetic detection targets, background excluded
 
 Loss = Callable[[nn.Module, Any], torch.Tensor]
@@ -133,8 +132,7 @@ def _factory(spec: str, *, batch_size: int, image_size: int, device: torch.devic
         try:
             batch, loss = make_batch(batch_size, device)
         except Exception as err:
-            raise ModelError(f"{spec}'s make_batch({batch_size}, {device}) raised {type(err).__name__}: "
-                             f"{str(err).splitlines()[0] if str(err) else ''}") from None
+            raise ModelError(f"{spec}'s make_batch({batch_size}, {device}) raised {first_line(err)}") from None
         return model, batch, loss
     raise ModelError(f"{spec}() returned {type(made).__name__}; allowed: an nn.Module, or (model, make_batch)")
 
@@ -146,7 +144,7 @@ def build_workload(spec: str, *, batch_size: int, image_size: int, device: torch
     Raises ModelError (a ValueNotAllowed keyed 'MODEL') for a spec that names nothing usable.
     """
     kind, sep, rest = spec.partition(":")
-    if not sep or not rest:
+    if not sep or not rest or not kind:
         raise ModelError(f"{spec!r} is not a model spec; allowed: detector:<head>, torchvision:<builder>, "
                          "package.module:factory")
     if kind == "detector":
@@ -163,17 +161,20 @@ def build_workload(spec: str, *, batch_size: int, image_size: int, device: torch
                                           device=device)
     else:
         model, batch, loss = _factory(spec, batch_size=batch_size, image_size=image_size, device=device)
-    layout = torch.channels_last if channels_last else torch.contiguous_format
-    model = model.to(device=device, memory_format=layout).train()
+    model = model.to(device=device).train()
     if channels_last:
-        batch = _to_layout(batch, layout)
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                tensor.data = _channels_last(tensor.data)
+        batch = _channels_last(batch)
     return Workload(spec, model, batch, loss)
 
 
-def _to_layout(value: Any, layout: torch.memory_format) -> Any:
-    """Image tensors (4-d) in ``layout``; anything else unchanged."""
+def _channels_last(value: Any) -> Any:
+    """Images and 4-d weights channels-last (NHWC), clips and 5-d weights NDHWC; anything else unchanged."""
     if isinstance(value, torch.Tensor):
-        return value.contiguous(memory_format=layout) if value.dim() == 4 else value
+        layout = {4: torch.channels_last, 5: torch.channels_last_3d}.get(value.dim())
+        return value.contiguous(memory_format=layout) if layout else value
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_layout(v, layout) for v in value)
+        return type(value)(_channels_last(v) for v in value)
     return value

@@ -21,7 +21,8 @@ from tests.pipeline.helpers import SWEEP_FILES
 
 OUTPUTS = {key: SWEEP_FILES[key] for key in WRITTEN}  # the files the sweep stage writes, by option
 EARLIER = {"trials": "trial,status,mlflow_run_id\n0,complete,abc\n", "comparisons": "numerator,denominator,phase,ratio\n",
-           "kernels": "trial,kind,name,ms\n", "summary": '{"trials": 1, "complete": 1}\n'}  # as the sweep writes them
+           "kernels": "trial,kind,name,ms\n", "modules": "trial,module,backward_ms,flag\n",
+           "summary": '{"trials": 1, "complete": 1}\n'}  # as the sweep writes them
 
 
 @pytest.fixture(scope="module")

@@ -50,4 +50,4 @@ def test_a_change_to_a_users_head_renames_the_study(tmp_path, tiny_params, monke
 def test_a_users_head_that_cannot_be_imported_is_one_line(tmp_path, tiny_params, capsys):
     args = prepare(tmp_path, tiny_params, {"sweep": {"space": {"head": ["linear", "no_such_heads:conv"]}}})
     assert sweep.main(args) == 2
-    assert capsys.readouterr().err.startswith("error: sweep.space.head: cannot import no_such_heads")
+    assert capsys.readouterr().err.startswith("error: sweep.space.head: cannot import 'no_such_heads'")

@@ -42,21 +42,38 @@ def test_backward_is_charged_to_the_module_that_created_it(monkeypatch, one_thre
     assert slept.loc["sleepy", "backward_inclusive_ms"] == slept.loc["sleepy", "backward_ms"]
 
 
-def test_rows_add_up_to_the_step(monkeypatch, one_thread):
-    monkeypatch.setattr(models, "SLEEP_S", 0.0)
+def test_interleaved_branches_keep_their_own_time(one_thread):
+    model = models.Interleaved()
+    timer = ModuleTimer(model, Clock(CPU))
+    for _ in range(2):
+        with timer.forward():
+            loss = model(torch.randn(4, 64)).sum()
+        with timer.backward():
+            loss.backward()
+        table, totals = timer.step_table()
+    backward = table["backward_inclusive_ms"]
+    assert backward["two"] == pytest.approx(2 * 10, rel=0.05)  # its two sleeps, not other's between them
+    assert backward["other"] == pytest.approx(30, rel=0.05)
+    assert backward["two.first"] == pytest.approx(10, rel=0.05) and backward["two"] == pytest.approx(
+        backward["two.first"] + backward["two.second"])
+    timer.remove()
+
+
+def test_what_no_module_created_is_outside_and_small(monkeypatch, one_thread):
     workload = build_workload("tests.fixtures.models:sleepy", batch_size=8, image_size=64, device=CPU)
     timer = ModuleTimer(workload.model, Clock(CPU))
     with timer.forward():
-        loss = workload.loss(workload.model, workload.batch)
+        loss = workload.loss(workload.model, workload.batch)  # the loss: computed after the model
     with timer.backward():
         loss.backward()
     table, totals = timer.step_table()
-    for phase in ("forward", "backward"):
-        assert table[f"{phase}_ms"].sum() == pytest.approx(totals[f"{phase}_ms"])
-        assert (table[f"{phase}_ms"].drop(index=OUTSIDE) >= 0).all()
-    # The loss is computed after the model, outside every module: its forward and backward are OUTSIDE's.
-    assert table.loc[OUTSIDE, "backward_ms"] > 0
+    # Measured, not a remainder that must fit: the node spans charged to modules leave the autograd engine's
+    # own work and the loss's backward, which here is well under 5% of two 30 ms sleeps.
+    outside = table.loc[OUTSIDE, "backward_ms"]
+    assert 0 < outside < 0.05 * totals["backward_ms"]
+    assert table.loc[ROOT, "backward_inclusive_ms"] + outside == pytest.approx(totals["backward_ms"])
     timer.remove()
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in workload.model.modules())
 
 
 def test_flops_by_module_match_flop_counter_mode(monkeypatch):

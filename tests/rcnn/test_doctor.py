@@ -65,7 +65,7 @@ def test_out_is_rewritten_but_never_a_foreign_folder(project, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["torchvision:nope"], "error: MODEL: torchvision:nope is not a torchvision"),
-    (["no_such_package.models:make"], "error: MODEL: cannot import no_such_package.models"),
+    (["no_such_package.models:make"], "error: MODEL: cannot import 'no_such_package.models'"),
     (["tests.fixtures.models:raises"], "error: MODEL: tests.fixtures.models:raises() raised RuntimeError"),
     (["tests.fixtures.models:flat"], "error: MODEL: tests.fixtures.models:flat failed on its synthetic batch"),
     (["detector:fc"], "error: MODEL: detector:fc: unknown head; allowed: detector:linear"),
@@ -77,13 +77,38 @@ def test_out_is_rewritten_but_never_a_foreign_folder(project, capsys):
      "error: --amp: fp16 does not apply on cpu"),
     (["tests.fixtures.models:sleepy", "--top", "0"], "error: --top: 0 is too small; allowed: >= 1"),
     (["tests.fixtures.models:sleepy", "--out", "/"], "error: --out: / resolves outside the project"),
+    ([":sleepy"], "error: MODEL: ':sleepy' is not a model spec"),
+    (["broken_module:make"], "error: MODEL: cannot import 'broken_module' (SyntaxError: "),
+    (["tests.fixtures.models:sleepy", "--mlflow"], "error: MLFLOW_TRACKING_URI: /elsewhere/mlflow.db resolves outside"),
 ])
-def test_bad_input_is_one_line_and_exit_2(project, capsys, args, message):
+def test_bad_input_is_one_line_and_exit_2(project, capsys, monkeypatch, args, message):
+    (project / "broken_module.py").write_text("def make(:\n")
+    monkeypatch.syspath_prepend(str(project))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////elsewhere/mlflow.db")
     with pytest.raises(SystemExit) as exited:
         sys.exit(doctor.main([*args, *QUICK[:4]]))
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_slow_for_its_flops_needs_both_a_low_speed_and_a_share_of_the_flops():
+    import torch
+
+    from rcnn.doctor import diagnose
+    from rcnn.stats import TimingPolicy
+    from rcnn.workloads import build_workload
+
+    cpu = torch.device("cpu")
+    workload = build_workload("tests.fixtures.models:box_head_like", batch_size=2, image_size=64, device=cpu)
+    policy = TimingPolicy(warmup=1, max_warmup=1, iterations=2, max_iterations=2)
+    for peak, expect_slow in ((1e6, True), (1e-9, False)):  # every module far below, or far above, the peak
+        modules = diagnose(workload, device=cpu, policy=policy, peak_tflops=peak, explain=False).modules
+        modules = modules.set_index("module").drop(index=OUTSIDE)
+        share = modules["backward_gflop"] / modules["backward_gflop"].sum()
+        slow = modules["flag"].str.contains("slow-for-its-flops")
+        assert set(modules.index[slow]) == (set(modules.index[share >= 0.05]) if expect_slow else set())
+        assert "features" in set(modules.index[slow]) or not expect_slow  # the 3x3 conv: most of the FLOPs
 
 
 @pytest.mark.slow

@@ -48,7 +48,7 @@ def test_channels_last_reaches_model_and_images():
     ("torchvision:nope", "not a torchvision classification, detection, segmentation or video builder"),
     ("torchvision:raft_small", "allowed: "),  # optical flow: not a kind the doctor feeds
     ("detector:fc", "unknown head; allowed: detector:linear, detector:conv, detector:conv_as_linear"),
-    ("no_such_package.models:make", "cannot import no_such_package.models"),
+    ("no_such_package.models:make", "cannot import 'no_such_package.models'"),
     ("tests.fixtures.models:nope", "has no 'nope'"),
     ("tests.fixtures.models:raises", "raised RuntimeError: this factory always fails"),
     ("tests.fixtures.models:not_a_model", "returned int; allowed: an nn.Module, or (model, make_batch)"),
@@ -58,3 +58,11 @@ def test_bad_specs_name_what_is_allowed(spec, words):
         build_workload(spec, batch_size=1, image_size=64, device=CPU)
     assert words in str(err.value) and "\n" not in str(err.value)
     assert isinstance(err.value, ValueNotAllowed)
+
+
+def test_channels_last_for_video_is_ndhwc():
+    workload = build_workload("torchvision:r3d_18", batch_size=1, image_size=32, frames=2, device=CPU,
+                              channels_last=True)
+    assert workload.batch.is_contiguous(memory_format=torch.channels_last_3d)
+    assert workload.model.stem[0].weight.is_contiguous(memory_format=torch.channels_last_3d)
+    workload.loss(workload.model, workload.batch).backward()

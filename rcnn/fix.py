@@ -1,0 +1,219 @@
+"""The automatic fix: every convolution that is a matrix product in disguise, run as one, for training.
+
+``linearize(model, *example_args, **example_kwargs)`` runs one forward with the example to see each
+convolution's input, then swaps, in place, each Conv1d/2d/3d that is a GEMM at that shape (rcnn.disguise):
+``covers-input`` (the kernel covers the input: F.linear on the flattened input), ``patches`` (stride equal to
+the kernel: non-overlapping patches as the rows of one F.linear) and ``pointwise`` (1x1 at stride 1: a matrix
+product over channels). In ``mode="auto"`` each eligible module's forward + backward is timed both ways at the
+shape, dtype, layout and device it saw, and the faster kept (as cudnn.benchmark does, per module);
+``mode="always"`` swaps every eligible one.
+
+A swapped module changes class only: to a subclass of its own (``nn.Conv2d`` -> ``Conv2dAsLinear``), so it is
+still an ``nn.Conv2d``, keeps its Parameter objects (an optimizer built before keeps working) and its state_dict
+(checkpoints load both ways). On every call it checks its input and takes the convolution path where the input
+is no longer of the kind it was swapped for.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rcnn.attribution import Seen, channels_last, example_input
+from rcnn.disguise import gemm_kind
+
+CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+MODES = ("auto", "always")
+
+
+def _covers_input(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if channels_last(weight):  # flatten both in (spatial, channel) order: free views of channels-last memory
+        x, weight = x.movedim(1, -1), weight.movedim(1, -1)
+    out = F.linear(x.flatten(1), weight.flatten(1), bias)
+    return out.view(*out.shape, *[1] * (weight.dim() - 2))
+
+
+def _pointwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    w = weight.flatten(1)
+    if channels_last(x):  # (N, *S, C) rows: one F.linear, its output channels-last as the conv's would be
+        return F.linear(x.movedim(1, -1), w, bias).movedim(-1, 1)
+    out = torch.matmul(w, x.flatten(2))  # (O, C) @ (N, C, S): no copy of a contiguous input
+    if bias is not None:
+        out = out + bias.to(out.dtype)[:, None]
+    return out.view(*out.shape[:2], *x.shape[2:])
+
+
+def _patches(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    kernel = weight.shape[2:]
+    n, c = x.shape[:2]
+    sizes = [s // k for s, k in zip(x.shape[2:], kernel)]
+    x = x[(..., *[slice(0, o * k) for o, k in zip(sizes, kernel)])]  # the remainder a conv drops
+    x = x.reshape(n, c, *[v for o, k in zip(sizes, kernel) for v in (o, k)])  # (N, C, o1, k1, o2, k2, ...)
+    d = len(kernel)
+    rows = x.permute(0, *range(2, 2 + 2 * d, 2), 1, *range(3, 3 + 2 * d, 2))  # (N, o1, o2, ..., C, k1, k2, ...)
+    out = F.linear(rows.reshape(n * math.prod(sizes), c * math.prod(kernel)), weight.flatten(1), bias)
+    return out.view(n, *sizes, -1).movedim(-1, 1)
+
+
+GEMMS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]] = {
+    "covers-input": _covers_input, "pointwise": _pointwise, "patches": _patches}
+
+
+class AsLinear:
+    """Mixin for a convolution class: runs as one matrix product while its input is of the kind ``gemm``
+    names (rcnn.disguise), as the convolution otherwise. ``gemm = None`` is the convolution always."""
+    gemm: str | None = "covers-input"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        found = gemm_kind(self, tuple(x.shape)) if self.gemm else None
+        if found is None or found[0] != self.gemm:
+            return super().forward(x)
+        return GEMMS[self.gemm](x, self.weight, self.bias)
+
+
+class Conv1dAsLinear(AsLinear, nn.Conv1d):
+    """An nn.Conv1d computed as one matrix product where its input allows (AsLinear)."""
+
+
+class Conv2dAsLinear(AsLinear, nn.Conv2d):
+    """An nn.Conv2d computed as one matrix product where its input allows (AsLinear): by default where its
+    kernel covers its whole input, as the question's 7x7 box-head conv on 7x7 RoI features."""
+
+
+class Conv3dAsLinear(AsLinear, nn.Conv3d):
+    """An nn.Conv3d computed as one matrix product where its input allows (AsLinear)."""
+
+
+_AS_LINEAR: dict[type, type] = {nn.Conv1d: Conv1dAsLinear, nn.Conv2d: Conv2dAsLinear, nn.Conv3d: Conv3dAsLinear}
+
+
+def as_linear_class(cls: type) -> type | None:
+    """The AsLinear subclass of a convolution class, made once (and importable from here, so a pickled model
+    loads); None for a class with a forward of its own, which the swap would bypass."""
+    if issubclass(cls, AsLinear):
+        return cls
+    if cls not in _AS_LINEAR:
+        base = next((c for c in cls.__mro__ if c in CONVS), None)
+        if base is None or any("forward" in vars(k) for k in cls.__mro__[:cls.__mro__.index(base)]):
+            return None
+        made = type(f"{cls.__name__}AsLinear", (AsLinear, cls), {"__module__": __name__,
+                                                                "__doc__": f"{cls.__name__}, with AsLinear."})
+        globals()[made.__name__] = made
+        _AS_LINEAR[cls] = made
+    return _AS_LINEAR[cls]
+
+
+@dataclass(frozen=True)
+class Swap:
+    """One eligible convolution: its name, kind and the input it saw, whether it was swapped, and in mode auto
+    the forward + backward ms of either path at that input."""
+    module: str
+    kind: str
+    input_shape: tuple[int, ...]
+    swapped: bool
+    conv_ms: float = float("nan")
+    gemm_ms: float = float("nan")
+
+
+def _time_paths(module: nn.Module, seen: Seen, device: torch.device, repeats: int = 5) -> tuple[float, float]:
+    """Median forward + backward ms of ``module`` as the convolution and as the GEMM (its ``gemm`` set), at
+    the input it saw; gradients go to fresh tensors, not to ``.grad``."""
+    x = example_input(seen, device).requires_grad_(seen.input_requires_grad)
+    params = [p for p in module.parameters() if p.requires_grad]
+    wrt = [x] * seen.input_requires_grad + params
+    casts = seen.output_dtype != seen.input_dtype and seen.output_dtype in (torch.float16, torch.bfloat16)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    kind, times = module.gemm, []
+    try:
+        for path in (None, kind):
+            module.gemm = path
+
+            def run() -> float:
+                sync()
+                start = time.perf_counter()
+                with torch.autocast(device.type, dtype=seen.output_dtype, enabled=casts):
+                    out = module(x)
+                if wrt:
+                    torch.autograd.grad(out, wrt, torch.ones_like(out))
+                sync()
+                return (time.perf_counter() - start) * 1e3
+
+            for _ in range(2):  # burn-in: kernel choice, primitive caches
+                run()
+            times.append(sorted(run() for _ in range(repeats))[repeats // 2])
+    finally:
+        module.gemm = kind
+    return times[0], times[1]
+
+
+def _seen_by_module(model: nn.Module, forward: Callable[[], Any]) -> dict[str, Seen]:
+    """What each convolution of ``model`` saw in ``forward()`` (its first call), leaving buffers as they were."""
+    seen: dict[str, Seen] = {}
+    convs = {module: name for name, module in model.named_modules() if isinstance(module, CONVS)}
+
+    def record(module: nn.Module, args: tuple, output: Any) -> None:
+        if convs[module] not in seen and (found := Seen.of(args, output)):
+            seen[convs[module]] = found
+
+    handles = [module.register_forward_hook(record) for module in convs]
+    buffers = [b.detach().clone() for b in model.buffers()]  # a training forward moves BatchNorm's statistics
+    try:
+        forward()
+    except Exception as err:
+        raise ValueError(f"linearize: the model's forward failed on the example ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''}); give inputs the model takes, as "
+                         "linearize(model, images) or linearize(model, images, targets)") from None
+    finally:
+        for handle in handles:
+            handle.remove()
+        with torch.no_grad():
+            for buffer, saved in zip(model.buffers(), buffers):
+                buffer.copy_(saved)
+    return seen
+
+
+def linearize_with(model: nn.Module, forward: Callable[[], Any], *, mode: str = "auto") -> list[Swap]:
+    """``linearize`` with the example forward as a function (a detector's, with its targets and loss)."""
+    if mode not in MODES:
+        raise ValueError(f"linearize: mode {mode!r} is not allowed; allowed: {', '.join(MODES)}")
+    seen = _seen_by_module(model, forward)
+    modules = dict(model.named_modules())
+    swaps = []
+    for name, input_seen in seen.items():
+        module = modules[name]
+        found = gemm_kind(module, input_seen.input_shape)
+        cls = as_linear_class(type(module))
+        if found is None or cls is None:
+            continue
+        kind = found[0]
+        was = (type(module), getattr(module, "gemm", None))
+        module.__class__, module.gemm = cls, kind
+        conv_ms = gemm_ms = float("nan")
+        if mode == "auto":
+            conv_ms, gemm_ms = _time_paths(module, input_seen, module.weight.device)
+        swapped = mode == "always" or gemm_ms < conv_ms
+        if not swapped:
+            module.__class__ = was[0]
+            if was[1] is None and "gemm" in vars(module):
+                del module.gemm
+            else:
+                module.gemm = was[1]
+        swaps.append(Swap(name, kind, input_seen.input_shape, swapped, conv_ms, gemm_ms))
+    return swaps
+
+
+def linearize(model: nn.Module, *example_args: Any, mode: str = "auto", **example_kwargs: Any) -> list[Swap]:
+    """Swap, in place, each convolution of ``model`` that is a GEMM in disguise at the shape it sees in
+    ``model(*example_args, **example_kwargs)`` for the same convolution computed as one matrix product; in
+    ``mode="auto"`` only where that is faster, timed at that shape, dtype, layout and device. Call it where the
+    model trains (after ``.to(device)``, inside autocast if you train with it). Returns a Swap per eligible
+    module. Raises ValueError, swapping nothing, when there is no example or the forward fails on it."""
+    if not example_args and not example_kwargs:
+        raise ValueError("linearize needs an example input to see each convolution's input shape: "
+                         "linearize(model, images)")
+    return linearize_with(model, lambda: model(*example_args, **example_kwargs), mode=mode)

@@ -1,0 +1,192 @@
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from rcnn.fix import Conv2dAsLinear, as_linear_class, linearize
+from tests.fixtures.question_heads import conv as question_conv
+
+# (conv, input shape, kind): each kind, in 1, 2 and 3 dimensions
+CASES = [
+    (lambda: nn.Conv1d(6, 10, 5), (3, 6, 5), "covers-input"),
+    (lambda: nn.Conv2d(6, 10, 7), (3, 6, 7, 7), "covers-input"),
+    (lambda: nn.Conv3d(6, 10, (2, 3, 3)), (3, 6, 2, 3, 3), "covers-input"),
+    (lambda: nn.Conv1d(6, 10, 4, stride=4), (3, 6, 18), "patches"),  # a remainder of 2 dropped, as the conv does
+    (lambda: nn.Conv2d(6, 10, 4, stride=4), (3, 6, 16, 18), "patches"),
+    (lambda: nn.Conv3d(6, 10, (2, 4, 4), stride=(2, 4, 4)), (3, 6, 4, 8, 9), "patches"),
+    (lambda: nn.Conv1d(6, 10, 1), (3, 6, 9), "pointwise"),
+    (lambda: nn.Conv2d(6, 10, 1), (3, 6, 5, 4), "pointwise"),
+    (lambda: nn.Conv3d(6, 10, 1), (3, 6, 2, 5, 4), "pointwise"),
+]
+LAYOUTS = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
+def both(make, dtype=torch.float64, layout=None):
+    """A conv and its linearized copy (mode always), same parameters; the example input."""
+    torch.manual_seed(0)
+    conv = make().to(dtype)
+    fixed = copy.deepcopy(conv)
+    if layout:
+        conv, fixed = conv.to(memory_format=layout), fixed.to(memory_format=layout)
+    return conv, fixed
+
+
+def outputs_and_grads(module, x):
+    x = x.clone().requires_grad_()
+    out = module(x)
+    (out.float() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+    return [out, x.grad, module.weight.grad, module.bias.grad]
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("make, shape, kind", CASES)
+def test_each_kind_equals_the_conv(make, shape, kind, channels_last):
+    layout = LAYOUTS.get(len(shape)) if channels_last else None
+    if channels_last and layout is None:
+        pytest.skip("no channels-last layout in 1-d")
+    conv, fixed = both(make, layout=layout)
+    x = torch.randn(shape, dtype=torch.float64)
+    if layout:
+        x = x.contiguous(memory_format=layout)
+    swaps = linearize(fixed, x, mode="always")
+    assert [(s.kind, s.swapped) for s in swaps] == [(kind, True)]
+    assert isinstance(fixed, type(conv)) and type(fixed).__name__ == f"{type(conv).__name__}AsLinear"
+    for a, b in zip(outputs_and_grads(conv, x), outputs_and_grads(fixed, x)):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("make, shape, kind", CASES[1:2] + CASES[4:5] + CASES[7:8])
+def test_fp32_and_bf16_autocast(make, shape, kind):
+    conv, fixed = both(make, dtype=torch.float32)
+    x = torch.randn(shape)
+    linearize(fixed, x, mode="always")
+    for a, b in zip(outputs_and_grads(conv, x), outputs_and_grads(fixed, x)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = conv(x), fixed(x)
+    assert a.dtype == b.dtype == torch.bfloat16
+    torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_new_shape_that_no_longer_qualifies_takes_the_conv_path():
+    conv, fixed = both(lambda: nn.Conv2d(6, 10, 7))
+    linearize(fixed, torch.randn(2, 6, 7, 7, dtype=torch.float64), mode="always")
+    x = torch.randn(2, 6, 9, 9, dtype=torch.float64)  # larger than the kernel: a real convolution
+    torch.testing.assert_close(fixed(x), conv(x))
+    assert fixed(x).shape == (2, 10, 3, 3)
+
+
+def test_same_parameters_state_dict_and_optimizer():
+    conv = nn.Conv2d(6, 10, 7)
+    params = list(conv.parameters())
+    optimizer = torch.optim.SGD(conv.parameters(), lr=0.1)
+    keys = {k: (v.shape, v.dtype) for k, v in conv.state_dict().items()}
+    linearize(conv, torch.randn(2, 6, 7, 7), mode="always")
+    assert isinstance(conv, nn.Conv2d) and list(conv.parameters()) == params  # the same Parameter objects
+    assert {k: (v.shape, v.dtype) for k, v in conv.state_dict().items()} == keys
+    before = conv.weight.detach().clone()
+    conv(torch.randn(2, 6, 7, 7)).sum().backward()
+    optimizer.step()  # built before the swap, it still moves the module's weight
+    assert not torch.equal(conv.weight, before)
+    plain = nn.Conv2d(6, 10, 7)
+    plain.load_state_dict(conv.state_dict())  # checkpoints load both ways
+    conv.load_state_dict(plain.state_dict())
+
+
+def test_convolutions_that_are_not_gemms_are_left_alone():
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.Conv2d(8, 8, 1, stride=2),
+                          nn.Conv2d(8, 8, 1, groups=4), nn.Conv2d(8, 8, 3, dilation=2, padding=2))
+    classes = [type(m) for m in model]
+    assert linearize(model, torch.randn(2, 4, 16, 16), mode="always") == []
+    assert [type(m) for m in model] == classes
+
+
+def test_mode_auto_times_both_paths_and_keeps_the_faster():
+    model = nn.Sequential(nn.Conv2d(16, 32, 7), nn.Flatten())
+    swaps = linearize(model, torch.randn(8, 16, 7, 7))
+    (swap,) = swaps
+    assert swap.kind == "covers-input" and swap.conv_ms > 0 and swap.gemm_ms > 0
+    assert swap.swapped == (swap.gemm_ms < swap.conv_ms)
+    assert isinstance(model[0], Conv2dAsLinear) == swap.swapped
+
+
+def test_bad_use_is_one_clear_value_error_and_swaps_nothing():
+    model = nn.Sequential(nn.Conv2d(4, 8, 7), nn.Flatten(), nn.Linear(8, 2))
+    with pytest.raises(ValueError, match=r"needs an example input .* linearize\(model, images\)"):
+        linearize(model)
+    with pytest.raises(ValueError, match="the model's forward failed on the example"):
+        linearize(model, torch.randn(2, 3, 7, 7))  # 3 channels where the conv takes 4
+    with pytest.raises(ValueError, match="mode 'fast' is not allowed; allowed: auto, always"):
+        linearize(model, torch.randn(2, 4, 7, 7), mode="fast")
+    assert type(model[0]) is nn.Conv2d
+
+
+def test_a_subclass_with_its_own_forward_is_not_swapped():
+    class Scaled(nn.Conv2d):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    assert as_linear_class(Scaled) is None
+    assert as_linear_class(type("Plain", (nn.Conv3d,), {})).__name__ == "PlainAsLinear"
+
+
+def _mobilenet_v3_count() -> int:
+    from torchvision.models.mobilenetv3 import _mobilenet_v3_conf
+    blocks, _ = _mobilenet_v3_conf("mobilenet_v3_large")
+    # per block: the 1x1 expansion (where it widens), the 1x1 projection, squeeze-excite's two 1x1 convs on
+    # a 1x1 map; then the last 1x1 conv
+    return sum((b.expanded_channels != b.input_channels) + 1 + 2 * b.use_se for b in blocks) + 1
+
+
+def _efficientnet_b0_count() -> int:
+    from torchvision.models.efficientnet import _efficientnet_conf
+    stages, _ = _efficientnet_conf("efficientnet_b0", width_mult=1.0, depth_mult=1.0)
+    return sum(s.num_layers * ((s.expand_ratio != 1) + 2 + 1) for s in stages) + 1
+
+
+MODELS = [  # builder, input, swaps by an independent count (from the architecture, not from shapes)
+    ("resnet18", (2, 3, 64, 64), lambda: 0),                # 3x3 padded, 7x7/2 stem, 1x1/2 shortcuts
+    ("vit_b_16", (2, 3, 64, 64), lambda: 1),                # the 16x16/16 patch embedding
+    ("convnext_tiny", (2, 3, 64, 64), lambda: 4),           # the 4x4/4 stem, three 2x2/2 downsamplers
+    ("swin_t", (2, 3, 64, 64), lambda: 1),                  # the 4x4/4 patch embedding (merging is Linear)
+    ("swin3d_t", (1, 3, 4, 64, 64), lambda: 1),             # the 2x4x4 patch embedding
+    ("mobilenet_v3_large", (2, 3, 64, 64), _mobilenet_v3_count),
+    ("efficientnet_b0", (2, 3, 64, 64), _efficientnet_b0_count),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("builder, shape, count", MODELS, ids=[m[0] for m in MODELS])
+def test_torchvision_models_equal_after_the_swap(builder, shape, count):
+    from torchvision import models
+
+    torch.manual_seed(0)
+    extra = {"image_size": shape[-1]} if builder.startswith("vit") else {}
+    # eval: no dropout, no stochastic depth; float64: untrained deep models give tiny outputs that fp32's
+    # rounding would blur (EfficientNet-B0's are 1e-13 here), and the swap must change nothing but rounding.
+    model = models.get_model(builder, weights=None, **extra).eval().double()
+    fixed = copy.deepcopy(model)
+    x = torch.randn(shape, dtype=torch.float64)
+    swaps = linearize(fixed, x, mode="always")
+    assert sum(s.swapped for s in swaps) == len(swaps) == count()
+    out, out_fixed = model(x), fixed(x)
+    torch.testing.assert_close(out_fixed, out, rtol=1e-7, atol=1e-7 * out.abs().max().item())
+    out.square().sum().backward()
+    out_fixed.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), fixed.parameters()):
+        scale = p.grad.abs().max().item() or 1.0
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-7, atol=1e-7 * scale, msg=name)
+
+
+def test_the_questions_conv_head():
+    head = question_conv(in_channels=16, resolution=7, representation_size=32, num_classes=3).double()
+    fixed = copy.deepcopy(head)
+    x = torch.randn(6, 16, 7, 7, dtype=torch.float64)
+    swaps = linearize(fixed, x, mode="always")
+    # the 7x7 conv covers its input; the 1x1 conv and both predictors run on its 1x1 output
+    assert [(s.module, s.kind) for s in swaps] == [("feature_head.0", "covers-input"), ("feature_head.2", "covers-input"),
+                                                   ("label_head", "covers-input"), ("bbox_head", "covers-input")]
+    for a, b in zip(head(x), fixed(x)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
