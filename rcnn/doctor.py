@@ -17,18 +17,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import ctypes
 import json
 import math
 import os
+import random
 import re
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import pandas as pd
 import torch
 from torch import nn
@@ -37,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rcnn.attribution import OUTSIDE, ROOT, FlopCount, ModuleTimer, Seen, example_input
 from rcnn.cli import Parser
 from rcnn.disguise import FIX, gemm_kind
+from rcnn.fix import Swap, linearize_with
 from rcnn.kernels import capture
 from rcnn.knobs import DTYPES, autocast_dtype, resolve_device, set_tf32, why_not
 from rcnn.machine import fingerprint, matmul_size
@@ -46,11 +50,11 @@ from rcnn.roofline import measure_matmul_tflops
 from rcnn.rules import Rule, UserError, ValueNotAllowed, first_line
 from rcnn.schema import (AMP, AMP_DTYPES, BACKBONE, BATCH_SIZE, DEVICE, IMAGE_SIZE, MAX_SECONDS, MODULE_COLUMNS,
                          SLOW_MIN_FLOP_SHARE, SLOW_PEAK_FRACTION, WHY_COLUMNS)
-from rcnn.stats import TimingPolicy, median_precision
+from rcnn.stats import TimingPolicy, compare, median_precision
 from rcnn.timing import Clock
 from rcnn.workloads import Workload, build_workload
 
-FILES = re.compile(r"modules\.csv|why\.csv|env\.json")  # what --out holds: the doctor writes these, nothing else
+FILES = re.compile(r"modules(_fixed)?\.csv|why\.csv|fix\.csv|env\.json")  # what --out holds: the doctor's only
 TOP = Rule(minimum=1)
 FRAMES = Rule(minimum=1)
 
@@ -64,26 +68,34 @@ class Diagnosis:
 
 # -- measuring
 
-def _steps(workload: Workload, timer: ModuleTimer, *, device: torch.device, amp: str) -> Callable[[], dict]:
-    """One training step under the timer; returns its phase totals (ms) after the clock's sync."""
-    model, clock = workload.model, timer.clock
+def training_step(workload: Workload, model: nn.Module, *, device: torch.device, amp: str,
+                  timer: ModuleTimer | None = None) -> Callable[[], tuple[pd.DataFrame | None, dict]]:
+    """A function running one training step of ``model`` on the workload's batch: (the timer's table of the
+    step, or None without one; its forward and backward ms), after the device's sync."""
+    clock = timer.clock if timer else Clock(device)
     # The optimizer's arithmetic is the same at any rate; 0 keeps an untrained model on synthetic data from
     # diverging over the measured steps.
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
     scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")  # fp16 gradients need loss scaling
+    forward, backward = (timer.forward, timer.backward) if timer else (contextlib.nullcontext,) * 2
 
-    def step() -> dict:
-        with timer.forward(), torch.autocast(device.type, dtype=autocast_dtype(amp), enabled=amp != "off"):
+    def step() -> tuple[pd.DataFrame | None, dict]:
+        start = clock.mark()
+        with forward(), torch.autocast(device.type, dtype=autocast_dtype(amp), enabled=amp != "off"):
             loss = workload.loss(model, workload.batch)
-        with timer.backward():
+        middle = clock.mark()
+        with backward():
             scaler.scale(loss).backward()
+        end = clock.mark()
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         clock.sync()
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss {loss.item()}")
-        return timer.step_table()
+        if timer:  # its phases: the spans its table's rows add up to
+            return timer.step_table()
+        return None, {"forward_ms": clock.ms(start, middle), "backward_ms": clock.ms(middle, end)}
 
     return step
 
@@ -134,7 +146,7 @@ def diagnose(workload: Workload, *, device: torch.device, amp: str = "off", poli
     clock = Clock(device)
     timer = ModuleTimer(workload.model, clock)
     try:
-        step = _steps(workload, timer, device=device, amp=amp)
+        step = training_step(workload, workload.model, device=device, amp=amp, timer=timer)
         try:  # a model that cannot take its batch fails here, on the first step
             _, totals = step()
         except (RuntimeError, ValueError, TypeError, AssertionError, IndexError, KeyError, NotImplementedError) as err:
@@ -187,6 +199,67 @@ def diagnose(workload: Workload, *, device: torch.device, amp: str = "off", poli
         return Diagnosis(modules, why, summary)
     finally:
         timer.remove()
+
+
+# -- the fix, measured
+
+@dataclass(frozen=True)
+class Fixed:
+    swaps: pd.DataFrame   # rcnn.fix.Swap fields: one row per eligible convolution
+    after: Diagnosis
+    summary: dict[str, Any]  # per phase: the after/before ratio of medians with its bootstrap 95% CI
+
+
+def fix(workload: Workload, *, device: torch.device, amp: str, policy: TimingPolicy, peak_tflops: float | None,
+        seed: int = 0) -> Fixed:
+    """Linearize ``workload``'s model in place (rcnn.fix, mode auto, at the batch, dtype and layout it trains
+    with) and measure it by module again; then step a copy of the original and the fixed model in turn, a fresh
+    order each round, until ``policy`` says stop (load and drift hit both alike), and set each phase's times
+    after against before."""
+    original = copy.deepcopy(workload.model)
+
+    def forward() -> None:
+        with torch.autocast(device.type, dtype=autocast_dtype(amp), enabled=amp != "off"):
+            workload.loss(workload.model, workload.batch)
+
+    swaps = pd.DataFrame([asdict(s) for s in linearize_with(workload.model, forward, mode="auto")],
+                         columns=[f.name for f in fields(Swap)])
+    after = diagnose(workload, device=device, amp=amp, policy=policy, peak_tflops=peak_tflops, explain=False)
+    steps = {"before": training_step(workload, original, device=device, amp=amp),
+             "after": training_step(workload, workload.model, device=device, amp=amp)}
+    times: dict[str, list[dict]] = {"before": [], "after": []}
+    rng = random.Random(seed)
+    for _ in range(max(policy.warmup, 1)):
+        for name in steps:
+            steps[name]()
+    started = time.perf_counter()
+    while not policy.done([[t["backward_ms"] for t in times[n]] for n in times], time.perf_counter() - started):
+        for name in rng.sample(list(steps), len(steps)):
+            times[name].append(steps[name]()[1])
+    summary: dict[str, Any] = {"eligible": len(swaps), "swapped": int(swaps["swapped"].sum()),
+                               "paired_steps": len(times["after"])}
+    for phase in ("forward_ms", "backward_ms", "forward_backward_ms"):
+        series = {name: [t["forward_ms"] + t["backward_ms"] if phase == "forward_backward_ms" else t[phase]
+                         for t in ts] for name, ts in times.items()}
+        c = compare(series["after"], series["before"], seed=seed)
+        summary[phase.removesuffix("_ms")] = {"before_ms": float(np.median(series["before"])),
+                                              "after_ms": float(np.median(series["after"])),
+                                              "ratio": c.ratio, "ci_low": c.ci_low, "ci_high": c.ci_high}
+    return Fixed(swaps, after, summary)
+
+
+def _print_fix(fixed: Fixed, top: int) -> None:
+    s = fixed.summary
+    print(f"\nThe fix (rcnn.fix.linearize, mode auto): {s['swapped']} of {s['eligible']} eligible convolutions "
+          "swapped; forward + backward ms of either path at each one's input:")
+    if len(fixed.swaps):
+        print(fixed.swaps.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    for phase in ("forward", "backward", "forward_backward"):
+        p = s[phase]
+        print(f"{phase.replace('_', ' + ')}: {p['before_ms']:.1f} -> {p['after_ms']:.1f} ms (medians of "
+              f"{s['paired_steps']} steps each, the original and the fixed model in turn), after / before "
+              f"{p['ratio']:.3f} [95% CI {p['ci_low']:.3f}, {p['ci_high']:.3f}]")
+    _print(fixed.after, top, "After the fix:")
 
 
 # -- one module's backward alone
@@ -348,6 +421,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=TOP.arg(int), default=15, help="modules to print, by their own backward time")
     p.add_argument("--max-seconds", type=MAX_SECONDS.arg(float), default=TimingPolicy.max_seconds,
                    help="stop measuring after this long, precision met or not")
+    p.add_argument("--fix", action="store_true",
+                   help="then linearize the model (rcnn.fix, mode auto) and measure it again: the by-module table "
+                        "after (modules_fixed.csv), each swap (fix.csv), forward and backward before and after")
     p.add_argument("--out", help="a folder for modules.csv, why.csv and env.json (absent, empty, or written by "
                                  "the doctor before)")
     p.add_argument("--mlflow", action="store_true",
@@ -424,22 +500,28 @@ def main(argv: list[str] | None = None) -> int:
         peak = round(measure_matmul_tflops(device, DTYPES[dtype], n=matmul_size(device)), 3)
         policy = TimingPolicy(max_seconds=args.max_seconds)
         diagnosis = diagnose(workload, device=device, amp=args.amp, policy=policy, peak_tflops=peak)
+        fixed = fix(workload, device=device, amp=args.amp, policy=policy, peak_tflops=peak) if args.fix else None
     except (UserError, FloatingPointError) as err:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
     env = {"fingerprint": fingerprint(device), "ceilings": {"matmul_tflops": {dtype: peak}},
            "model": args.model, "batch_size": args.batch_size, "image_size": args.image_size,
            "frames": args.frames, "amp": args.amp, "channels_last": args.channels_last,
-           "summary": diagnosis.summary}
+           "summary": diagnosis.summary, **({"fix": fixed.summary} if fixed else {})}
     where = env["fingerprint"].get("gpu", env["fingerprint"]["cpu_model"])
     _print(diagnosis, args.top, f"{args.model} on {device.type} ({where}), batch {args.batch_size}, "
                                 f"{args.image_size} px, {dtype}{', channels_last' if args.channels_last else ''}")
+    if fixed:
+        _print_fix(fixed, args.top)
     if args.out:
         out = Path(args.out)
-        write_atomic(out / "modules.csv", diagnosis.modules.to_csv(index=False))
-        write_atomic(out / "why.csv", diagnosis.why.to_csv(index=False))
+        tables = {"modules.csv": diagnosis.modules, "why.csv": diagnosis.why}
+        if fixed:
+            tables |= {"modules_fixed.csv": fixed.after.modules, "fix.csv": fixed.swaps}
+        for name, table in tables.items():
+            write_atomic(out / name, table.to_csv(index=False))
         write_atomic(out / "env.json", json.dumps(env, indent=2, sort_keys=True, default=str) + "\n")
-        print(f"\nwrote {out / 'modules.csv'}, {out / 'why.csv'}, {out / 'env.json'}")
+        print(f"\nwrote {', '.join(str(out / name) for name in [*tables, 'env.json'])}")
     if args.mlflow:
         try:
             print(f"MLflow run {_log_mlflow(args, diagnosis, env)}")

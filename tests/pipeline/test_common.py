@@ -18,7 +18,7 @@ from tests.conftest import ROOT
     (data.main, [], "error: the following arguments are required: --out"),
     (data.main, ["--out", "x", "--nope"], "error: unrecognized arguments: --nope"),
     (sweep.main, ["--data", "d", "--env", "e", "--trials", "t"],
-     "error: the following arguments are required: --comparisons, --kernels, --summary"),
+     "error: the following arguments are required: --comparisons, --kernels, --modules, --summary"),
     (sweep.main, ["--data", "d", "--env", "e", "--join", "--wait-s", "soon"],
      "error: --wait-s: invalid float value: 'soon'"),
 ])

@@ -153,3 +153,21 @@ def test_mlflow_gets_the_tables(project, monkeypatch, capsys):
     assert run["params.model"] == "tests.fixtures.models:box_head_like" and run["metrics.backward_ms"] > 0
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run["run_id"])}
     assert {"modules.csv", "why.csv", "env.json"} <= artifacts
+
+
+def test_fix_measures_the_model_before_and_after(project, capsys):
+    assert doctor.main(["tests.fixtures.models:box_head_like", *QUICK, "--fix", "--out", "out"]) == 0
+    swaps = pd.read_csv(project / "out" / "fix.csv").set_index("module")
+    after = pd.read_csv(project / "out" / "modules_fixed.csv", keep_default_na=False).set_index("module")
+    fixed = json.loads((project / "out" / "env.json").read_text())["fix"]
+    assert list(swaps.index) == ["fc6", "fc7"] and set(swaps["kind"]) == {"covers-input"}
+    assert (swaps[["conv_ms", "gemm_ms"]] > 0).all().all()
+    for name, swap in swaps.iterrows():  # mode auto: swapped where the GEMM was faster, and then it runs as one
+        assert swap["swapped"] == (swap["gemm_ms"] < swap["conv_ms"])
+        assert (after.loc[name, "type"] == "Conv2dAsLinear") == swap["swapped"]
+    assert fixed["eligible"] == 2 and fixed["swapped"] == swaps["swapped"].sum() and fixed["paired_steps"] >= 2
+    for phase in ("forward", "backward", "forward_backward"):
+        p = fixed[phase]
+        assert p["ratio"] == pytest.approx(p["after_ms"] / p["before_ms"])
+        assert p["ci_low"] <= p["ratio"] <= p["ci_high"] or p["ci_low"] != p["ci_low"]
+    assert "The fix (rcnn.fix.linearize, mode auto)" in capsys.readouterr().out
