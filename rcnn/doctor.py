@@ -206,12 +206,12 @@ def diagnose(workload: Workload, *, device: torch.device, amp: str = "off", poli
 @dataclass(frozen=True)
 class Fixed:
     swaps: pd.DataFrame   # rcnn.fix.Swap fields: one row per eligible convolution
-    after: Diagnosis
+    after: Diagnosis | None
     summary: dict[str, Any]  # per phase: the after/before ratio of medians with its bootstrap 95% CI
 
 
 def fix(workload: Workload, *, device: torch.device, amp: str, policy: TimingPolicy, peak_tflops: float | None,
-        seed: int = 0) -> Fixed:
+        seed: int = 0, by_module: bool = True) -> Fixed:
     """Linearize ``workload``'s model in place (rcnn.fix, mode auto, at the batch, dtype and layout it trains
     with) and measure it by module again; then step a copy of the original and the fixed model in turn, a fresh
     order each round, until ``policy`` says stop (load and drift hit both alike), and set each phase's times
@@ -224,7 +224,8 @@ def fix(workload: Workload, *, device: torch.device, amp: str, policy: TimingPol
 
     swaps = pd.DataFrame([asdict(s) for s in linearize_with(workload.model, forward, mode="auto")],
                          columns=[f.name for f in fields(Swap)])
-    after = diagnose(workload, device=device, amp=amp, policy=policy, peak_tflops=peak_tflops, explain=False)
+    after = diagnose(workload, device=device, amp=amp, policy=policy, peak_tflops=peak_tflops, explain=False) \
+        if by_module else None
     steps = {"before": training_step(workload, original, device=device, amp=amp),
              "after": training_step(workload, workload.model, device=device, amp=amp)}
     times: dict[str, list[dict]] = {"before": [], "after": []}
