@@ -94,6 +94,7 @@ class SpaceParams:
     amp: tuple[str, ...] = _field(("off", "bf16"), schema.AMP)
     channels_last: tuple[bool, ...] = (False, True)
     batch_size: tuple[int, ...] = _field((1, 2), schema.BATCH_SIZE)
+    linearize: tuple[bool, ...] = (False, True)
 
     def as_dict(self) -> dict[str, list]:
         return {name: list(getattr(self, name)) for name in KNOB_NAMES}
@@ -107,6 +108,7 @@ class ProfileAt:
     amp: str | None = _field(None, schema.AMP)
     channels_last: bool | None = None
     batch_size: int | None = _field(None, schema.BATCH_SIZE)
+    linearize: bool | None = None
 
 
 @dataclass(frozen=True)

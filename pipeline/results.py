@@ -13,7 +13,7 @@ import pandas as pd
 
 from pipeline.common import read_json
 from rcnn.outputs import csv_with, json_object, write_atomic
-from rcnn.schema import (COMPARISON_COLUMNS, HEAD_NAMES, KNOB_NAMES, MEASURED_COLUMNS, OTHER_KNOBS, RECORD_COLUMNS,
+from rcnn.schema import (ADDED_COLUMNS, COMPARISON_COLUMNS, HEAD_NAMES, KNOB_NAMES, MEASURED_COLUMNS, OTHER_KNOBS, RECORD_COLUMNS,
                          SETUP_COLUMNS, TRIAL_COLUMNS, ResultsError)
 from rcnn.stats import compare, geomean_ratio
 
@@ -84,6 +84,9 @@ def read_table(path: str | Path, columns: tuple[str, ...], stage: str) -> pd.Dat
         raise ResultsError(f"{path}: cannot read it as the {stage} table ({err.strerror or err})") from None
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
         raise ResultsError(f"{path}: not a {stage} table ({str(err).splitlines()[0]})") from None
+    for column, value in ADDED_COLUMNS.items():  # a table from before the column: what it meant
+        if column in columns and column not in table.columns:
+            table[column] = value
     missing = [c for c in columns if c not in table.columns]
     if missing:
         raise ResultsError(f"{path}: missing columns {', '.join(missing)}; run the {stage} stage to rewrite it")

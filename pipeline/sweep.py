@@ -206,7 +206,10 @@ class Sweep:
                 gc.collect()
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
-            mlflow.log_metrics({k: float(v) for k, v in row.items() if v == v})  # NaN is not a metric
+            # NaN is not a metric; the swapped modules are words
+            mlflow.log_metrics({k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and v == v})
+            if row["swapped"]:
+                mlflow.set_tag("swapped", row["swapped"])
             if result.kernels:
                 # An artifact name has no ':': a user's head package.module:factory reads package.module.factory.
                 mlflow.log_table(pd.DataFrame(result.kernels),

@@ -16,6 +16,7 @@ from rcnn.attribution import ModuleTimer
 from rcnn.cli import Parser
 from rcnn.data import Sample, device_batches, read_coco, synthetic_samples
 from rcnn.doctor import diagnose
+from rcnn.fix import linearize_with
 from rcnn.heads import build_box_head
 from rcnn.knobs import (Knobs, autocast, backend_flags, grad_scaler, memory_format, resolve_device, why_not,
                         why_not_together)
@@ -41,6 +42,7 @@ class TrialResult:
     precision: float       # worst relative half-width of the 95% CI of a watched median
     precision_met: bool
     rois: int              # box-head input rows per step (batch_size * rois_per_image given enough proposals)
+    swapped: str = ""      # the modules knob linearize swapped (rcnn.fix), space-separated
     kernels: list[dict] = field(default_factory=list)  # rcnn.kernels table when the trial was profiled
     modules: list[dict] = field(default_factory=list)  # rcnn.doctor's table (MODULE_COLUMNS rows), idem
 
@@ -54,7 +56,7 @@ class TrialResult:
             out |= {pattern.format(phase): getattr(stats, name) for name, pattern in STAT_COLUMNS.items()}
         return out | {"peak_mem_mb": self.peak_mem_mb, "warmup_iterations": self.warmup_iterations,
                       "iterations": self.iterations, "precision": self.precision,
-                      "precision_met": self.precision_met, "rois": self.rois}
+                      "precision_met": self.precision_met, "rois": self.rois, "swapped": self.swapped}
 
 
 class Trainer:
@@ -81,9 +83,16 @@ class Trainer:
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
         self.scaler = grad_scaler(knobs, device)
         self.batches = device_batches(samples, batch_size=knobs.batch_size, device=device)
+        self.swaps = linearize_with(self.model, self._forward, mode="auto") if knobs.linearize else []
         self.head = ModuleSpanProbe(self.model.roi_heads.box_head, self.model.roi_heads.box_predictor, self.clock)
         if not probe:
             self.head.remove()
+
+    def _forward(self) -> torch.Tensor:
+        """The loss of the first batch: what linearize sees each convolution's input in (shape, dtype, layout)."""
+        images, targets = self.batches[0]
+        with autocast(self.knobs, self.device):
+            return sum(self.model(images, targets).values())
 
     def step(self, number: int, modules: ModuleTimer | None = None) -> dict[str, float]:
         """Train on batch ``number`` (cycling); raises FloatingPointError on a non-finite loss. With ``modules``
@@ -160,7 +169,8 @@ def run_trial(config: DetectorConfig, knobs: Knobs, samples: list[Sample], *, de
         peak_mem_mb=memory.peak_mb(), warmup_iterations=len(warm), iterations=len(times["step"]),
         precision=max(median_precision(times[p]) for p in watched),
         precision_met=policy.precision_met([times[p] for p in watched]),
-        rois=trainer.rois, kernels=kernels, modules=modules,
+        rois=trainer.rois, swapped=" ".join(s.module for s in trainer.swaps if s.swapped), kernels=kernels,
+        modules=modules,
     )
 
 
@@ -208,6 +218,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--channels-last", action="store_true", help="model (and so its activations) in NHWC")
     p.add_argument("--cudnn-benchmark", action="store_true", help="let cuDNN autotune conv algorithms (CUDA only)")
     p.add_argument("--no-onednn", action="store_true", help="CPU: disable oneDNN (torch.backends.mkldnn)")
+    p.add_argument("--linearize", action="store_true",
+                   help="run convolutions that are GEMMs in disguise as GEMMs where faster (rcnn.fix, mode auto)")
     p.add_argument("--backbone", type=BACKBONE.arg(), metavar=BACKBONE.metavar, default="resnet18_fpn",
                    help="detector backbone")
     p.add_argument("--image-size", type=IMAGE_SIZE.arg(int), default=256, help="square input size in pixels")
@@ -251,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                                 rois_per_image=args.rois_per_image,
                                 representation_size=args.representation_size, num_classes=num_classes)
         knobs = Knobs(head=args.head, amp=args.amp, channels_last=args.channels_last,
-                      batch_size=args.batch_size,
+                      batch_size=args.batch_size, linearize=args.linearize,
                       cudnn_benchmark=args.cudnn_benchmark if device.type == "cuda" else None,
                       onednn=not args.no_onednn if device.type == "cpu" else None)
         # No --max-warmup: the default cap, raised to --warmup so that stays the least number of warm-up steps.
@@ -273,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     for phase, st in result.stats.items():
         print(f"{phase:<14}{st.median:>11.1f}{f'{st.ci_low:.1f}-{st.ci_high:.1f}':>18}{st.iqr:>8.1f}{st.p90:>9.1f}")
     print(f"peak memory {result.peak_mem_mb:.0f} MiB")
+    if knobs.linearize:
+        print(f"linearize swapped: {result.swapped or 'nothing (no GEMM in disguise was faster as a GEMM)'}")
     return 0
 
 

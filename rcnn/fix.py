@@ -5,7 +5,8 @@ convolution's input, then swaps, in place, each Conv1d/2d/3d that is a GEMM at t
 ``covers-input`` (the kernel covers the input: F.linear on the flattened input), ``patches`` (stride equal to
 the kernel: non-overlapping patches as the rows of one F.linear) and ``pointwise`` (1x1 at stride 1: a matrix
 product over channels). In ``mode="auto"`` each eligible module's forward + backward is timed both ways at the
-shape, dtype, layout and device it saw, and the faster kept (as cudnn.benchmark does, per module);
+shape, dtype, layout and device it saw, and the GEMM kept where it is clearly faster (AUTO_MARGIN; as
+cudnn.benchmark picks algorithms, but per module);
 ``mode="always"`` swaps every eligible one.
 
 A swapped module changes class only: to a subclass of its own (``nn.Conv2d`` -> ``Conv2dAsLinear``), so it is
@@ -29,6 +30,7 @@ from rcnn.disguise import gemm_kind
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 MODES = ("auto", "always")
+AUTO_MARGIN = 0.9  # mode auto swaps where the GEMM takes under 90% of the conv's time: a clear win, not noise
 
 
 def _covers_input(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -70,10 +72,14 @@ class AsLinear:
     gemm: str | None = "covers-input"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        found = gemm_kind(self, tuple(x.shape)) if self.gemm else None
-        if found is None or found[0] != self.gemm:
+        if not self.gemm:
             return super().forward(x)
-        return GEMMS[self.gemm](x, self.weight, self.bias)
+        shapes = self.__dict__.setdefault("_gemm_at", {})  # input shape -> GEMM or not: decided once per shape
+        key = (tuple(x.shape), self.gemm)
+        if key not in shapes:
+            found = gemm_kind(self, key[0])
+            shapes[key] = found is not None and found[0] == self.gemm
+        return GEMMS[self.gemm](x, self.weight, self.bias) if shapes[key] else super().forward(x)
 
 
 class Conv1dAsLinear(AsLinear, nn.Conv1d):
@@ -196,7 +202,7 @@ def linearize_with(model: nn.Module, forward: Callable[[], Any], *, mode: str = 
         conv_ms = gemm_ms = float("nan")
         if mode == "auto":
             conv_ms, gemm_ms = _time_paths(module, input_seen, module.weight.device)
-        swapped = mode == "always" or gemm_ms < conv_ms
+        swapped = mode == "always" or gemm_ms < AUTO_MARGIN * conv_ms
         if not swapped:
             module.__class__ = was[0]
             if was[1] is None and "gemm" in vars(module):

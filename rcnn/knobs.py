@@ -21,6 +21,7 @@ class Knobs:
     amp: str = "off"
     channels_last: bool = False
     batch_size: int = 2
+    linearize: bool = False              # rcnn.fix.linearize, mode auto, after the detector is built
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from rcnn.rules import Rule, UserError
 
 # --- The knobs a sweep varies, in the tables' column order.
-KNOB_NAMES = ("head", "cudnn_benchmark", "onednn", "amp", "channels_last", "batch_size")
+KNOB_NAMES = ("head", "cudnn_benchmark", "onednn", "amp", "channels_last", "batch_size", "linearize")
 OTHER_KNOBS = KNOB_NAMES[1:]  # a "setting": every knob but the head
 # Backend switches, each used on one device type only: knob -> (device type, backend).
 DEVICE_KNOBS = {"cudnn_benchmark": ("cuda", "cuDNN"), "onednn": ("cpu", "oneDNN")}
@@ -72,7 +72,10 @@ MEASURED_COLUMNS = (
     "head_forward_gflop", "head_backward_gflop", "head_forward_tflops", "head_backward_tflops",
     "head_forward_peak_fraction", "head_backward_peak_fraction",
     "isolated_head_forward_ms", "isolated_head_backward_ms",  # NaN unless sweep.cross_check
+    "swapped",  # the modules rcnn.fix.linearize swapped (knob linearize), space-separated
 )
+# Columns added after tables were first written, with the value an older table meant (read_table fills them).
+ADDED_COLUMNS = {"linearize": False, "swapped": ""}
 RECORD_COLUMNS = ("mlflow_run_id", "worker", "error")
 TRIAL_COLUMNS = (*SETUP_COLUMNS, *MEASURED_COLUMNS, *RECORD_COLUMNS)
 COMPARISON_COLUMNS = (*OTHER_KNOBS, "numerator", "denominator", "phase", "ratio", "ci_low", "ci_high",

@@ -22,7 +22,7 @@ TINY_PARAMS = {
     "model": {"backbone": "mobilenet_v3_fpn", "image_size": 64, "rois_per_image": 8, "representation_size": 32},
     "sweep": {"device": "cpu", "profile_steps": 1,
               "space": {"head": ["linear", "conv"], "onednn": [True], "amp": ["off"], "channels_last": [False],
-                        "batch_size": [2]}},
+                        "batch_size": [2], "linearize": [False]}},
     "timing": {"warmup": 1, "max_warmup": 2, "iterations": 2, "max_iterations": 3, "max_seconds": 5},
 }
 TINY_CONFIG = DetectorConfig(backbone="mobilenet_v3_fpn", image_size=64, rois_per_image=8,
@@ -92,12 +92,14 @@ def fake_trials(scale: float = 1.0, batch_2_cost: float = 2.0) -> tuple[pd.DataF
                           "step": list(2 * bwd * f * rng.uniform(0.99, 1.01, 15))}
             medians = {f"{p}_ms": float(np.median(v)) for p, v in samples[n].items()}
             rows.append({"trial": n, "status": "complete", "device": "cpu", "head": head, "cudnn_benchmark": "n/a",
-                         "onednn": True, "amp": "off", "channels_last": False, "batch_size": bs, **medians,
+                         "onednn": True, "amp": "off", "channels_last": False, "batch_size": bs, "linearize": False,
+                         **medians, "swapped": "",
                          "forward_ms": 0.5 * bwd * f, "optimizer_ms": 5.0 * f, "head_forward_ms": head_bwd * f / 2,
                          "peak_mem_mb": 1000.0 + 100 * bs + (50 if head == "conv" else 0),
                          "head_forward_tflops": 0.2, "head_backward_tflops": 0.4 / (head_bwd / 10),
                          "head_forward_peak_fraction": 0.5, "head_backward_peak_fraction": 1.0 / (head_bwd / 10),
                          "head_backward_gflop": 4.0, "isolated_head_backward_ms": head_bwd * f, "iterations": 15})
     rows.append({"trial": len(rows), "status": "failed", "device": "cpu", "head": "conv", "cudnn_benchmark": "n/a",
-                 "onednn": True, "amp": "off", "channels_last": True, "batch_size": 1, "error": "RuntimeError: boom"})
+                 "onednn": True, "amp": "off", "channels_last": True, "batch_size": 1, "linearize": False,
+                 "error": "RuntimeError: boom"})
     return pd.DataFrame(rows).reindex(columns=TRIAL_COLUMNS), samples

@@ -23,7 +23,8 @@ def test_comparisons_per_setting_and_pooled():
     assert summary["conv_over_linear_head_backward"] == pytest.approx(4.0, rel=0.02)
     assert summary["conv_over_linear_head_backward_ci_low"] < 4.0 < summary["conv_over_linear_head_backward_ci_high"]
     assert summary["best"] == {"head": "linear", "cudnn_benchmark": "n/a", "onednn": True, "amp": "off",
-                               "channels_last": False, "batch_size": 1, "step_ms": pytest.approx(200, rel=0.02),
+                               "channels_last": False, "batch_size": 1, "linearize": False,
+                               "step_ms": pytest.approx(200, rel=0.02),
                                "ms_per_image": pytest.approx(200, rel=0.02)}
 
 
@@ -79,7 +80,8 @@ def test_round_trip_and_bad_files(tmp_path):
 def test_trial_row_refuses_a_misspelt_or_missing_column():
     setup = {"trial": 0, "status": "failed", "device": "cpu", "backbone": "resnet18_fpn", "image_size": 256,
              "rois_per_image": 128, "head": "conv", "cudnn_benchmark": "n/a", "onednn": True, "amp": "off",
-             "channels_last": False, "batch_size": 1, "mlflow_run_id": None, "worker": None, "error": "x"}
+             "channels_last": False, "batch_size": 1, "linearize": False, "mlflow_run_id": None, "worker": None,
+             "error": "x"}
     row = trial_row(None, **setup)
     assert list(row) == list(TRIAL_COLUMNS) and all(row[c] != row[c] for c in MEASURED_COLUMNS)  # NaN: nothing measured
     measured = dict.fromkeys(MEASURED_COLUMNS, 1.0)

@@ -22,7 +22,8 @@ def digest(folder):
 
 def sweep_paths(folder):
     return [a for k, v in {"data": "data", "env": "env.json", "trials": "t.csv", "comparisons": "c.csv",
-                           "kernels": "k.csv", "summary": "s.json"}.items() for a in (f"--{k}", str(folder / v))]
+                           "kernels": "k.csv", "modules": "m.csv", "summary": "s.json"}.items()
+            for a in (f"--{k}", str(folder / v))]
 
 
 def stage_cli(module, *args):

@@ -27,7 +27,7 @@ from tests.pipeline.helpers import SLOW, prepare
 
 CPU = torch.device("cpu")
 GRID = {"head": ["linear", "conv", "conv_as_linear"], "cudnn_benchmark": [None], "onednn": [True, False],
-        "amp": ["off", "bf16"], "channels_last": [False, True], "batch_size": [1]}
+        "amp": ["off", "bf16"], "channels_last": [False, True], "batch_size": [1], "linearize": [False]}
 
 
 def objective(trial: optuna.Trial) -> float:
@@ -49,7 +49,8 @@ def test_points_are_shuffled_settings_with_heads_side_by_side():
         assert len(set(settings[i:i + 3])) == 1 and {p["head"] for p in points[i:i + 3]} == set(GRID["head"])
     assert grid_points(GRID, CPU, seed=0)[0] == points
     assert grid_points(GRID, CPU, seed=1)[0] != points
-    first = {"cudnn_benchmark": None, "onednn": False, "amp": "off", "channels_last": True, "batch_size": 1}
+    first = {"cudnn_benchmark": None, "onednn": False, "amp": "off", "channels_last": True, "batch_size": 1,
+             "linearize": False}
     led, _ = grid_points(GRID, CPU, seed=0, first=[first])
     assert all({k: p[k] for k in first} == first for p in led[:3]) and len(led) == len(points)
 

@@ -51,3 +51,19 @@ def test_a_users_head_that_cannot_be_imported_is_one_line(tmp_path, tiny_params,
     args = prepare(tmp_path, tiny_params, {"sweep": {"space": {"head": ["linear", "no_such_heads:conv"]}}})
     assert sweep.main(args) == 2
     assert capsys.readouterr().err.startswith("error: sweep.space.head: cannot import 'no_such_heads'")
+
+
+@pytest.mark.slow
+def test_the_linearize_knob_measures_a_head_with_and_without_the_fix(tmp_path, tiny_params):
+    args = prepare(tmp_path, tiny_params, {"sweep": {"space": {"head": ["conv", QUESTION["conv"]],
+                                                               "linearize": [False, True]}}})
+    assert sweep.main(args) == 0
+    trials = read_trials(tmp_path / SWEEP_FILES["trials"]).set_index(["head", "linearize"])
+    assert len(trials) == 4 and trials["status"].eq("complete").all()
+    assert (trials.xs(False, level="linearize")["swapped"].fillna("") == "").all()
+    for head in ("conv", QUESTION["conv"]):  # the built-in conv head and the user's, alike
+        swapped = trials.loc[(head, True), "swapped"]
+        # mode auto: those of the eligible convolutions where the GEMM was clearly faster at this tiny size
+        assert pd.isna(swapped) or all(name.startswith(("roi_heads.", "backbone.", "rpn.")) for name in swapped.split())
+    comparisons = pd.read_csv(tmp_path / SWEEP_FILES["comparisons"])
+    assert set(comparisons["linearize"].astype(str)) == {"False", "True", "all"}

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from rcnn.fix import Conv2dAsLinear, as_linear_class, linearize
+from rcnn.fix import AUTO_MARGIN, Conv2dAsLinear, as_linear_class, linearize
 from tests.fixtures.question_heads import conv as question_conv
 
 # (conv, input shape, kind): each kind, in 1, 2 and 3 dimensions
@@ -108,7 +108,7 @@ def test_mode_auto_times_both_paths_and_keeps_the_faster():
     swaps = linearize(model, torch.randn(8, 16, 7, 7))
     (swap,) = swaps
     assert swap.kind == "covers-input" and swap.conv_ms > 0 and swap.gemm_ms > 0
-    assert swap.swapped == (swap.gemm_ms < swap.conv_ms)
+    assert swap.swapped == (swap.gemm_ms < AUTO_MARGIN * swap.conv_ms)
     assert isinstance(model[0], Conv2dAsLinear) == swap.swapped
 
 
