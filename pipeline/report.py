@@ -20,6 +20,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import markdown
 import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 import yaml
 
@@ -234,10 +235,30 @@ def verdict(r: Results, effects: pd.DataFrame) -> list[str]:
         lines.append(f"- fastest setting, by time per image (step time / batch size): {knobs} at "
                      f"{best['ms_per_image']:.0f} ms per image ({best['step_ms']:.0f} ms per step of "
                      f"{best['batch_size']} image{'s' if best['batch_size'] > 1 else ''}).")
+    lines += linearize_lines(r.trials)
     lines.append("- **the fix**, one line: replace `nn.Conv2d(C, 1024, 7)` by `Conv2dAsLinear(C, 1024, 7)` "
-                 "(`rcnn/heads.py`): same parameters and checkpoints, computed as "
-                 "`F.linear(x.flatten(1), weight.flatten(1), bias)`.")
+                 "(`rcnn.fix`): same parameters and checkpoints, computed as "
+                 "`F.linear(x.flatten(1), weight.flatten(1), bias)`; or, for every such conv of a model, "
+                 "`rcnn.fix.linearize(model, example)`.")
     return lines
+
+
+def linearize_lines(trials: pd.DataFrame) -> list[str]:
+    """What knob linearize swapped in the conv head's detector, and how close that comes to conv_as_linear."""
+    done = complete(trials)
+    on = done["linearize"].astype(str) == "True"
+    fixed, reference = done[on & (done["head"] == "conv")], done[~on & (done["head"] == "conv_as_linear")]
+    if fixed.empty:
+        return []
+    names = pd.Series([n for swapped in fixed["swapped"].fillna("") for n in str(swapped).split()])
+    counts = ", ".join(f"`{n}` ({c} of {len(fixed)})" for n, c in names.value_counts().items()) or "nothing"
+    line = f"- conv with `linearize: true` (rcnn.fix, mode auto) swapped {counts} settings"
+    paired = fixed.merge(reference, on=[k for k in OTHER_KNOBS if k != "linearize"], suffixes=("", "_reference"))
+    if len(paired):
+        ratio = float(np.exp(np.log(paired["head_backward_ms"] / paired["head_backward_ms_reference"]).mean()))
+        line += (f"; its box-head backward is {ratio:.2f}x conv_as_linear's (geometric mean over {len(paired)} "
+                 "settings)")
+    return [line + "."]
 
 
 def comparison_table(comparisons: pd.DataFrame) -> pd.DataFrame:

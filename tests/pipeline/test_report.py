@@ -132,3 +132,18 @@ def test_compare_two_machines(tmp_path, monkeypatch):
     assert (table.iloc[:, 1] / table.iloc[:, 0]).round(2).eq(0.5).all()
     assert compare.main([str(slow), "--out", str(out)]) == 2
     assert compare.main([str(slow), str(tmp_path / "none"), "--out", str(out)]) == 2
+
+
+def test_the_verdict_says_what_linearize_swapped_and_how_close_it_came():
+    from pipeline.report import linearize_lines
+
+    trials, _ = fake_trials()
+    done = trials[trials["status"] == "complete"]
+    fixed = done[done["head"] == "conv"].copy()
+    fixed["linearize"] = True
+    fixed["head_backward_ms"] = done[done["head"] == "conv_as_linear"]["head_backward_ms"].to_numpy() * 1.02
+    fixed["swapped"] = ["roi_heads.box_head.0 roi_heads.box_head.2", "roi_heads.box_head.0"]
+    assert linearize_lines(trials) == []  # no trial with the knob on: nothing to say
+    (line,) = linearize_lines(pd.concat([trials, fixed]))
+    assert "swapped `roi_heads.box_head.0` (2 of 2), `roi_heads.box_head.2` (1 of 2) settings" in line
+    assert "box-head backward is 1.02x conv_as_linear's (geometric mean over 2 settings)" in line

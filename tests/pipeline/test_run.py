@@ -29,11 +29,12 @@ def test_device_check_runs_every_stage_on_cpu(tmp_path):
     assert {"./results/trials.csv", "./results/env.json", "./mlflow.db", "./reports/report.md"} <= names
     assert not any(n.startswith("./data/") for n in names)
     trials = read_trials(tmp_path / "run" / "results" / "trials.csv")
-    # fp16 and cudnn.benchmark do not apply on CPU, nor bf16 without oneDNN: no duplicates, nothing hidden
+    # fp16 and cudnn.benchmark do not apply on CPU: no duplicates, nothing hidden; each head with and without
+    # the automatic fix
     assert set(trials["head"]) == {"linear", "conv", "conv_as_linear"} and trials["status"].eq("complete").all()
-    assert not trials.duplicated(["head", "amp", "onednn"]).any() and set(trials["amp"]) <= {"off", "bf16"}
-    assert not ((trials["amp"] == "bf16") & (trials["onednn"] == False)).any()  # noqa: E712
-    assert {"./results/comparisons.csv", "./results/kernels.csv"} <= names
+    assert not trials.duplicated(["head", "amp", "linearize"]).any() and set(trials["amp"]) <= {"off", "bf16"}
+    assert len(trials) == 3 * trials["amp"].nunique() * 2
+    assert {"./results/comparisons.csv", "./results/kernels.csv", "./results/modules.csv"} <= names
     assert "## Verdict" in (out / "report.md").read_text()
 
 

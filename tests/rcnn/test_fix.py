@@ -190,3 +190,15 @@ def test_the_questions_conv_head():
                                                    ("label_head", "covers-input"), ("bbox_head", "covers-input")]
     for a, b in zip(head(x), fixed(x)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make, shape, kind", CASES[1:2] + CASES[4:5] + CASES[7:8])
+def test_on_cuda_under_fp16_autocast(make, shape, kind):
+    conv, fixed = (m.cuda() for m in both(make, dtype=torch.float32))
+    x = torch.randn(shape, device="cuda")
+    with torch.autocast("cuda", dtype=torch.float16):
+        swaps = linearize(fixed, x, mode="always")
+        a, b = conv(x), fixed(x)
+    assert [s.kind for s in swaps] == [kind] and a.dtype == b.dtype == torch.float16
+    torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
