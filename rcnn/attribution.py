@@ -41,6 +41,12 @@ class Seen:
     channels_last: bool        # the input's memory is channels-last (NHWC, NDHWC)
     input_requires_grad: bool = True
 
+    def autocasts(self, module: nn.Module) -> bool:
+        """Whether running ``module`` alike needs autocast: it computed in fp16 or bf16 with other weights (its
+        input may be fp16 or bf16 already, from the module before it)."""
+        half = (torch.float16, torch.bfloat16)
+        return self.output_dtype in half and any(p.dtype != self.output_dtype for p in module.parameters())
+
     @classmethod
     def of(cls, args: tuple, output: Any) -> Seen | None:
         """What a call with ``args`` that returned ``output`` saw; None unless it took one tensor."""

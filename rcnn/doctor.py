@@ -278,7 +278,7 @@ def backward_alone(module: nn.Module, seen: Seen, device: torch.device, peak_tfl
     take at the matmul peak. The module's parameters and their .grad are left as they were."""
     x = example_input(seen, device)
     params = [p for p in module.parameters() if p.is_floating_point()]
-    casts = seen.output_dtype != seen.input_dtype and seen.output_dtype in (torch.bfloat16, torch.float16)
+    casts = seen.autocasts(module)
     clock = Clock(device)
     saved = [p.requires_grad for p in params]
     row: dict[str, Any] = {"input_shape": "x".join(map(str, seen.input_shape)),

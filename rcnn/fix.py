@@ -132,7 +132,7 @@ def _time_paths(module: nn.Module, seen: Seen, device: torch.device, repeats: in
     x = example_input(seen, device).requires_grad_(seen.input_requires_grad)
     params = [p for p in module.parameters() if p.requires_grad]
     wrt = [x] * seen.input_requires_grad + params
-    casts = seen.output_dtype != seen.input_dtype and seen.output_dtype in (torch.float16, torch.bfloat16)
+    casts = seen.autocasts(module)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     kind, times = module.gemm, []
     try:

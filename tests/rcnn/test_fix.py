@@ -70,6 +70,19 @@ def test_fp32_and_bf16_autocast(make, shape, kind):
     torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_a_conv_fed_by_a_conv_under_bf16_autocast(mode):
+    # the second conv's input is bf16 already, its weight fp32: timing it alone must autocast it too
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.Conv2d(8, 16, 1), nn.Conv2d(16, 32, 8))
+    x = torch.randn(2, 4, 8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = model(x)
+        swaps = linearize(model, x, mode=mode)
+        out = model(x)
+    assert [s.kind for s in swaps] == ["pointwise", "covers-input"]
+    torch.testing.assert_close(out.float(), reference.float(), rtol=2e-2, atol=2e-2)
+
+
 def test_a_new_shape_that_no_longer_qualifies_takes_the_conv_path():
     conv, fixed = both(lambda: nn.Conv2d(6, 10, 7))
     linearize(fixed, torch.randn(2, 6, 7, 7, dtype=torch.float64), mode="always")
