@@ -251,13 +251,13 @@ def linearize_lines(trials: pd.DataFrame) -> list[str]:
     if fixed.empty:
         return []
     names = pd.Series([n for swapped in fixed["swapped"].fillna("") for n in str(swapped).split()])
-    counts = ", ".join(f"`{n}` ({c} of {len(fixed)})" for n, c in names.value_counts().items()) or "nothing"
-    line = f"- conv with `linearize: true` (rcnn.fix, mode auto) swapped {counts} settings"
+    counts = ", ".join(f"`{n}` (in {c} of {len(fixed)} settings)" for n, c in names.value_counts().items())
+    line = f"- conv with `linearize: true` (rcnn.fix, mode auto) swapped {counts or 'nothing'}"
     paired = fixed.merge(reference, on=[k for k in OTHER_KNOBS if k != "linearize"], suffixes=("", "_reference"))
     if len(paired):
         ratio = float(np.exp(np.log(paired["head_backward_ms"] / paired["head_backward_ms_reference"]).mean()))
         line += (f"; its box-head backward is {ratio:.2f}x conv_as_linear's (geometric mean over {len(paired)} "
-                 "settings)")
+                 f"settings; {'within' if ratio <= 1.05 else 'beyond'} the 5% the fix aims for)")
     return [line + "."]
 
 

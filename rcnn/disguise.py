@@ -25,6 +25,8 @@ def gemm_kind(conv: nn.Module, input_shape: tuple[int, ...]) -> tuple[str, str] 
     if not isinstance(conv, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) or isinstance(conv.padding, str):
         return None
     kernel, stride = tuple(conv.kernel_size), tuple(conv.stride)
+    if len(input_shape) != len(kernel) + 2:  # an unbatched input: the conv adds the batch, a GEMM would not
+        return None
     spatial = tuple(input_shape[-len(kernel):])
     plain = conv.groups == 1 and not any(conv.padding) and all(d == 1 for d in conv.dilation)
     if not plain:

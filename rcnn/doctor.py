@@ -260,7 +260,8 @@ def _print_fix(fixed: Fixed, top: int) -> None:
         print(f"{phase.replace('_', ' + ')}: {p['before_ms']:.1f} -> {p['after_ms']:.1f} ms (medians of "
               f"{s['paired_steps']} steps each, the original and the fixed model in turn), after / before "
               f"{p['ratio']:.3f} [95% CI {p['ci_low']:.3f}, {p['ci_high']:.3f}]")
-    _print(fixed.after, top, "After the fix:")
+    if fixed.after:
+        _print(fixed.after, top, "After the fix:")
 
 
 # -- one module's backward alone

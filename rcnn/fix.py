@@ -51,7 +51,7 @@ def _pointwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 
 def _patches(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    kernel = weight.shape[2:]
+    kernel, given = weight.shape[2:], x
     n, c = x.shape[:2]
     sizes = [s // k for s, k in zip(x.shape[2:], kernel)]
     x = x[(..., *[slice(0, o * k) for o, k in zip(sizes, kernel)])]  # the remainder a conv drops
@@ -59,7 +59,8 @@ def _patches(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     d = len(kernel)
     rows = x.permute(0, *range(2, 2 + 2 * d, 2), 1, *range(3, 3 + 2 * d, 2))  # (N, o1, o2, ..., C, k1, k2, ...)
     out = F.linear(rows.reshape(n * math.prod(sizes), c * math.prod(kernel)), weight.flatten(1), bias)
-    return out.view(n, *sizes, -1).movedim(-1, 1)
+    out = out.view(n, *sizes, -1).movedim(-1, 1)  # channels-last memory
+    return out if channels_last(given) else out.contiguous()  # the conv's layout: as its input's
 
 
 GEMMS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]] = {
@@ -100,12 +101,13 @@ _AS_LINEAR: dict[type, type] = {nn.Conv1d: Conv1dAsLinear, nn.Conv2d: Conv2dAsLi
 
 def as_linear_class(cls: type) -> type | None:
     """The AsLinear subclass of a convolution class, made once (and importable from here, so a pickled model
-    loads); None for a class with a forward of its own, which the swap would bypass."""
+    loads); None for a class with a forward (or _conv_forward) of its own, which the swap would bypass."""
     if issubclass(cls, AsLinear):
         return cls
     if cls not in _AS_LINEAR:
         base = next((c for c in cls.__mro__ if c in CONVS), None)
-        if base is None or any("forward" in vars(k) for k in cls.__mro__[:cls.__mro__.index(base)]):
+        own = {"forward", "_conv_forward"}  # what the GEMM path would bypass
+        if base is None or any(own & set(vars(k)) for k in cls.__mro__[:cls.__mro__.index(base)]):
             return None
         made = type(f"{cls.__name__}AsLinear", (AsLinear, cls), {"__module__": __name__,
                                                                 "__doc__": f"{cls.__name__}, with AsLinear."})
@@ -133,9 +135,10 @@ def _time_paths(module: nn.Module, seen: Seen, device: torch.device, repeats: in
     params = [p for p in module.parameters() if p.requires_grad]
     wrt = [x] * seen.input_requires_grad + params
     casts = seen.autocasts(module)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    kind, times = module.gemm, []
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    kind, times, grad_was = module.gemm, [], torch.is_grad_enabled()
     try:
+        torch.set_grad_enabled(True)  # linearize may be called under no_grad: the backward is timed too
         for path in (None, kind):
             module.gemm = path
 
@@ -154,6 +157,7 @@ def _time_paths(module: nn.Module, seen: Seen, device: torch.device, repeats: in
             times.append(sorted(run() for _ in range(repeats))[repeats // 2])
     finally:
         module.gemm = kind
+        torch.set_grad_enabled(grad_was)
     return times[0], times[1]
 
 
@@ -168,8 +172,10 @@ def _seen_by_module(model: nn.Module, forward: Callable[[], Any]) -> dict[str, S
 
     handles = [module.register_forward_hook(record) for module in convs]
     buffers = [b.detach().clone() for b in model.buffers()]  # a training forward moves BatchNorm's statistics
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
-        forward()
+        with torch.random.fork_rng(devices=devices):  # nor the random streams (RoI sampling, dropout)
+            forward()
     except Exception as err:
         raise ValueError(f"linearize: the model's forward failed on the example ({type(err).__name__}: "
                          f"{str(err).splitlines()[0] if str(err) else ''}); give inputs the model takes, as "
@@ -197,18 +203,20 @@ def linearize_with(model: nn.Module, forward: Callable[[], Any], *, mode: str = 
         if found is None or cls is None:
             continue
         kind = found[0]
-        was = (type(module), getattr(module, "gemm", None))
+        was = type(module), {k: vars(module)[k] for k in ("gemm", "_gemm_at") if k in vars(module)}
         module.__class__, module.gemm = cls, kind
+        vars(module).pop("_gemm_at", None)
         conv_ms = gemm_ms = float("nan")
-        if mode == "auto":
-            conv_ms, gemm_ms = _time_paths(module, input_seen, module.weight.device)
-        swapped = mode == "always" or gemm_ms < AUTO_MARGIN * conv_ms
-        if not swapped:
-            module.__class__ = was[0]
-            if was[1] is None and "gemm" in vars(module):
-                del module.gemm
-            else:
-                module.gemm = was[1]
+        try:
+            if mode == "auto":
+                conv_ms, gemm_ms = _time_paths(module, input_seen, module.weight.device)
+            swapped = mode == "always" or gemm_ms < AUTO_MARGIN * conv_ms
+        finally:  # declined, or the timing failed: the module exactly as it was
+            if mode == "auto" and not (gemm_ms < AUTO_MARGIN * conv_ms):
+                module.__class__ = was[0]
+                for key in ("gemm", "_gemm_at"):
+                    vars(module).pop(key, None)
+                vars(module).update(was[1])
         swaps.append(Swap(name, kind, input_seen.input_shape, swapped, conv_ms, gemm_ms))
     return swaps
 

@@ -145,5 +145,5 @@ def test_the_verdict_says_what_linearize_swapped_and_how_close_it_came():
     fixed["swapped"] = ["roi_heads.box_head.0 roi_heads.box_head.2", "roi_heads.box_head.0"]
     assert linearize_lines(trials) == []  # no trial with the knob on: nothing to say
     (line,) = linearize_lines(pd.concat([trials, fixed]))
-    assert "swapped `roi_heads.box_head.0` (2 of 2), `roi_heads.box_head.2` (1 of 2) settings" in line
-    assert "box-head backward is 1.02x conv_as_linear's (geometric mean over 2 settings)" in line
+    assert "swapped `roi_heads.box_head.0` (in 2 of 2 settings), `roi_heads.box_head.2` (in 1 of 2 settings)" in line
+    assert "box-head backward is 1.02x conv_as_linear's (geometric mean over 2 settings; within the 5%" in line

@@ -1,3 +1,4 @@
+import pandas as pd
 import pytest
 
 from pipeline.results import (ALL_SETTINGS, comparisons_table, head_order, head_pairs, read_env, read_trials, summarize_trials, trial_row,
@@ -94,3 +95,17 @@ def test_trial_row_refuses_a_misspelt_or_missing_column():
         trial_row(measured, **{k: v for k, v in setup.items() if k != "worker"})
     with pytest.raises(ValueError, match="measured columns: unknown \\['trial'\\]"):  # would overwrite the setup's
         trial_row({**measured, "trial": 9}, **setup)
+
+
+def test_pooled_ratios_leave_out_the_settings_with_the_automatic_fix():
+    trials, samples = fixture()
+    pooled = comparisons_table(trials, samples).query("batch_size == 'all' and phase == 'head_backward'")
+    fixed = trials[trials["status"] == "complete"].copy()
+    fixed["linearize"] = True
+    fixed["trial"] += 100
+    extra = {t + 100: {p: [v * (0.3 if fixed.loc[fixed["trial"] == t + 100, "head"].item() == "conv" else 1)
+                           for v in values] for p, values in s.items()} for t, s in samples.items() if s}
+    both = comparisons_table(pd.concat([trials, fixed]), samples | extra)
+    assert (both["linearize"].astype(str) == "True").any()  # compared per setting, with the fix too ...
+    again = both.query("batch_size == 'all' and phase == 'head_backward'")
+    assert again["ratio"].tolist() == pooled["ratio"].tolist()  # ... but the headline is the heads as written

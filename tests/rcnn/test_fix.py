@@ -215,3 +215,42 @@ def test_on_cuda_under_fp16_autocast(make, shape, kind):
         a, b = conv(x), fixed(x)
     assert [s.kind for s in swaps] == [kind] and a.dtype == b.dtype == torch.float16
     torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_a_declined_or_failed_swap_leaves_the_module_exactly_as_it_was(monkeypatch):
+    from rcnn import fix
+
+    model = nn.Sequential(nn.Conv2d(4, 8, 7), Conv2dAsLinear(8, 8, 1))
+    model[1].gemm = None  # a user's choice: always the conv
+    monkeypatch.setattr(fix, "_time_paths", lambda *a, **k: (1.0, 2.0))  # the GEMM slower: declined
+    swaps = linearize(model, torch.randn(2, 4, 7, 7))
+    assert [s.swapped for s in swaps] == [False, False]
+    assert type(model[0]) is nn.Conv2d and "gemm" not in vars(model[0])
+    assert model[1].gemm is None
+    monkeypatch.setattr(fix, "_time_paths", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        linearize(model, torch.randn(2, 4, 7, 7))
+    assert type(model[0]) is nn.Conv2d and model[1].gemm is None
+
+
+def test_no_grad_unbatched_inputs_and_buffers():
+    model = nn.Sequential(nn.Conv2d(4, 8, 7), nn.BatchNorm2d(8))
+    running = model[1].running_mean.clone()
+    with torch.no_grad():  # the backward is timed all the same
+        (swap,) = linearize(model, torch.randn(2, 4, 7, 7))
+    assert swap.conv_ms > 0 and swap.gemm_ms > 0
+    assert torch.equal(model[1].running_mean, running)  # the example's forward left no trace
+    conv = nn.Conv2d(4, 8, 7)
+    assert linearize(conv, torch.randn(4, 7, 7), mode="always") == []  # unbatched: not a GEMM as such
+    fixed = copy.deepcopy(conv)
+    linearize(fixed, torch.randn(2, 4, 7, 7), mode="always")
+    torch.testing.assert_close(fixed(torch.randn(4, 7, 7).clone()).shape, conv(torch.randn(4, 7, 7)).shape)
+
+
+def test_patches_output_has_the_convs_layout():
+    conv, fixed = both(lambda: nn.Conv2d(6, 10, 4, stride=4), dtype=torch.float32)
+    x = torch.randn(3, 6, 16, 16)
+    linearize(fixed, x, mode="always")
+    assert fixed(x).is_contiguous() and fixed(x).view(3, -1).shape == (3, 160)
+    x_cl = x.contiguous(memory_format=torch.channels_last)
+    assert fixed(x_cl).is_contiguous(memory_format=torch.channels_last)
