@@ -66,12 +66,7 @@ def conv_against_linear(device: torch.device, rounds: int, rois: int = 256, chan
     clock = Clock(device)
 
     def step(module: torch.nn.Module, inp: torch.Tensor) -> float:
-        clock.sync()
-        start = clock.mark()
-        module(inp).sum().backward()
-        end = clock.mark()
-        clock.sync()
-        return clock.ms(start, end)
+        return clock.time(lambda: module(inp).sum().backward())
 
     pairs = {"conv": (conv, x), "linear": (linear, flat)}
     times: dict[str, list[float]] = {"conv": [], "linear": []}

@@ -47,6 +47,11 @@ class Seen:
         half = (torch.float16, torch.bfloat16)
         return self.output_dtype in half and any(p.dtype != self.output_dtype for p in module.parameters())
 
+    def run(self, module: nn.Module, x: torch.Tensor) -> Any:
+        """``module(x)`` computed as it was seen: under autocast to its dtype where it needs it."""
+        with torch.autocast(x.device.type, dtype=self.output_dtype, enabled=self.autocasts(module)):
+            return module(x)
+
     @classmethod
     def of(cls, args: tuple, output: Any) -> Seen | None:
         """What a call with ``args`` that returned ``output`` saw; None unless it took one tensor."""

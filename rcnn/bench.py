@@ -81,7 +81,7 @@ class Trainer:
         self.model = build_detector(config, knobs.head).to(device=device, memory_format=memory_format(knobs))
         self.model.train()
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
-        self.scaler = grad_scaler(knobs, device)
+        self.scaler = grad_scaler(knobs.amp, device)
         self.batches = device_batches(samples, batch_size=knobs.batch_size, device=device)
         self.swaps = linearize_with(self.model, self._forward, mode="auto") if knobs.linearize else []
         self.head = ModuleSpanProbe(self.model.roi_heads.box_head, self.model.roi_heads.box_predictor, self.clock)
@@ -91,7 +91,7 @@ class Trainer:
     def _forward(self) -> torch.Tensor:
         """The loss of the first batch: what linearize sees each convolution's input in (shape, dtype, layout)."""
         images, targets = self.batches[0]
-        with autocast(self.knobs, self.device):
+        with autocast(self.knobs.amp, self.device):
             return sum(self.model(images, targets).values())
 
     def step(self, number: int, modules: ModuleTimer | None = None) -> dict[str, float]:
@@ -102,7 +102,7 @@ class Trainer:
         self.head.reset()
         forward, backward = (modules.forward(), modules.backward()) if modules else (nullcontext(), nullcontext())
         start = clock.mark()
-        with forward, autocast(knobs, self.device):
+        with forward, autocast(knobs.amp, self.device):
             loss = sum(self.model(images, targets).values())
         forward_end = clock.mark()
         with backward:
@@ -192,7 +192,7 @@ def isolated_head_ms(config: DetectorConfig, knobs: Knobs, *, rois: int, device:
     x = torch.randn(rois, BACKBONE_CHANNELS, ROI_RESOLUTION, ROI_RESOLUTION, device=device, requires_grad=True)
 
     def forward():
-        with autocast(knobs, device):
+        with autocast(knobs.amp, device):
             return predictor(box_head(x))
 
     def forward_backward():

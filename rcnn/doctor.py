@@ -42,7 +42,7 @@ from rcnn.cli import Parser
 from rcnn.disguise import FIX, gemm_kind
 from rcnn.fix import Swap, linearize_with
 from rcnn.kernels import capture
-from rcnn.knobs import DTYPES, autocast_dtype, resolve_device, set_tf32, why_not
+from rcnn.knobs import DTYPES, autocast, grad_scaler, resolve_device, set_tf32, why_not
 from rcnn.machine import fingerprint, matmul_size
 from rcnn.model import DetectorConfig
 from rcnn.outputs import check_sqlite_url, claim_folder, project_root, write_atomic
@@ -51,7 +51,7 @@ from rcnn.rules import Rule, UserError, ValueNotAllowed, first_line
 from rcnn.schema import (AMP, AMP_DTYPES, BACKBONE, BATCH_SIZE, DEVICE, IMAGE_SIZE, MAX_SECONDS, MODULE_COLUMNS,
                          SLOW_MIN_FLOP_SHARE, SLOW_PEAK_FRACTION, WHY_COLUMNS)
 from rcnn.stats import TimingPolicy, compare, median_precision
-from rcnn.timing import Clock
+from rcnn.timing import Clock, median_ms
 from rcnn.workloads import Workload, build_workload
 
 FILES = re.compile(r"modules(_fixed)?\.csv|why\.csv|fix\.csv|env\.json")  # what --out holds: the doctor's only
@@ -76,12 +76,12 @@ def training_step(workload: Workload, model: nn.Module, *, device: torch.device,
     # The optimizer's arithmetic is the same at any rate; 0 keeps an untrained model on synthetic data from
     # diverging over the measured steps.
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
-    scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")  # fp16 gradients need loss scaling
+    scaler = grad_scaler(amp, device)
     forward, backward = (timer.forward, timer.backward) if timer else (contextlib.nullcontext,) * 2
 
     def step() -> tuple[pd.DataFrame | None, dict]:
         start = clock.mark()
-        with forward(), torch.autocast(device.type, dtype=autocast_dtype(amp), enabled=amp != "off"):
+        with forward(), autocast(amp, device):
             loss = workload.loss(model, workload.batch)
         middle = clock.mark()
         with backward():
@@ -219,7 +219,7 @@ def fix(workload: Workload, *, device: torch.device, amp: str, policy: TimingPol
     original = copy.deepcopy(workload.model)
 
     def forward() -> None:
-        with torch.autocast(device.type, dtype=autocast_dtype(amp), enabled=amp != "off"):
+        with autocast(amp, device):
             workload.loss(workload.model, workload.batch)
 
     swaps = pd.DataFrame([asdict(s) for s in linearize_with(workload.model, forward, mode="auto")],
@@ -279,7 +279,6 @@ def backward_alone(module: nn.Module, seen: Seen, device: torch.device, peak_tfl
     take at the matmul peak. The module's parameters and their .grad are left as they were."""
     x = example_input(seen, device)
     params = [p for p in module.parameters() if p.is_floating_point()]
-    casts = seen.autocasts(module)
     clock = Clock(device)
     saved = [p.requires_grad for p in params]
     row: dict[str, Any] = {"input_shape": "x".join(map(str, seen.input_shape)),
@@ -295,27 +294,19 @@ def backward_alone(module: nn.Module, seen: Seen, device: torch.device, peak_tfl
                 p.requires_grad_(part == "weight_grad")
 
             def forward() -> tuple[torch.Tensor, torch.Tensor]:
-                with torch.autocast(device.type, dtype=seen.output_dtype, enabled=casts):
-                    out = _first_tensor(module(x))
+                out = _first_tensor(seen.run(module, x))
                 return out, torch.ones_like(out)
 
             def timed() -> float:
-                out, grad = forward()
-                clock.sync()
-                start = clock.mark()
-                torch.autograd.grad(out, wrt, grad)
-                end = clock.mark()
-                clock.sync()
-                return clock.ms(start, end)
+                out, grad = forward()  # untimed: the backward alone is
+                return clock.time(lambda: torch.autograd.grad(out, wrt, grad))
 
-            for _ in range(2):  # burn-in: kernel choice, oneDNN primitive caches
-                timed()
-            times = sorted(timed() for _ in range(repeats))
+            ms = median_ms(timed, repeats=repeats)
             out, grad = forward()
             with FlopCount() as counter:
                 torch.autograd.grad(out, wrt, grad)
             out, grad = forward()
-            row |= {f"{part}_ms": times[len(times) // 2], f"{part}_gflop": counter.total / 1e9,
+            row |= {f"{part}_ms": ms, f"{part}_gflop": counter.total / 1e9,
                     f"{part}_impl": implementation(lambda: torch.autograd.grad(out, wrt, grad, retain_graph=True),
                                                    device)}
     finally:

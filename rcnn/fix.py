@@ -17,7 +17,6 @@ is no longer of the kind it was swapped for.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -27,6 +26,7 @@ from torch import nn
 
 from rcnn.attribution import Seen, channels_last, example_input
 from rcnn.disguise import gemm_kind
+from rcnn.timing import Clock, median_ms
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 MODES = ("auto", "always")
@@ -134,27 +134,19 @@ def _time_paths(module: nn.Module, seen: Seen, device: torch.device, repeats: in
     x = example_input(seen, device).requires_grad_(seen.input_requires_grad)
     params = [p for p in module.parameters() if p.requires_grad]
     wrt = [x] * seen.input_requires_grad + params
-    casts = seen.autocasts(module)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    clock = Clock(device)
     kind, times, grad_was = module.gemm, [], torch.is_grad_enabled()
+
+    def forward_backward() -> None:
+        out = seen.run(module, x)
+        if wrt:
+            torch.autograd.grad(out, wrt, torch.ones_like(out))
+
     try:
         torch.set_grad_enabled(True)  # linearize may be called under no_grad: the backward is timed too
         for path in (None, kind):
             module.gemm = path
-
-            def run() -> float:
-                sync()
-                start = time.perf_counter()
-                with torch.autocast(device.type, dtype=seen.output_dtype, enabled=casts):
-                    out = module(x)
-                if wrt:
-                    torch.autograd.grad(out, wrt, torch.ones_like(out))
-                sync()
-                return (time.perf_counter() - start) * 1e3
-
-            for _ in range(2):  # burn-in: kernel choice, primitive caches
-                run()
-            times.append(sorted(run() for _ in range(repeats))[repeats // 2])
+            times.append(median_ms(lambda: clock.time(forward_backward), repeats=repeats))
     finally:
         module.gemm = kind
         torch.set_grad_enabled(grad_was)

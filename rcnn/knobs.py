@@ -107,13 +107,14 @@ def autocast_dtype(amp: str) -> torch.dtype:
     return DTYPES[AMP_DTYPES[amp]]
 
 
-def autocast(knobs: Knobs, device: torch.device) -> contextlib.AbstractContextManager:
-    return torch.autocast(device.type, dtype=autocast_dtype(knobs.amp), enabled=knobs.amp != "off")
+def autocast(amp: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast for an amp setting ('off', 'fp16', 'bf16')."""
+    return torch.autocast(device.type, dtype=autocast_dtype(amp), enabled=amp != "off")
 
 
-def grad_scaler(knobs: Knobs, device: torch.device) -> torch.amp.GradScaler:
+def grad_scaler(amp: str, device: torch.device) -> torch.amp.GradScaler:
     # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
-    return torch.amp.GradScaler(device.type, enabled=knobs.amp == "fp16")
+    return torch.amp.GradScaler(device.type, enabled=amp == "fp16")
 
 
 def set_tf32(enabled: bool) -> None:

@@ -3,6 +3,7 @@ model, peak memory. Their statistics and the policy of when to stop measuring ar
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -34,6 +35,23 @@ class Clock:
         if self.cuda:
             return start.elapsed_time(end)
         return (end - start) * 1e3
+
+    def time(self, run: Callable[[], object]) -> float:
+        """Milliseconds of ``run()`` alone: the device idle before it starts and waited for after."""
+        self.sync()
+        start = self.mark()
+        run()
+        end = self.mark()
+        self.sync()
+        return self.ms(start, end)
+
+
+def median_ms(timed: Callable[[], float], *, repeats: int = 5, burn_in: int = 2) -> float:
+    """The median of ``repeats`` calls of ``timed`` (each returning its ms) after ``burn_in`` untimed ones, which
+    let kernel choice and primitive caches settle."""
+    for _ in range(burn_in):
+        timed()
+    return sorted(timed() for _ in range(repeats))[repeats // 2]
 
 
 BACKWARD_RANGE = "{label}.backward"  # the torch.profiler range ModuleSpanProbe opens around the chain's backward

@@ -141,9 +141,9 @@ def test_channels_last_and_onednn_off_hold_for_every_step(monkeypatch):
 def test_isolated_head_is_timed_under_the_knobs(monkeypatch, head):
     seen = set()  # oneDNN's switch at each timed call of the head
 
-    def watched_autocast(knobs, device):
+    def watched_autocast(amp, device):
         seen.add(torch.backends.mkldnn.enabled)
-        return bench_autocast(knobs, device)
+        return bench_autocast(amp, device)
 
     bench_autocast = bench.autocast
     monkeypatch.setattr(bench, "autocast", watched_autocast)

@@ -127,14 +127,14 @@ def test_tf32_is_one_setting_for_matmul_and_cudnn(enabled):
 def head_outputs(device: torch.device, amp: str) -> tuple[torch.dtype, torch.dtype]:
     """The dtypes a Linear and a Conv2d (the two box heads' layers) compute in under the knob's autocast."""
     linear, conv = nn.Linear(8, 4).to(device), nn.Conv2d(8, 4, 3).to(device)
-    with autocast(Knobs(amp=amp), device):
+    with autocast(amp, device):
         return linear(torch.randn(2, 8, device=device)).dtype, conv(torch.randn(1, 8, 5, 5, device=device)).dtype
 
 
 @pytest.mark.parametrize("amp, dtype", [("off", torch.float32), ("bf16", torch.bfloat16)], ids=["off", "bf16"])
 def test_autocast_runs_both_heads_layers_in_the_knobs_dtype_on_cpu(amp, dtype):
     assert head_outputs(CPU, amp) == (dtype, dtype)
-    assert not grad_scaler(Knobs(amp=amp), CPU).is_enabled()  # bf16 has fp32's range: no loss scaling
+    assert not grad_scaler(amp, CPU).is_enabled()  # bf16 has fp32's range: no loss scaling
 
 
 @pytest.mark.gpu
@@ -142,7 +142,7 @@ def test_autocast_runs_both_heads_layers_in_the_knobs_dtype_on_cpu(amp, dtype):
                                                 ("bf16", torch.bfloat16, False)], ids=["off", "fp16", "bf16"])
 def test_autocast_and_loss_scaling_on_cuda(amp, dtype, scaled):
     assert head_outputs(CUDA, amp) == (dtype, dtype)
-    assert grad_scaler(Knobs(amp=amp), CUDA).is_enabled() is scaled  # fp16 gradients underflow without it
+    assert grad_scaler(amp, CUDA).is_enabled() is scaled  # fp16 gradients underflow without it
 
 
 def test_channels_last_reaches_conv_weights():
