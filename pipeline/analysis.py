@@ -9,7 +9,9 @@ from pipeline.results import complete, head_order, ms_per_image
 from rcnn.schema import OTHER_KNOBS
 from rcnn.stats import bootstrap_ci
 
-DEFAULTS = {"cudnn_benchmark": False, "onednn": True, "amp": "off", "channels_last": False}  # PyTorch's own
+# PyTorch's own defaults (TF32: cuDNN's is on, matmul's off; the knob sets both alike, and off is the fp32 baseline).
+DEFAULTS = {"cudnn_benchmark": False, "onednn": True, "amp": "off", "channels_last": False, "linearize": False,
+            "tf32": False, "compile": "off"}
 
 
 def baseline_first(knob: str, values: list) -> list:

@@ -14,7 +14,7 @@ from pathlib import Path
 from pipeline.common import run_stage, stage_parser, write_json
 from rcnn.outputs import check_output, check_writable, json_object, project_root
 from pipeline.params import Params, keyed
-from rcnn.knobs import resolve_device, set_tf32
+from rcnn.knobs import resolve_device
 from rcnn.machine import ceilings, fingerprint
 
 
@@ -26,8 +26,6 @@ def stage(args: argparse.Namespace, params: Params) -> None:
     check_writable(args.out)
     with keyed("sweep."):
         device = resolve_device(params.sweep.device)
-    if device.type == "cuda":
-        set_tf32(params.sweep.allow_tf32)  # the fp32 ceiling under the flags the sweep runs with
     env = {"fingerprint": fingerprint(device), "ceilings": ceilings(device)}
     write_json(args.out, env)
     fp = env["fingerprint"]

@@ -95,6 +95,8 @@ class SpaceParams:
     channels_last: tuple[bool, ...] = (False, True)
     batch_size: tuple[int, ...] = _field((1, 2), schema.BATCH_SIZE)
     linearize: tuple[bool, ...] = (False, True)
+    tf32: tuple[bool, ...] = (False, True)  # CUDA only
+    compile: tuple[str, ...] = _field(("off",), schema.COMPILE)
 
     def as_dict(self) -> dict[str, list]:
         return {name: list(getattr(self, name)) for name in KNOB_NAMES}
@@ -109,6 +111,8 @@ class ProfileAt:
     channels_last: bool | None = None
     batch_size: int | None = _field(None, schema.BATCH_SIZE)
     linearize: bool | None = None
+    tf32: bool | None = None
+    compile: str | None = _field(None, schema.COMPILE)
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,6 @@ class SweepParams:
     storage: str = "optuna.journal"   # a journal file path (one host), or postgresql://... (many machines)
     workers: int = _field(1, Rule(minimum=1))  # processes on this host sharing the study (and its CPU threads or GPUs)
     heartbeat_s: int = _field(60, Rule(minimum=1))  # RDB storage: a trial silent for 3x this is failed and queued again
-    allow_tf32: bool = False          # CUDA: one value for matmul and cuDNN, a fair fp32 comparison
     cross_check: bool = True          # also time each head alone with torch.utils.benchmark
     profile_steps: int = _field(3, Rule(minimum=0))  # torch.profiler steps per head at profile_at; 0: no kernel tables
     profile_at: tuple[ProfileAt, ...] = (ProfileAt(),)  # these settings run first, so a time budget keeps them
@@ -150,6 +153,7 @@ class TimingParams:
 class TrackingParams:
     mlflow_uri: str = "sqlite:///mlflow.db"
     experiment: str = "roi-head-backward"
+    system_metrics_s: float | None = _field(10.0, Rule(minimum=1))  # MLflow system metrics' interval; null: none
 
 
 @dataclass(frozen=True)
@@ -232,9 +236,16 @@ def _refuse_embedded_password(raw: Any) -> None:
                               f"dvc.lock (and so in git); remove it from the URL and pass it in {source} instead")
 
 
+# Keys that were replaced: what to write instead.
+REPLACED = {("sweep", "allow_tf32"): "the swept knob sweep.space.tf32 ([false], [true] or [false, true]; CUDA only)"}
+
+
 def parse_params(raw: Any) -> Params:
     """Validate an already-loaded params mapping; missing keys take the defaults above."""
     _refuse_embedded_password(raw)
+    for (section, key), instead in REPLACED.items():
+        if isinstance(raw, dict) and isinstance(raw.get(section), dict) and key in raw[section]:
+            raise ParamsError(f"{section}.{key}: no longer a key; use {instead}")
     params = _build(Params, raw, "")
     if params.sweep.n_trials is None and params.sweep.sampler != "grid":
         raise ParamsError("sweep.n_trials: null (whole grid) needs sampler: grid; allowed for tpe: an integer >= 1")

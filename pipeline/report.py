@@ -24,13 +24,14 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from pipeline.analysis import (batch_scaling, head_order, knob_effects, pareto_front, reference_setting,
-                               roofline, time_split)
+from pipeline.analysis import (baseline_first, batch_scaling, head_order, knob_effects, pareto_front,
+                               reference_setting, roofline, time_split)
 from pipeline.common import read_json, run_stage, stage_parser
 from rcnn.outputs import CSV, Kind, PNG, check_folder, check_writable, project_root, text_start, write_atomic
 from pipeline.params import Params
-from pipeline.results import complete, fastest, read_env, read_table, read_trials
-from rcnn.schema import COMPARISON_COLUMNS, KERNEL_COLUMNS, MODULE_TABLE_COLUMNS, OTHER_KNOBS, OUTSIDE, ResultsError
+from pipeline.results import ALL_SETTINGS, complete, fastest, pooled_rows, read_env, read_table, read_trials
+from rcnn.schema import (AMP_DTYPES, COMPARISON_COLUMNS, COMPILE_COLUMNS, KERNEL_COLUMNS, MODULE_TABLE_COLUMNS,
+                         OTHER_KNOBS, OUTSIDE, ResultsError)
 
 TITLE = "# Why the conv box head's backward is slow, and what fixes it"
 HTML_START = "<!doctype html><html><head><meta charset='utf-8'><title>RoI-head backward"
@@ -75,13 +76,17 @@ def load_results(trials: str, comparisons: str, kernels: str, summary: str, env:
 
 def setting_label(row: pd.Series | dict, skip: tuple[str, ...] = ()) -> str:
     parts = []
-    for knob, name in (("cudnn_benchmark", "bench"), ("onednn", "oneDNN")):
-        if row[knob] != "n/a" and knob not in skip:
+    for knob, name in (("cudnn_benchmark", "bench"), ("onednn", "oneDNN"), ("tf32", "TF32")):
+        if str(row.get(knob, "n/a")) != "n/a" and knob not in skip:
             parts.append(f"{name} {'on' if str(row[knob]) == 'True' else 'off'}")
     parts.append(f"amp {row['amp']}")
     parts.append("NHWC" if str(row["channels_last"]) == "True" else "NCHW")
     if "batch_size" not in skip:
         parts.append(f"bs {row['batch_size']}")
+    if str(row.get("linearize")) == "True":
+        parts.append("linearized")
+    if str(row.get("compile", "off")) != "off" and "compile" not in skip:
+        parts.append(f"compiled {row['compile']}")
     return ", ".join(parts)
 
 
@@ -155,7 +160,7 @@ def draw_roofline(data: pd.DataFrame, ax: plt.Axes, r: Results) -> None:
     table = data.set_index("head")[["head_forward_tflops", "head_backward_tflops"]]
     table.columns = ["forward", "backward"]
     table.plot.bar(ax=ax, rot=0, color=["tab:gray", "tab:red"])
-    dtype = {"off": "fp32", "bf16": "bf16", "fp16": "fp16"}[str(r.setting["amp"])]
+    dtype = "tf32" if str(r.setting.get("tf32")) == "True" and r.setting["amp"] == "off" else AMP_DTYPES[r.setting["amp"]]
     peak = r.ceilings.get("matmul_tflops", {}).get(dtype)
     if peak:
         ax.axhline(peak, color="black", linestyle="--", label=f"measured {dtype} matmul peak ({peak:.2f})")
@@ -236,6 +241,7 @@ def verdict(r: Results, effects: pd.DataFrame) -> list[str]:
                      f"{best['ms_per_image']:.0f} ms per image ({best['step_ms']:.0f} ms per step of "
                      f"{best['batch_size']} image{'s' if best['batch_size'] > 1 else ''}).")
     lines += linearize_lines(r.trials)
+    lines += by_value_lines(r.comparisons)
     lines.append("- **the fix**, one line: replace `nn.Conv2d(C, 1024, 7)` by `Conv2dAsLinear(C, 1024, 7)` "
                  "(`rcnn.fix`): same parameters and checkpoints, computed as "
                  "`F.linear(x.flatten(1), weight.flatten(1), bias)`; or, for every such conv of a model, "
@@ -261,8 +267,34 @@ def linearize_lines(trials: pd.DataFrame) -> list[str]:
     return [line + "."]
 
 
+BY_VALUE_QUESTIONS = {"compile": "does torch.compile close the conv/linear gap?",
+                      "tf32": "does TF32 close the conv/linear gap?"}
+
+
+def by_value_lines(comparisons: pd.DataFrame) -> list[str]:
+    """One line per BY_VALUE knob swept with two values or more: the conv/linear box-head backward gap at each
+    value (geometric mean over the paired settings, 95% CI), and whether a value other than the default closes it."""
+    lines = []
+    for knob, question in BY_VALUE_QUESTIONS.items():
+        rows = pooled_rows(comparisons, knob)
+        rows = rows[(rows["numerator"] == "conv") & (rows["denominator"] == "linear")
+                    & (rows["phase"] == "head_backward")]
+        if rows[knob].nunique() < 2:
+            continue
+        rows = rows.set_index(rows[knob].astype(str)).loc[lambda t: baseline_first(knob, list(t.index))]
+        gaps = "; ".join(f"{knob} {value}: **{x.ratio:.2f}x** (95% CI {x.ci_low:.2f}-{x.ci_high:.2f}, "
+                         f"{x.settings} setting{'s' if x.settings > 1 else ''})" for value, x in rows.iterrows())
+        others = rows.iloc[1:]
+        closed = others[others["ci_high"] < 1.25]
+        answer = (f"yes, {knob} {', '.join(closed.index)} brings it under 1.25x" if len(closed)
+                  else "no: the gap stays")
+        lines.append(f"- {question} {answer}. conv / linear box-head backward, {gaps}.")
+    return lines
+
+
 def comparison_table(comparisons: pd.DataFrame) -> pd.DataFrame:
-    rows = comparisons[(comparisons["phase"] == "head_backward") & (comparisons["settings"] == 1)].copy()
+    per_setting = (comparisons[list(OTHER_KNOBS)].astype(str) != ALL_SETTINGS).all(axis=1)
+    rows = comparisons[(comparisons["phase"] == "head_backward") & per_setting].copy()
     rows["pair"] = rows["numerator"] + " / " + rows["denominator"]
     rows["ratio [95% CI]"] = rows.apply(lambda x: f"{x['ratio']:.2f} [{x['ci_low']:.2f}, {x['ci_high']:.2f}]", axis=1)
     rows["p"] = rows["p_value"].map(lambda p: f"{p:.1g}")
@@ -323,6 +355,40 @@ def module_section(modules: pd.DataFrame, top: int = 5) -> list[str]:
                     f"{conv / linear:.2f}x the linear head's first nn.Linear ({FIRST_LAYER['linear']}, "
                     f"{linear:.1f} ms) at the same setting.", ""]
     return out
+
+
+def compile_section(trials: pd.DataFrame) -> list[str]:
+    """Knob compile side by side with eager: per setting and head, box-head backward with its CI and step time at
+    each compile value, and what compiling cost (kept out of the medians)."""
+    done = complete(trials)
+    if done["compile"].astype(str).nunique() < 2:
+        return ["Not swept here (sweep.space.compile has one value); `presets/compile-cpu.yaml` sweeps it.", ""]
+    table = done.assign(setting=done.apply(setting_label, axis=1, skip=("compile",)), compile_s=done["compile_ms"] / 1e3,
+                        head_backward=done.apply(lambda x: f"{x.head_backward_ms:.1f} [{x.head_backward_ci_low_ms:.1f}, "
+                                                           f"{x.head_backward_ci_high_ms:.1f}]", axis=1))
+    table = table.sort_values(["setting", "head", "compile"], key=lambda c: c.map(str))
+    return ["Inductor rewrites only 1x1 convolutions into matmuls (`conv_1x1_as_mm`, off by default; the "
+            "environment below records it) and runs `aten.convolution_backward` as a fallback to the eager kernel, "
+            "so compiling is not expected to close the gap. Compile time (the first steps, which compile, and any "
+            "that recompiled) is kept out of the medians.", "",
+            table[["setting", "head", "compile", "head_backward", "step_ms", *COMPILE_COLUMNS[1:], "compile_s"]]
+            .rename(columns={"head_backward": "box-head backward ms [95% CI]"}).round(2)
+            .to_markdown(index=False), ""]
+
+
+def wall_section(summary: dict) -> list[str]:
+    """Where the sweep stage's last run spent its wall time, by part."""
+    wall = summary.get("wall")
+    if not wall or not wall.get("total_s"):
+        return ["Not recorded: the sweep's last run measured nothing new, or predates the accounting.", ""]
+    parts = pd.Series(wall["parts_s"], name="seconds")
+    table = pd.DataFrame({"part": parts.index, "seconds": parts.values,
+                          "share": (parts.values / wall["total_s"]).round(3)})
+    return [f"The sweep stage's last run: {wall['total_s']:.0f} s of worker time; timed steps "
+            f"**{wall['measure_share']:.0%}** of it. Parts: each trial's build, compile (knob compile's first steps), "
+            "warm-up, measured steps, profiling and the by-module table (profile_at only), isolated-head "
+            "cross-check (profile_at only), MLflow logging; failed trials; the drift baselines; the rest (setup, "
+            "Optuna, writing tables).", "", table.to_markdown(index=False), ""]
 
 
 def drift_line(summary: dict) -> str:
@@ -399,7 +465,9 @@ def render(r: Results, lock: Path | None) -> str:
         "`isolated_head_backward_ms` times the head alone with torch.utils.benchmark (a cross-check of the hooks).", "",
         "## Why", "", *kernel_section(r.kernels),
         "## Backward by module", "", *module_section(r.modules),
+        "## torch.compile", "", *compile_section(r.trials),
         "## Environment and reproduction", "", drift_line(s), "", *environment_section(r, lock), "",
+        "## Where the sweep's time went", "", *wall_section(s),
         "## Trials", "", "Times are medians per training step, in ms.", "",
         r.trials.reindex(columns=SHOWN).round(2).to_markdown(index=False), "",
     ]

@@ -86,7 +86,7 @@ def read_table(path: str | Path, columns: tuple[str, ...], stage: str) -> pd.Dat
         raise ResultsError(f"{path}: not a {stage} table ({str(err).splitlines()[0]})") from None
     for column, value in ADDED_COLUMNS.items():  # a table from before the column: what it meant
         if column in columns and column not in table.columns:
-            table[column] = value
+            table[column] = value(table) if callable(value) else value
     missing = [c for c in columns if c not in table.columns]
     if missing:
         raise ResultsError(f"{path}: missing columns {', '.join(missing)}; run the {stage} stage to rewrite it")
@@ -105,16 +105,29 @@ def read_env(path: str | Path) -> dict:
     return env
 
 
+BY_VALUE = ("compile", "tf32")  # knobs whose every value gets pooled rows of its own (the verdict's answers)
+
+
+def _uncompiled(done: pd.DataFrame) -> str:
+    """The compile value the headline pools: off, or the first swept where off was not."""
+    values = list(dict.fromkeys(done["compile"].astype(str)))
+    return "off" if "off" in values or not values else values[0]
+
+
 def comparisons_table(trials: pd.DataFrame, samples: dict[int, dict[str, list[float]] | None],
                       seed: int = 0, reference: str | None = None) -> pd.DataFrame:
     """Per setting of the other knobs, each head pair's ratio of medians per phase (head_pairs) with a bootstrap
-    CI and the Mann-Whitney p-value; then one pooled row per pair and phase (knobs = 'all', geometric mean) over
-    the settings without the automatic fix (knob linearize false): the heads as written."""
+    CI and the Mann-Whitney p-value. Then pooled rows (geometric mean over settings, knobs 'all'), over the
+    settings without the automatic fix (knob linearize false): one per pair and phase over the uncompiled
+    settings (the heads as written), and one per value of each BY_VALUE knob swept (that knob keeps its value)."""
     done = complete(trials)
     done = done[done["trial"].isin([t for t, kept in samples.items() if kept])]
     rows, pooled = [], {}
     pairs = head_pairs(done["head"].unique(), reference)
+    eager = _uncompiled(done)
+    by_value = [k for k in BY_VALUE if done[k].astype(str).replace("n/a", np.nan).nunique() > 1]  # the swept ones
     for setting, group in done.groupby(list(OTHER_KNOBS), dropna=False, sort=True):
+        knobs = dict(zip(OTHER_KNOBS, setting))
         trial_of = dict(zip(group["head"], group["trial"]))
         for num, den in pairs:
             if num not in trial_of or den not in trial_of:
@@ -122,17 +135,31 @@ def comparisons_table(trials: pd.DataFrame, samples: dict[int, dict[str, list[fl
             for phase in COMPARED_PHASES:
                 a, b = samples[trial_of[num]][phase], samples[trial_of[den]][phase]
                 c = compare(a, b, seed=seed)
-                rows.append(dict(zip(OTHER_KNOBS, setting)) | {
+                rows.append(knobs | {
                     "numerator": num, "denominator": den, "phase": phase, "ratio": c.ratio, "ci_low": c.ci_low,
                     "ci_high": c.ci_high, "p_value": c.p_value, "settings": 1})
-                if str(dict(zip(OTHER_KNOBS, setting)).get("linearize")) != "True":
-                    pooled.setdefault((num, den, phase), []).append((a, b))
-    for (num, den, phase), pairs in pooled.items():
+                if str(knobs.get("linearize")) == "True":
+                    continue
+                if str(knobs["compile"]) == eager:
+                    pooled.setdefault(((), num, den, phase), []).append((a, b))
+                for knob in by_value:
+                    if str(knobs[knob]) != "n/a":
+                        pooled.setdefault((((knob, knobs[knob]),), num, den, phase), []).append((a, b))
+    for (kept, num, den, phase), pairs in pooled.items():
         ratio, low, high = geomean_ratio(pairs, seed=seed)
-        rows.append({k: ALL_SETTINGS for k in OTHER_KNOBS} | {
+        rows.append({k: ALL_SETTINGS for k in OTHER_KNOBS} | dict(kept) | {
             "numerator": num, "denominator": den, "phase": phase, "ratio": ratio, "ci_low": low, "ci_high": high,
             "p_value": np.nan, "settings": len(pairs)})
     return pd.DataFrame(rows, columns=COMPARISON_COLUMNS)
+
+
+def pooled_rows(comparisons: pd.DataFrame, knob: str | None = None) -> pd.DataFrame:
+    """The pooled comparisons: over every uncompiled setting (``knob`` None), or per value of a BY_VALUE knob."""
+    others = [k for k in OTHER_KNOBS if k != knob]
+    mask = (comparisons[others].astype(str) == ALL_SETTINGS).all(axis=1)
+    if knob is not None:
+        mask &= comparisons[knob].astype(str) != ALL_SETTINGS
+    return comparisons[mask]
 
 
 def ms_per_image(trials: pd.DataFrame) -> pd.Series:
@@ -160,7 +187,7 @@ def summarize_trials(trials: pd.DataFrame, comparisons: pd.DataFrame) -> dict:
     summary: dict = {"trials": len(trials), "complete": len(done), "failed": int((status == "failed").sum()),
                      "timeout": int((status == "timeout").sum()),
                      "not_run": int(status.isin(["not run", "running"]).sum())}
-    pooled = comparisons[comparisons[OTHER_KNOBS[0]] == ALL_SETTINGS]
+    pooled = pooled_rows(comparisons)
     compared = list(zip(pooled["numerator"], pooled["denominator"]))
     for num, den in dict.fromkeys([*PAIRS, *compared]):
         for phase in COMPARED_PHASES:

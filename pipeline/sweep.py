@@ -45,12 +45,13 @@ from pipeline.study import (WorkQueue, finished_count, grid_points, hold_journal
                             wait_for_study)
 from rcnn.bench import TrialResult, isolated_head_ms, run_trial
 from rcnn.data import Sample, read_coco
-from rcnn.knobs import Knobs, Skipped, applicable_space, resolve_device, set_tf32
+from rcnn.knobs import Knobs, Skipped, applicable_space, peak_dtype, resolve_device
 from rcnn.model import BACKBONE_CHANNELS, ROI_RESOLUTION, DetectorConfig
 from rcnn.roofline import achieved, head_flops
 from rcnn.factory import source_of
 from rcnn.rules import first_line
-from rcnn.schema import AMP_DTYPES, HEAD_NAMES, KNOB_NAMES
+from rcnn.schema import HEAD_NAMES, KNOB_NAMES, SWEEP_WALL_PARTS, TRIAL_WALL_PARTS
+from rcnn.timing import Stopwatch
 
 
 def check_credentials(uri: str) -> None:
@@ -80,6 +81,9 @@ def connect_tracking(tracking: TrackingParams) -> None:
                               "start one (mlflow server) or use a local store such as sqlite:///mlflow.db") from None
         check_credentials(uri)
     mlflow.set_tracking_uri(uri)
+    if tracking.system_metrics_s:
+        mlflow.set_system_metrics_sampling_interval(tracking.system_metrics_s)
+        mlflow.set_system_metrics_samples_before_logging(1)
     try:
         experiment = mlflow.set_experiment(tracking.experiment)
         # Again by id: when another machine created the experiment at the same moment, MLflow returns it
@@ -99,7 +103,7 @@ def study_name(params: Params, grid: dict, fingerprint: dict, data_dir: Path) ->
     with keyed("sweep.space."):
         code += "".join(source_of(head, "head") for head in grid["head"] if head not in HEAD_NAMES)
     shape = {"model": asdict(params.model), "timing": asdict(params.timing), "grid": grid, "env": fingerprint,
-             "sampler": [params.sweep.sampler, params.sweep.seed], "tf32": params.sweep.allow_tf32,
+             "sampler": [params.sweep.sampler, params.sweep.seed],
              "annotations": (data_dir / "annotations.json").read_text(), "code": code}
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()
     return f"{params.tracking.experiment}-{digest[:12]}"
@@ -125,7 +129,7 @@ def measured_columns(result: TrialResult, knobs: Knobs, config: DetectorConfig, 
     forward, backward = head_flops(knobs.head, rois=result.rois, in_channels=BACKBONE_CHANNELS,
                                    resolution=ROI_RESOLUTION, representation_size=config.representation_size,
                                    num_classes=config.num_classes)
-    peak = ceilings.get("matmul_tflops", {}).get(AMP_DTYPES[knobs.amp])
+    peak = ceilings.get("matmul_tflops", {}).get(peak_dtype(knobs))
     fwd_tflops, fwd_fraction = achieved(forward, result.median("head_forward"), peak)
     bwd_tflops, bwd_fraction = achieved(backward, result.median("head_backward"), peak)
     return result.row() | {"head_forward_gflop": forward / 1e9, "head_backward_gflop": backward / 1e9,
@@ -178,6 +182,7 @@ class Sweep:
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self.failures = 0
         self.policy = params.timing.policy()
+        self.system_metrics = bool(params.tracking.system_metrics_s)
 
     def measure_in_run(self, knobs: Knobs, run_name: str, tags: dict[str, str],
                        trial: optuna.Trial | None = None) -> tuple[TrialResult, dict, str]:
@@ -186,8 +191,10 @@ class Sweep:
         (result, measured columns, the run's id)."""
         setting = {k: v for k, v in asdict(knobs).items() if k != "head"}
         profile = setting in self.profiled
+        started = time.perf_counter()
         with mlflow.start_run(run_name=run_name, nested=True, parent_run_id=self.parent_run_id,
-                              tags=self.tags | tags | {"worker": self.worker}) as run, killed_on_interrupt():
+                              tags=self.tags | tags | {"worker": self.worker},
+                              log_system_metrics=self.system_metrics) as run, killed_on_interrupt():
             if trial is not None:
                 trial.set_user_attr("mlflow_run_id", run.info.run_id)
                 trial.set_user_attr("worker", self.worker)
@@ -216,6 +223,11 @@ class Sweep:
                                  artifact_file=f"kernels/{knobs.head.replace(':', '.')}.json")
             if result.modules:
                 mlflow.log_text(pd.DataFrame(result.modules).to_csv(index=False), "modules.csv")
+            if result.compiled and result.compiled.break_reasons:
+                mlflow.log_text(result.compiled.break_reasons, "graph_breaks.txt")
+        # Logging: the run's time that no measuring part took (its MLflow calls, clean-up).
+        row["wall_logging_s"] = time.perf_counter() - started - sum(
+            v for k, v in row.items() if k.startswith("wall_") and k != "wall_logging_s" and v == v)
         self.progress.line(
             f"  step {result.median('step'):.0f} ms, backward {result.median('backward'):.0f} ms, head backward "
             f"{result.median('head_backward'):.1f} ms ({result.iterations} steps, precision "
@@ -229,10 +241,13 @@ class Sweep:
             result = run_trial(self.config, knobs, self.samples, device=self.device, policy=self.policy,
                                seed=self.params.sweep.seed,
                                profile_steps=self.params.sweep.profile_steps if profile else 0,
-                               peak_tflops=self.ceilings.get("matmul_tflops", {}).get(AMP_DTYPES[knobs.amp]))
+                               peak_tflops=self.ceilings.get("matmul_tflops", {}).get(peak_dtype(knobs)))
+            started = time.perf_counter()
             isolated = (isolated_head_ms(self.config, knobs, rois=result.rois, device=self.device)
-                        if self.params.sweep.cross_check else (float("nan"), float("nan")))
-        return result, measured_columns(result, knobs, self.config, self.ceilings, isolated)
+                        if self.params.sweep.cross_check and profile else (float("nan"), float("nan")))
+            cross_check_s = time.perf_counter() - started
+        return result, measured_columns(result, knobs, self.config, self.ceilings, isolated) | {
+            "wall_cross_check_s": cross_check_s}
 
     def objective(self, trial: optuna.Trial) -> float:
         """Measure the trial's knobs and record the row on it; the error is recorded on the trial if it raises."""
@@ -414,8 +429,6 @@ def join(args: argparse.Namespace, params: Params, setup: Setup, storage: optuna
 def connect(args: argparse.Namespace, params: Params) -> tuple[Setup, optuna.storages.BaseStorage]:
     """The sweep's setup, its study storage and the MLflow experiment, each checked before any trial runs."""
     setup = Setup.of(params, args.data, args.env)
-    if setup.device.type == "cuda":
-        set_tf32(params.sweep.allow_tf32)
     storage = open_storage(params.sweep)
     connect_tracking(params.tracking)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -448,11 +461,15 @@ def stage(args: argparse.Namespace, params: Params) -> int:
 
 def run_sweep(args: argparse.Namespace, params: Params) -> int:
     """The sweep stage proper: open the study, work it on this host, collect the tables, write them."""
+    started = time.time()
     setup, storage = connect(args, params)
     with open_study(params, setup, storage) as (study, parent_run_id):
-        failures = run_workers(args, params, setup, study, parent_run_id)
+        failures, baselines_s = run_workers(args, params, setup, study, parent_run_id)
         tables = collect_tables(params, setup, study, parent_run_id)
-        mlflow.log_metrics({k: v for k, v in tables.summary.items() if isinstance(v, (int, float)) and v == v})
+        tables.summary["wall"] = wall = sweep_wall(study, started, baselines_s, params.sweep.workers)
+        mlflow.log_metrics({k: v for k, v in tables.summary.items() if isinstance(v, (int, float)) and v == v}
+                           | {f"wall_{part}_s": s for part, s in wall["parts_s"].items()}
+                           | {"wall_total_s": wall["total_s"], "wall_measure_share": wall["measure_share"]})
     write_outputs(args, tables)
     if failures and params.sweep.fail_on_trial_error:
         print(f"error: {failures} trial(s) failed or timed out in this run (sweep.fail_on_trial_error)",
@@ -475,7 +492,7 @@ def open_study(params: Params, setup: Setup,
     if parent_id and not mlflow_run_exists(parent_id):  # a new or emptied tracking store: a new parent run
         parent_id = None
     with (mlflow.start_run(run_id=parent_id, run_name=None if parent_id else setup.study_name,
-                           tags=setup.tags) as parent,
+                           tags=setup.tags, log_system_metrics=bool(params.tracking.system_metrics_s)) as parent,
           stop_on_interrupt(study, planned_count(params, setup.points))):
         study.set_user_attr("mlflow_parent_run_id", parent.info.run_id)
         log_setup(params, setup)
@@ -489,9 +506,7 @@ def log_setup(params: Params, setup: Setup) -> None:
                        "skipped": json.dumps([asdict(s) for s in setup.skipped], default=str)})
     mlflow.set_tags({f"env.{k}": str(v) for k, v in setup.fingerprint.items()}
                     | {f"ceiling.{k}": str(v) for k, v in setup.ceilings.items()}
-                    | {"matmul_allow_tf32": str(torch.backends.cuda.matmul.allow_tf32),
-                       "cudnn_allow_tf32": str(torch.backends.cudnn.allow_tf32),
-                       "workers": str(params.sweep.workers)})
+                    | {"workers": str(params.sweep.workers)})
 
 
 def queue_grid(params: Params, setup: Setup, study: optuna.Study) -> None:
@@ -509,24 +524,48 @@ def queue_grid(params: Params, setup: Setup, study: optuna.Study) -> None:
 
 
 def run_workers(args: argparse.Namespace, params: Params, setup: Setup, study: optuna.Study,
-                parent_run_id: str) -> int:
+                parent_run_id: str) -> tuple[int, float]:
     """Work the study on this host until its deadline, between two measurements of the run order's first
-    point outside the study (drift over the sweep); the count of failed trials."""
+    point outside the study (drift over the sweep): (the count of failed trials, seconds the two took)."""
     if trials_to_run(params, study) == 0:
-        return 0
+        return 0, 0.0
     study.set_user_attr("ceilings", setup.ceilings)  # what this run's fraction-of-peak columns use
     point = setup.points[0]
     baseline = Sweep(params, setup, parent_run_id, Progress(0))
-    start = baseline.baseline(point, "start")
+    wall = Stopwatch("baselines")
+    with wall("baselines"):
+        start = baseline.baseline(point, "start")
     failures = work_on_this_host(args, params, setup, study, parent_run_id, study.user_attrs["deadline"])
     if not is_rdb(params.sweep.storage):  # a worker process that died left its trial running
         for t in WorkQueue(study).recover_interrupted():
             print(f"trial {t.number} was interrupted: marked failed, its point queued for the next run")
-    end = baseline.baseline(point, "end")
+    with wall("baselines"):
+        end = baseline.baseline(point, "end")
     if start and end:
         study.set_user_attr("drift", {"start": start, "end": end, "step_drift": end["step_ms"] / start["step_ms"] - 1,
                                       "point": point})
-    return failures
+    return failures, wall.seconds["baselines"]
+
+
+def sweep_wall(study: optuna.Study, started: float, baselines_s: float, workers: int) -> dict:
+    """Where this run's wall time went, this host's workers together: each trial's parts (rcnn.schema
+    TRIAL_WALL_PARTS) summed over the trials started in this run, the failed trials, the two baselines, and
+    the rest (setup, Optuna, writing tables). ``measure_share``: the timed steps' share of it all."""
+    parts = dict.fromkeys(SWEEP_WALL_PARTS, 0.0)
+    for t in study.get_trials(deepcopy=False):
+        if t.datetime_start is None or t.datetime_start.timestamp() < started or not t.state.is_finished():
+            continue
+        if row := t.user_attrs.get("result"):
+            for part in TRIAL_WALL_PARTS:
+                value = row.get(f"wall_{part}_s")
+                parts[part] += value if value is not None and value == value else 0.0
+        elif t.datetime_complete is not None:
+            parts["failed"] += (t.datetime_complete - t.datetime_start).total_seconds()
+    parts["baselines"] = baselines_s
+    total = (time.time() - started) * workers
+    parts["other"] = max(0.0, total - sum(parts.values()))
+    return {"total_s": round(total, 1), "parts_s": {k: round(v, 1) for k, v in parts.items()},
+            "measure_share": round(parts["measure"] / total, 3) if total else None}
 
 
 @dataclass(frozen=True)

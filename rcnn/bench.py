@@ -18,16 +18,16 @@ from rcnn.data import Sample, device_batches, read_coco, synthetic_samples
 from rcnn.doctor import diagnose
 from rcnn.fix import linearize_with
 from rcnn.heads import build_box_head
-from rcnn.knobs import (Knobs, autocast, backend_flags, grad_scaler, memory_format, resolve_device, why_not,
-                        why_not_together)
+from rcnn.knobs import (Knobs, autocast, backend_flags, compile_forward, compile_modules, grad_scaler, memory_format,
+                        resolve_device, why_not, why_not_together)
 from rcnn.kernels import capture, head_backward_table
 from rcnn.model import BACKBONE_CHANNELS, ROI_RESOLUTION, DetectorConfig, build_detector
 from rcnn.rules import UserError, ValueNotAllowed, at_least
-from rcnn.schema import (AMP, BACKBONE, BATCH_SIZE, DEVICE, HEAD, IMAGE_SIZE, ITERATIONS, MAX_ITERATIONS, MAX_SECONDS,
-                         NUM_IMAGES, PHASES, REL_PRECISION, REPRESENTATION_SIZE, ROIS_PER_IMAGE, STAT_COLUMNS, WARMUP,
-                         WATCHED)
+from rcnn.schema import (AMP, BACKBONE, BATCH_SIZE, COMPILE, DEVICE, HEAD, IMAGE_SIZE, ITERATIONS, MAX_ITERATIONS,
+                         MAX_SECONDS, NUM_IMAGES, PHASES, REL_PRECISION, REPRESENTATION_SIZE, ROIS_PER_IMAGE,
+                         STAT_COLUMNS, WARMUP, WATCHED, COMPILE_COLUMNS)
 from rcnn.stats import Stats, TimingPolicy, median_precision, summarize
-from rcnn.timing import Clock, ModuleSpanProbe, PeakMemory
+from rcnn.timing import Clock, ModuleSpanProbe, PeakMemory, Stopwatch
 from rcnn.workloads import Workload, detection_loss
 
 
@@ -43,6 +43,8 @@ class TrialResult:
     precision_met: bool
     rois: int              # box-head input rows per step (batch_size * rois_per_image given enough proposals)
     swapped: str = ""      # the modules knob linearize swapped (rcnn.fix), space-separated
+    compiled: Compiled | None = None  # knob compile: what compiling cost (None: off)
+    wall_s: dict[str, float] = field(default_factory=dict)  # seconds per part (build, compile, warmup, ...)
     kernels: list[dict] = field(default_factory=list)  # rcnn.kernels table when the trial was profiled
     modules: list[dict] = field(default_factory=list)  # rcnn.doctor's table (MODULE_COLUMNS rows), idem
 
@@ -54,9 +56,47 @@ class TrialResult:
         out: dict[str, float | int | bool] = {}
         for phase, stats in self.stats.items():
             out |= {pattern.format(phase): getattr(stats, name) for name, pattern in STAT_COLUMNS.items()}
-        return out | {"peak_mem_mb": self.peak_mem_mb, "warmup_iterations": self.warmup_iterations,
-                      "iterations": self.iterations, "precision": self.precision,
-                      "precision_met": self.precision_met, "rois": self.rois, "swapped": self.swapped}
+        compiled = {c: getattr(self.compiled, c) if self.compiled else float("nan") for c in COMPILE_COLUMNS}
+        return out | compiled | {f"wall_{part}_s": s for part, s in self.wall_s.items()} | {
+            "peak_mem_mb": self.peak_mem_mb, "warmup_iterations": self.warmup_iterations,
+            "iterations": self.iterations, "precision": self.precision, "precision_met": self.precision_met,
+            "rois": self.rois, "swapped": self.swapped}
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """Knob compile's cost before the steady state (rcnn.schema.COMPILE_COLUMNS)."""
+    compile_ms: float      # the steps that compiled (the first ones, and any recompiling one), their own run included
+    compile_steps: int
+    compiled_graphs: int   # graphs dynamo compiled over the whole trial
+    graph_breaks: int      # the graph breaks dynamo reported over the whole trial
+    break_reasons: str = ""  # one line per reason: count, then the reason's first line
+
+
+class DynamoCounters:
+    """Reads dynamo's counters, which only grow: graphs compiled and graph breaks since this was made."""
+
+    def __init__(self) -> None:
+        self.start_graphs, self.start_breaks = self.graphs(), self.breaks()
+
+    @staticmethod
+    def graphs() -> int:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+
+    @staticmethod
+    def breaks() -> dict[str, int]:
+        from torch._dynamo.utils import counters
+
+        return dict(counters["graph_break"])
+
+    def compiled(self, compile_ms: float, compile_steps: int) -> Compiled:
+        """What compiling cost since this was made, the steps that compiled given."""
+        breaks = {reason: n - self.start_breaks.get(reason, 0) for reason, n in self.breaks().items()}
+        breaks = {reason: n for reason, n in sorted(breaks.items(), key=lambda item: -item[1]) if n}
+        return Compiled(compile_ms, compile_steps, self.graphs() - self.start_graphs, sum(breaks.values()),
+                        "".join(f"{n} x {reason.splitlines()[0]}\n" for reason, n in breaks.items()))
 
 
 class Trainer:
@@ -69,7 +109,7 @@ class Trainer:
 
     def __init__(self, config: DetectorConfig, knobs: Knobs, samples: list[Sample], *, device: torch.device,
                  seed: int = 0, probe: bool = True) -> None:
-        for knob in ("cudnn_benchmark", "amp", "onednn"):
+        for knob in ("cudnn_benchmark", "amp", "onednn", "tf32", "compile"):
             value = getattr(knobs, knob)
             if value is not None and (reason := why_not(knob, value, device)):
                 raise ValueNotAllowed(knob, f"{value} does not apply on {device.type}: {reason}")
@@ -84,6 +124,7 @@ class Trainer:
         self.scaler = grad_scaler(knobs.amp, device)
         self.batches = device_batches(samples, batch_size=knobs.batch_size, device=device)
         self.swaps = linearize_with(self.model, self._forward, mode="auto") if knobs.linearize else []
+        self.compiled = compile_modules(self.model, knobs.compile)  # compiles on the first steps
         self.head = ModuleSpanProbe(self.model.roi_heads.box_head, self.model.roi_heads.box_predictor, self.clock)
         if not probe:
             self.head.remove()
@@ -128,40 +169,62 @@ class Trainer:
         self.head.remove()
 
 
+MAX_COMPILE_STEPS = 20  # a step that still compiles after this many: the setting recompiles without end
+
+
 def run_trial(config: DetectorConfig, knobs: Knobs, samples: list[Sample], *, device: torch.device,
               policy: TimingPolicy, seed: int = 0, profile_steps: int = 0, probe: bool = True,
               peak_tflops: float | None = None) -> TrialResult:
     """Warm up until step times settle, then time training steps until ``policy`` says stop; with
     ``profile_steps``, then profile that many more steps and keep the head-backward kernel table, and time
-    that many with every module instrumented (rcnn.doctor, against the matmul peak ``peak_tflops``).
+    that many with every module instrumented (rcnn.doctor, against the matmul peak ``peak_tflops``; eager
+    settings only: its modes and hooks would change what dynamo compiles).
 
-    Batches are on the device before the first step, so data loading is never timed. Raises
-    ValueNotAllowed for a knob setting that does not apply on ``device`` and FloatingPointError on a
-    non-finite loss.
+    With knob compile, the steps that compile (the first, and any that recompile) are timed on their own
+    (``compiled``), never as warm-up or measured steps. Batches are on the device before the first step, so data
+    loading is never timed. Raises ValueNotAllowed for a knob setting that does not apply on ``device``,
+    FloatingPointError on a non-finite loss and RuntimeError for a setting that keeps recompiling.
     """
     watched = WATCHED if probe else ("backward",)
     memory = PeakMemory(device)
+    wall = Stopwatch("build", "compile", "warmup", "measure", "profile")
     with backend_flags(knobs):
-        trainer = Trainer(config, knobs, samples, device=device, seed=seed, probe=probe)
+        with wall("build"):
+            trainer = Trainer(config, knobs, samples, device=device, seed=seed, probe=probe)
+        dynamo = DynamoCounters()
         try:
             warm: list[float] = []
-            while not policy.warmed_up(warm):  # burn-in: allocator, kernel choice, autotuning
-                warm.append(trainer.step(len(warm))["step"])
+            compiling: list[float] = []
+            while not policy.warmed_up(warm):  # burn-in: compiling, allocator, kernel choice, autotuning
+                graphs = dynamo.graphs()
+                with wall("warmup") as part:
+                    ms = trainer.step(len(warm) + len(compiling))["step"]
+                    if dynamo.graphs() > graphs:
+                        part.name = "compile"
+                        compiling.append(ms)
+                    else:
+                        warm.append(ms)
+                if len(compiling) > MAX_COMPILE_STEPS:
+                    raise RuntimeError(f"compile={knobs.compile}: still recompiling after {MAX_COMPILE_STEPS} steps")
             memory.reset()
             times: dict[str, list[float]] = {phase: [] for phase in PHASES}
             started = time.perf_counter()
-            while not policy.done([times[p] for p in watched], time.perf_counter() - started):
-                for phase, ms in trainer.step(len(warm) + len(times["step"])).items():
-                    times[phase].append(ms)
+            with wall("measure"):
+                while not policy.done([times[p] for p in watched], time.perf_counter() - started):
+                    for phase, ms in trainer.step(len(warm) + len(times["step"])).items():
+                        times[phase].append(ms)
+            compiled = dynamo.compiled(sum(compiling), len(compiling)) if knobs.compile != "off" else None
             kernels, modules = [], []
-            if profile_steps:  # after measuring: the profiler's and the doctor's overhead never reach the numbers
-                events = capture(lambda: trainer.step(0), device, profile_steps)
-                kernels = head_backward_table(events, profile_steps)
-                by_module = TimingPolicy(warmup=1, max_warmup=1, iterations=profile_steps,
-                                         max_iterations=profile_steps, max_seconds=float("inf"))
-                workload = Workload(f"detector:{knobs.head}", trainer.model, trainer.batches[0], detection_loss)
-                modules = diagnose(workload, device=device, amp=knobs.amp, policy=by_module, peak_tflops=peak_tflops,
-                                   explain=False).modules.to_dict("records")
+            with wall("profile"):
+                if profile_steps:  # after measuring: the profiler's and the doctor's overhead never reach the numbers
+                    events = capture(lambda: trainer.step(0), device, profile_steps)
+                    kernels = head_backward_table(events, profile_steps)
+                if profile_steps and knobs.compile == "off":
+                    by_module = TimingPolicy(warmup=1, max_warmup=1, iterations=profile_steps,
+                                             max_iterations=profile_steps, max_seconds=float("inf"))
+                    workload = Workload(f"detector:{knobs.head}", trainer.model, trainer.batches[0], detection_loss)
+                    modules = diagnose(workload, device=device, amp=knobs.amp, policy=by_module,
+                                       peak_tflops=peak_tflops, explain=False).modules.to_dict("records")
         finally:
             trainer.close()
     return TrialResult(
@@ -169,8 +232,8 @@ def run_trial(config: DetectorConfig, knobs: Knobs, samples: list[Sample], *, de
         peak_mem_mb=memory.peak_mb(), warmup_iterations=len(warm), iterations=len(times["step"]),
         precision=max(median_precision(times[p]) for p in watched),
         precision_met=policy.precision_met([times[p] for p in watched]),
-        rois=trainer.rois, swapped=" ".join(s.module for s in trainer.swaps if s.swapped), kernels=kernels,
-        modules=modules,
+        rois=trainer.rois, swapped=" ".join(s.module for s in trainer.swaps if s.swapped), compiled=compiled,
+        wall_s=wall.seconds, kernels=kernels, modules=modules,
     )
 
 
@@ -179,7 +242,8 @@ def isolated_head_ms(config: DetectorConfig, knobs: Knobs, *, rois: int, device:
     """Forward and backward medians (ms) of the box head alone at the detector's shapes, dtype and layout.
 
     A cross-check of the in-detector hooks with an independent timer (torch.utils.benchmark): forward,
-    then forward + backward; backward is the difference. Gradients are reset as the training step does.
+    then forward + backward; backward is the difference. Gradients are reset as the training step does. With
+    knob compile (either target), the head's forwards are compiled, and compile before the timing starts.
     """
     # Imported here: torch.utils.benchmark loads cpp_extension, which warns on stderr on GPU-less machines.
     from torch.utils.benchmark import Timer
@@ -188,6 +252,8 @@ def isolated_head_ms(config: DetectorConfig, knobs: Knobs, *, rois: int, device:
                                          representation_size=config.representation_size,
                                          num_classes=config.num_classes)
     modules = torch.nn.ModuleList([box_head, predictor]).to(device=device, memory_format=memory_format(knobs))
+    if knobs.compile != "off":
+        compile_forward(box_head, predictor)
     # RoIAlign writes contiguous (N, C, 7, 7) features whatever the backbone's layout.
     x = torch.randn(rois, BACKBONE_CHANNELS, ROI_RESOLUTION, ROI_RESOLUTION, device=device, requires_grad=True)
 
@@ -202,6 +268,7 @@ def isolated_head_ms(config: DetectorConfig, knobs: Knobs, *, rois: int, device:
         (scores.float().sum() + deltas.float().sum()).backward()
 
     with backend_flags(knobs):
+        forward_backward()  # compiles, if compiled
         # Timer defaults to one thread; the detector runs with all of torch's threads.
         timings = [Timer(stmt="f()", globals={"f": f}, num_threads=torch.get_num_threads())
                    .blocked_autorange(min_run_time=min_run_time).median * 1e3 for f in (forward, forward_backward)]
@@ -218,6 +285,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--channels-last", action="store_true", help="model (and so its activations) in NHWC")
     p.add_argument("--cudnn-benchmark", action="store_true", help="let cuDNN autotune conv algorithms (CUDA only)")
     p.add_argument("--no-onednn", action="store_true", help="CPU: disable oneDNN (torch.backends.mkldnn)")
+    p.add_argument("--compile", type=COMPILE.arg(), metavar=COMPILE.metavar, default="off",
+                   help="torch.compile the box head and predictor, or the whole detector (compile steps timed apart)")
+    p.add_argument("--tf32", action="store_true", help="CUDA: TF32 for matmul and cuDNN alike")
     p.add_argument("--linearize", action="store_true",
                    help="run convolutions that are GEMMs in disguise as GEMMs where faster (rcnn.fix, mode auto)")
     p.add_argument("--backbone", type=BACKBONE.arg(), metavar=BACKBONE.metavar, default="resnet18_fpn",
@@ -263,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                                 rois_per_image=args.rois_per_image,
                                 representation_size=args.representation_size, num_classes=num_classes)
         knobs = Knobs(head=args.head, amp=args.amp, channels_last=args.channels_last,
-                      batch_size=args.batch_size, linearize=args.linearize,
+                      batch_size=args.batch_size, linearize=args.linearize, compile=args.compile,
+                      tf32=args.tf32 or (False if device.type == "cuda" else None),  # --tf32 on a CPU: refused
                       cudnn_benchmark=args.cudnn_benchmark if device.type == "cuda" else None,
                       onednn=not args.no_onednn if device.type == "cpu" else None)
         # No --max-warmup: the default cap, raised to --warmup so that stays the least number of warm-up steps.
@@ -285,6 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     for phase, st in result.stats.items():
         print(f"{phase:<14}{st.median:>11.1f}{f'{st.ci_low:.1f}-{st.ci_high:.1f}':>18}{st.iqr:>8.1f}{st.p90:>9.1f}")
     print(f"peak memory {result.peak_mem_mb:.0f} MiB")
+    if result.compiled:
+        c = result.compiled
+        print(f"compile={knobs.compile}: {c.compile_ms / 1e3:.1f} s in {c.compile_steps} compiling step(s), kept out "
+              f"of the medians; {c.compiled_graphs} graph(s), {c.graph_breaks} graph break(s)")
     if knobs.linearize:
         print(f"linearize swapped: {result.swapped or 'nothing (no GEMM in disguise was faster as a GEMM)'}")
     return 0

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+from torch import nn
 
 from rcnn.rules import ValueNotAllowed
 from rcnn.schema import AMP_DTYPES, DEVICE, DEVICE_KNOBS
@@ -22,6 +25,8 @@ class Knobs:
     channels_last: bool = False
     batch_size: int = 2
     linearize: bool = False              # rcnn.fix.linearize, mode auto, after the detector is built
+    tf32: bool | None = None             # CUDA: TF32 for matmul and cuDNN alike
+    compile: str = "off"                 # torch.compile of: off | head (box head and predictor) | model
 
 
 @dataclass(frozen=True)
@@ -47,11 +52,37 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
+COMPILE_MODE = "default"  # torch.compile's mode for knob compile
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler CPU Inductor would use (its config's candidates, CXX first), or None if none is found."""
+    import torch._inductor.config as inductor
+
+    candidates = inductor.cpp.cxx if isinstance(inductor.cpp.cxx, (list, tuple)) else (inductor.cpp.cxx,)
+    return next((path for c in candidates if c and (path := shutil.which(c))), None)
+
+
+def compile_unavailable(device: torch.device) -> str | None:
+    """Why torch.compile (Inductor) cannot run on ``device`` here, or None when it can."""
+    if not torch._dynamo.is_dynamo_supported():
+        return f"torch {torch.__version__} does not support torch.compile on Python {sys.version.split()[0]}"
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "Inductor on CUDA needs Triton, which is not installed"
+    if cxx_compiler() is None:
+        return "Inductor on CPU needs a C++ compiler and none was found (install g++ or set CXX)"
+    return None
+
+
 def why_not(knob: str, value: Any, device: torch.device) -> str | None:
     """The reason a knob setting does not apply on ``device``, or None when it does."""
     cpu = device.type == "cpu"
     if knob in DEVICE_KNOBS and DEVICE_KNOBS[knob][0] != device.type:
         return f"{DEVICE_KNOBS[knob][1]} is not used on {device.type.upper()} (pinned, reported as n/a)"
+    if knob == "compile" and value != "off":
+        return compile_unavailable(device)
     if knob == "amp" and value == "fp16" and cpu:
         return "fp16 autocast with GradScaler is a CUDA setting; CPU autocast runs bf16"
     if knob == "amp" and value == "bf16":
@@ -90,16 +121,23 @@ def applicable_space(space: dict[str, list], device: torch.device) -> tuple[dict
     return grid, skipped
 
 
+def _backends() -> tuple[bool, bool, bool, bool]:
+    return (torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled, torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32)
+
+
 @contextlib.contextmanager
 def backend_flags(knobs: Knobs) -> Iterator[None]:
-    """Set cudnn.benchmark and oneDNN for the duration of a trial and restore them afterwards."""
-    previous = torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled
+    """Set cudnn.benchmark, oneDNN and TF32 for the duration of a trial and restore them afterwards."""
+    previous = _backends()
     torch.backends.cudnn.benchmark = bool(knobs.cudnn_benchmark)
     torch.backends.mkldnn.enabled = knobs.onednn is not False  # n/a keeps PyTorch's default (on)
+    set_tf32(bool(knobs.tf32))  # n/a (CPU): off, which no CPU kernel reads
     try:
         yield
     finally:
-        torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled = previous
+        (torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled, torch.backends.cuda.matmul.allow_tf32,
+         torch.backends.cudnn.allow_tf32) = previous
 
 
 def autocast_dtype(amp: str) -> torch.dtype:
@@ -112,6 +150,11 @@ def autocast(amp: str, device: torch.device) -> contextlib.AbstractContextManage
     return torch.autocast(device.type, dtype=autocast_dtype(amp), enabled=amp != "off")
 
 
+def peak_dtype(knobs: Knobs) -> str:
+    """The dtype whose measured matmul peak (rcnn.machine.ceilings) a setting's FLOP/s compare against."""
+    return "tf32" if knobs.tf32 and knobs.amp == "off" else AMP_DTYPES[knobs.amp]
+
+
 def grad_scaler(amp: str, device: torch.device) -> torch.amp.GradScaler:
     # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
     return torch.amp.GradScaler(device.type, enabled=amp == "fp16")
@@ -121,6 +164,36 @@ def set_tf32(enabled: bool) -> None:
     """Give matmul (nn.Linear) and cuDNN (nn.Conv2d) the same TF32 setting; their defaults differ."""
     torch.backends.cuda.matmul.allow_tf32 = enabled
     torch.backends.cudnn.allow_tf32 = enabled
+
+
+def compile_modules(model: nn.Module, target: str) -> list[nn.Module]:
+    """Knob compile: torch.compile the forward of the detector's box head and predictor (``head``) or of the whole
+    detector (``model``); returns the modules compiled. Their hooks stay outside the compiled code, so the
+    head's probe times it as it times the eager head.
+
+    Resets dynamo first: its cache, keyed by code, would otherwise count an earlier trial's modules towards its
+    recompile limit and fall back to eager. Compiling happens on the first calls."""
+    if target == "off":
+        return []
+    modules = [model.roi_heads.box_head, model.roi_heads.box_predictor] if target == "head" else [model]
+    compile_forward(*modules)
+    return modules
+
+
+def compile_forward(*modules: nn.Module) -> None:
+    """torch.compile each module's forward, on the instance: ``nn.Module.__call__`` still runs its hooks eagerly
+    around the compiled code."""
+    torch._dynamo.reset()
+    for module in modules:
+        module.forward = torch.compile(module.forward, mode=COMPILE_MODE)
+
+
+def inductor_settings() -> dict[str, Any]:
+    """The torch.compile settings that shape knob compile's numbers (for the fingerprint)."""
+    import torch._inductor.config as inductor
+
+    return {"compile_mode": COMPILE_MODE, "inductor_conv_1x1_as_mm": inductor.conv_1x1_as_mm,
+            "inductor_max_autotune": inductor.max_autotune, "cxx": cxx_compiler() or "none"}
 
 
 def memory_format(knobs: Knobs) -> torch.memory_format:

@@ -10,18 +10,21 @@ from __future__ import annotations
 from rcnn.rules import Rule, UserError
 
 # --- The knobs a sweep varies, in the tables' column order.
-KNOB_NAMES = ("head", "cudnn_benchmark", "onednn", "amp", "channels_last", "batch_size", "linearize")
+KNOB_NAMES = ("head", "cudnn_benchmark", "onednn", "amp", "channels_last", "batch_size", "linearize", "tf32",
+              "compile")
 OTHER_KNOBS = KNOB_NAMES[1:]  # a "setting": every knob but the head
 # Backend switches, each used on one device type only: knob -> (device type, backend).
-DEVICE_KNOBS = {"cudnn_benchmark": ("cuda", "cuDNN"), "onednn": ("cpu", "oneDNN")}
+DEVICE_KNOBS = {"cudnn_benchmark": ("cuda", "cuDNN"), "onednn": ("cpu", "oneDNN"), "tf32": ("cuda", "TF32")}
 HEAD_NAMES = ("linear", "conv", "conv_as_linear")  # rcnn.heads builds each; tables and figures use this order
 AMP_DTYPES = {"off": "fp32", "fp16": "fp16", "bf16": "bf16"}  # autocast setting -> the dtype its matmuls run in
+COMPILE_TARGETS = ("off", "head", "model")  # torch.compile of nothing, the box head and predictor, the detector
 DEVICES = ("auto", "cpu", "cuda")  # rcnn.knobs.resolve_device's names; auto picks CUDA when there is a GPU
 
 # A user's head: a factory the detector calls with in_channels, resolution, representation_size, num_classes.
 FACTORY = (r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", "package.module:factory")
 HEAD = Rule(choices=HEAD_NAMES, other=FACTORY)
 AMP = Rule(choices=AMP_DTYPES)
+COMPILE = Rule(choices=COMPILE_TARGETS)
 BATCH_SIZE = Rule(minimum=1)
 DEVICE = Rule(choices=DEVICES)
 
@@ -64,6 +67,14 @@ WHY_COLUMNS = ("module", "flag", "input_shape", "dtype", "layout", "input_grad_m
 SLOW_PEAK_FRACTION = 0.25   # slow-for-its-flops: backward under this fraction of the matmul peak ...
 SLOW_MIN_FLOP_SHARE = 0.05  # ... while holding at least this share of the step's backward FLOPs
 
+# What knob compile costs before the steady state, kept out of the medians: the first steps, which compile (and
+# recompile), their total ms and count; the graphs compiled and the graph breaks dynamo reports.
+COMPILE_COLUMNS = ("compile_ms", "compile_steps", "compiled_graphs", "graph_breaks")
+# Where a trial's wall time goes, and the parts of a sweep's beyond its trials.
+TRIAL_WALL_PARTS = ("build", "compile", "warmup", "measure", "profile", "cross_check", "logging")
+SWEEP_WALL_PARTS = (*TRIAL_WALL_PARTS, "failed", "baselines", "other")  # other: setup, Optuna, writing tables
+WALL_COLUMNS = tuple(f"wall_{part}_s" for part in TRIAL_WALL_PARTS)
+
 # --- The result tables. The sweep writes exactly these columns; the report reads nothing else.
 SETUP_COLUMNS = ("trial", "status", "device", "backbone", "image_size", "rois_per_image", *KNOB_NAMES)
 MEASURED_COLUMNS = (
@@ -73,9 +84,21 @@ MEASURED_COLUMNS = (
     "head_forward_peak_fraction", "head_backward_peak_fraction",
     "isolated_head_forward_ms", "isolated_head_backward_ms",  # NaN unless sweep.cross_check
     "swapped",  # the modules rcnn.fix.linearize swapped (knob linearize), space-separated
+    *COMPILE_COLUMNS,  # knob compile: NaN when off
+    *WALL_COLUMNS,  # where the trial's wall time went (s)
 )
-# Columns added after tables were first written, with the value an older table meant (read_table fills them).
-ADDED_COLUMNS = {"linearize": False, "swapped": ""}
+
+
+def _tf32_before_the_knob(table):
+    """tf32 before it was a knob: sweep.allow_tf32, false by default, on CUDA; not used on a CPU (and unknown in
+    the tables without a device column: n/a)."""
+    return table["device"].map({"cuda": False}).fillna("n/a") if "device" in table else "n/a"
+
+
+# Columns added after tables were first written, with the value an older table meant (read_table fills them;
+# a callable takes the table). Measurements a table predates are unknown (NaN).
+ADDED_COLUMNS = {"linearize": False, "swapped": "", "compile": "off", "tf32": _tf32_before_the_knob,
+                 **{c: float("nan") for c in (*COMPILE_COLUMNS, *WALL_COLUMNS)}}
 RECORD_COLUMNS = ("mlflow_run_id", "worker", "error")
 TRIAL_COLUMNS = (*SETUP_COLUMNS, *MEASURED_COLUMNS, *RECORD_COLUMNS)
 COMPARISON_COLUMNS = (*OTHER_KNOBS, "numerator", "denominator", "phase", "ratio", "ci_low", "ci_high",

@@ -2,8 +2,10 @@
 model, peak memory. Their statistics and the policy of when to stop measuring are rcnn.stats (no torch)."""
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -52,6 +54,26 @@ def median_ms(timed: Callable[[], float], *, repeats: int = 5, burn_in: int = 2)
     for _ in range(burn_in):
         timed()
     return sorted(timed() for _ in range(repeats))[repeats // 2]
+
+
+@dataclass
+class Part:
+    name: str  # may be changed inside the ``with``, once what the time was spent on is known
+
+
+class Stopwatch:
+    """Wall seconds per named part of a run, summed over its uses: ``with watch("build"): ...``."""
+
+    def __init__(self, *parts: str) -> None:
+        self.seconds: dict[str, float] = dict.fromkeys(parts, 0.0)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[Part]:
+        part, start = Part(name), time.perf_counter()
+        try:
+            yield part
+        finally:
+            self.seconds[part.name] = self.seconds.get(part.name, 0.0) + time.perf_counter() - start
 
 
 BACKWARD_RANGE = "{label}.backward"  # the torch.profiler range ModuleSpanProbe opens around the chain's backward

@@ -93,7 +93,7 @@ def fake_trials(scale: float = 1.0, batch_2_cost: float = 2.0) -> tuple[pd.DataF
             medians = {f"{p}_ms": float(np.median(v)) for p, v in samples[n].items()}
             rows.append({"trial": n, "status": "complete", "device": "cpu", "head": head, "cudnn_benchmark": "n/a",
                          "onednn": True, "amp": "off", "channels_last": False, "batch_size": bs, "linearize": False,
-                         **medians, "swapped": "",
+                         "tf32": "n/a", "compile": "off", **medians, "swapped": "",
                          "forward_ms": 0.5 * bwd * f, "optimizer_ms": 5.0 * f, "head_forward_ms": head_bwd * f / 2,
                          "peak_mem_mb": 1000.0 + 100 * bs + (50 if head == "conv" else 0),
                          "head_forward_tflops": 0.2, "head_backward_tflops": 0.4 / (head_bwd / 10),
@@ -101,5 +101,5 @@ def fake_trials(scale: float = 1.0, batch_2_cost: float = 2.0) -> tuple[pd.DataF
                          "head_backward_gflop": 4.0, "isolated_head_backward_ms": head_bwd * f, "iterations": 15})
     rows.append({"trial": len(rows), "status": "failed", "device": "cpu", "head": "conv", "cudnn_benchmark": "n/a",
                  "onednn": True, "amp": "off", "channels_last": True, "batch_size": 1, "linearize": False,
-                 "error": "RuntimeError: boom"})
+                 "tf32": "n/a", "compile": "off", "error": "RuntimeError: boom"})
     return pd.DataFrame(rows).reindex(columns=TRIAL_COLUMNS), samples

@@ -91,7 +91,7 @@ def test_settings_are_ranked_by_time_per_image_not_per_step(tmp_path, tiny_param
     assert report.main(["--params", str(tiny_params())] + report_args(folder, out)) == 0
     text = (out / "report.md").read_text()
     line = re.search(r"- fastest setting, by time per image \(step time / batch size\): head=(\w+), .*"
-                     r"batch_size=(\d+), linearize=False at (\d+) ms per image \((\d+) ms per step of 2 images\)", text)
+                     r"batch_size=(\d+), linearize=False, tf32=n/a, compile=off at (\d+) ms per image \((\d+) ms per step of 2 images\)", text)
     assert line and (line[1], line[2]) == ("linear", "2"), text
     assert int(line[3]) == pytest.approx(170, rel=0.02) and int(line[4]) == pytest.approx(340, rel=0.02)
     # The Pareto front is per image too: linear at batch 2 (fastest per image) and at batch 1 (leanest); per

@@ -1,7 +1,7 @@
 import pandas as pd
 import pytest
 
-from pipeline.results import (ALL_SETTINGS, comparisons_table, head_order, head_pairs, read_env, read_trials, summarize_trials, trial_row,
+from pipeline.results import (ALL_SETTINGS, comparisons_table, pooled_rows, head_order, head_pairs, read_env, read_trials, summarize_trials, trial_row,
                               write_trials)
 from rcnn.schema import MEASURED_COLUMNS, TRIAL_COLUMNS, ResultsError
 from tests.conftest import fake_trials as fixture
@@ -24,9 +24,28 @@ def test_comparisons_per_setting_and_pooled():
     assert summary["conv_over_linear_head_backward"] == pytest.approx(4.0, rel=0.02)
     assert summary["conv_over_linear_head_backward_ci_low"] < 4.0 < summary["conv_over_linear_head_backward_ci_high"]
     assert summary["best"] == {"head": "linear", "cudnn_benchmark": "n/a", "onednn": True, "amp": "off",
-                               "channels_last": False, "batch_size": 1, "linearize": False,
-                               "step_ms": pytest.approx(200, rel=0.02),
+                               "channels_last": False, "batch_size": 1, "linearize": False, "tf32": "n/a",
+                               "compile": "off", "step_ms": pytest.approx(200, rel=0.02),
                                "ms_per_image": pytest.approx(200, rel=0.02)}
+
+
+def test_a_swept_compile_gets_pooled_rows_per_value_and_stays_out_of_the_headline():
+    trials, samples = fixture()
+    # The batch-2 settings become compiled head ones whose conv head is as fast as linear.
+    compiled = trials["batch_size"] == 2
+    trials.loc[compiled, "compile"] = "head"
+    for trial in trials[compiled & (trials["head"] == "conv") & (trials["status"] == "complete")]["trial"]:
+        samples[trial] = {**samples[trial], "head_backward": [x / 4 for x in samples[trial]["head_backward"]]}
+    table = comparisons_table(trials, samples)
+    gap = {value: rows for value, rows in pooled_rows(table, "compile").groupby("compile")}
+    conv = {value: rows[(rows["numerator"] == "conv") & (rows["denominator"] == "linear")
+                        & (rows["phase"] == "head_backward")] for value, rows in gap.items()}
+    assert conv["off"]["ratio"].iloc[0] == pytest.approx(4.0, rel=0.02)
+    assert conv["head"]["ratio"].iloc[0] == pytest.approx(1.0, rel=0.02)
+    assert (conv["head"][["cudnn_benchmark", "batch_size", "tf32"]] == ALL_SETTINGS).all(axis=None)
+    headline = summarize_trials(trials, table)  # the uncompiled settings only: batch 1
+    assert headline["conv_over_linear_head_backward"] == pytest.approx(4.0, rel=0.02)
+    assert pooled_rows(table)["settings"].max() == 1
 
 
 def test_best_setting_is_the_least_time_per_image_not_per_step():
@@ -81,7 +100,7 @@ def test_round_trip_and_bad_files(tmp_path):
 def test_trial_row_refuses_a_misspelt_or_missing_column():
     setup = {"trial": 0, "status": "failed", "device": "cpu", "backbone": "resnet18_fpn", "image_size": 256,
              "rois_per_image": 128, "head": "conv", "cudnn_benchmark": "n/a", "onednn": True, "amp": "off",
-             "channels_last": False, "batch_size": 1, "linearize": False, "mlflow_run_id": None, "worker": None,
+             "channels_last": False, "batch_size": 1, "linearize": False, "tf32": "n/a", "compile": "off", "mlflow_run_id": None, "worker": None,
              "error": "x"}
     row = trial_row(None, **setup)
     assert list(row) == list(TRIAL_COLUMNS) and all(row[c] != row[c] for c in MEASURED_COLUMNS)  # NaN: nothing measured

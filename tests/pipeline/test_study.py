@@ -27,7 +27,8 @@ from tests.pipeline.helpers import SLOW, prepare
 
 CPU = torch.device("cpu")
 GRID = {"head": ["linear", "conv", "conv_as_linear"], "cudnn_benchmark": [None], "onednn": [True, False],
-        "amp": ["off", "bf16"], "channels_last": [False, True], "batch_size": [1], "linearize": [False]}
+        "amp": ["off", "bf16"], "channels_last": [False, True], "batch_size": [1], "linearize": [False], "tf32": [None],
+        "compile": ["off"]}
 
 
 def objective(trial: optuna.Trial) -> float:
@@ -50,7 +51,7 @@ def test_points_are_shuffled_settings_with_heads_side_by_side():
     assert grid_points(GRID, CPU, seed=0)[0] == points
     assert grid_points(GRID, CPU, seed=1)[0] != points
     first = {"cudnn_benchmark": None, "onednn": False, "amp": "off", "channels_last": True, "batch_size": 1,
-             "linearize": False}
+             "linearize": False, "tf32": None, "compile": "off"}
     led, _ = grid_points(GRID, CPU, seed=0, first=[first])
     assert all({k: p[k] for k in first} == first for p in led[:3]) and len(led) == len(points)
 
