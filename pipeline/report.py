@@ -31,7 +31,7 @@ from rcnn.outputs import CSV, Kind, PNG, check_folder, check_writable, project_r
 from pipeline.params import Params
 from pipeline.results import ALL_SETTINGS, complete, fastest, pooled_rows, read_env, read_table, read_trials
 from rcnn.schema import (AMP_DTYPES, COMPARISON_COLUMNS, COMPILE_COLUMNS, KERNEL_COLUMNS, MODULE_TABLE_COLUMNS,
-                         OTHER_KNOBS, OUTSIDE, ResultsError)
+                         OTHER_KNOBS, OUTSIDE, SWEEP_WALL_PARTS, ResultsError)
 
 TITLE = "# Why the conv box head's backward is slow, and what fixes it"
 HTML_START = "<!doctype html><html><head><meta charset='utf-8'><title>RoI-head backward"
@@ -381,7 +381,7 @@ def wall_section(summary: dict) -> list[str]:
     wall = summary.get("wall")
     if not wall or not wall.get("total_s"):
         return ["Not recorded: the sweep's last run measured nothing new, or predates the accounting.", ""]
-    parts = pd.Series(wall["parts_s"], name="seconds")
+    parts = pd.Series(wall["parts_s"], name="seconds").reindex(SWEEP_WALL_PARTS).dropna()
     table = pd.DataFrame({"part": parts.index, "seconds": parts.values,
                           "share": (parts.values / wall["total_s"]).round(3)})
     return [f"The sweep stage's last run: {wall['total_s']:.0f} s of worker time; timed steps "

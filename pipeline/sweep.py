@@ -17,6 +17,7 @@ import contextlib
 import gc
 import hashlib
 import json
+import logging
 import multiprocessing
 import os
 import signal
@@ -84,6 +85,7 @@ def connect_tracking(tracking: TrackingParams) -> None:
     if tracking.system_metrics_s:
         mlflow.set_system_metrics_sampling_interval(tracking.system_metrics_s)
         mlflow.set_system_metrics_samples_before_logging(1)
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # not two lines per run
     try:
         experiment = mlflow.set_experiment(tracking.experiment)
         # Again by id: when another machine created the experiment at the same moment, MLflow returns it
