@@ -1,4 +1,4 @@
-"""Does the measurement deserve trust? Four checks on this machine, each against its target.
+"""Does the measurement deserve trust? Five checks on this machine, each against its target.
 
 1. Attribution: the hooks' head-backward difference between conv and linear heads against the A/B
    difference of whole backward times (target: within 10%).
@@ -9,6 +9,9 @@
 3. Adaptive stopping: steps used against a fixed count, and whether both rank the configurations alike
    (target: at least 2x fewer steps, same ranking).
 4. Cross-check: the head alone under torch.utils.benchmark against the in-detector hooks (within 15%).
+5. System metrics: step time while MLflow samples CPU, memory (and GPU) at the sweep's interval against
+   without (target: the ratio's 95% CI holds 1, or the ratio is <= 1.02). Blocks of steps alternate, each
+   in an MLflow run of a scratch store, with and without the sampler, as the sweep's trial runs are.
 
 Run by hand (minutes), from the project folder: .venv/bin/python -m benchmarks.measurement_check [--device cpu] [--rounds 3]
 """
@@ -17,9 +20,11 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import logging
 import random
-
 import sys
+import tempfile
+import time
 
 import numpy as np
 import torch
@@ -31,9 +36,10 @@ from rcnn.knobs import Knobs, backend_flags, resolve_device
 from rcnn.model import DetectorConfig
 from rcnn.rules import Rule, ValueNotAllowed
 from rcnn.schema import BACKBONE, DEVICE, IMAGE_SIZE, ITERATIONS, PHASES, ROIS_PER_IMAGE
-from rcnn.stats import TimingPolicy, bootstrap_ci
+from pipeline.params import TrackingParams
+from rcnn.stats import TimingPolicy, bootstrap_ci, compare
 
-CHECKS = Rule(choices=[c for n in range(1, 5) for c in map("".join, itertools.combinations("1234", n))])
+CHECKS = Rule(choices=[c for n in range(1, 6) for c in map("".join, itertools.combinations("12345", n))])
 
 
 def knobs_for(device: torch.device, onednn: bool = True, **kwargs) -> Knobs:
@@ -62,6 +68,32 @@ def interleaved(config: DetectorConfig, knobs: dict[str, tuple[Knobs, bool]], sa
     return {name: {phase: np.asarray(v) for phase, v in phases.items()} for name, phases in times.items()}
 
 
+def system_metrics_blocks(config: DetectorConfig, knobs: Knobs, samples: list[Sample], device: torch.device,
+                          interval: float, rounds: int, block_s: float = 3.0) -> tuple[list[float], list[float]]:
+    """Step times (ms) of one detector in alternating blocks of about ``block_s`` seconds (and at least two
+    sampling intervals), each block an MLflow run of a scratch store: with MLflow's system metrics sampled every
+    ``interval`` s, and without. ``rounds`` blocks of each."""
+    import mlflow
+
+    with tempfile.TemporaryDirectory() as store, backend_flags(knobs):
+        mlflow.set_tracking_uri(f"sqlite:///{store}/mlflow.db")
+        mlflow.set_experiment("measurement-check")
+        mlflow.set_system_metrics_sampling_interval(interval)
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+        trainer = Trainer(config, knobs, samples, device=device)
+        for number in range(3):
+            trainer.step(number)
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for block in range(2 * rounds):
+            sampled = block % 2 == 0
+            with mlflow.start_run(log_system_metrics=sampled):
+                started = time.perf_counter()
+                while time.perf_counter() - started < max(block_s, 2 * interval):
+                    times[sampled].append(trainer.step(block)["step"])
+        trainer.close()
+    return times[True], times[False]
+
+
 def median_ratio(numerator: np.ndarray, denominator: np.ndarray) -> tuple[float, float, float]:
     """median(numerator) / median(denominator) of paired per-round values, with a paired bootstrap 95% CI."""
     def ratio(a, b, axis=-1):
@@ -79,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rois-per-image", type=ROIS_PER_IMAGE.arg(int), default=128)
     parser.add_argument("--rounds", type=Rule(minimum=3).arg(int), default=40,
                         help="steps of each detector for checks 1 and 2")
-    parser.add_argument("--checks", type=CHECKS.arg(), default="1234", help="which checks to run, e.g. 12")
+    parser.add_argument("--checks", type=CHECKS.arg(), default="12345", help="which checks to run, e.g. 12")
+    parser.add_argument("--metrics-interval", type=Rule(minimum=1).arg(float), default=TrackingParams.system_metrics_s,
+                        help="check 5: MLflow's system metrics interval (s), as tracking.system_metrics_s")
     parser.add_argument("--fixed", type=ITERATIONS.arg(int), default=30,
                         help="the fixed step count adaptive stopping is held to")
     parser.add_argument("--no-onednn", action="store_true",
@@ -109,6 +143,13 @@ def main(argv: list[str] | None = None) -> int:
         ratio, low, high = median_ratio(runs["linear"]["step"], runs["linear_nohooks"]["step"])
         print(f"{'2 hook overhead: step with / without hooks':<46}{ratio:>12.3f}  <= 1.02 (CI {low:.3f}-{high:.3f})",
               flush=True)
+    if "5" in args.checks:
+        with_metrics, without = system_metrics_blocks(config, knobs(head="linear"), samples, device,
+                                                      interval=args.metrics_interval, rounds=args.rounds)
+        c = compare(with_metrics, without)
+        print(f"{'5 system metrics: step with / without':<46}{c.ratio:>12.3f}  CI holds 1 or <= 1.02 "
+              f"(CI {c.ci_low:.3f}-{c.ci_high:.3f}, p {c.p_value:.2f}; {len(without)} steps each, every "
+              f"{args.metrics_interval:g} s)", flush=True)
     if "3" not in args.checks and "4" not in args.checks:
         return 0
 

@@ -153,7 +153,9 @@ class TimingParams:
 class TrackingParams:
     mlflow_uri: str = "sqlite:///mlflow.db"
     experiment: str = "roi-head-backward"
-    system_metrics_s: float | None = _field(10.0, Rule(minimum=1))  # MLflow system metrics' interval; null: none
+    # MLflow's system metrics (CPU, memory, GPU) on every run, sampled this often (s); null: none. A run shorter
+    # than one interval gets none: keep it under a trial's length.
+    system_metrics_s: float | None = _field(2.0, Rule(minimum=1))
 
 
 @dataclass(frozen=True)

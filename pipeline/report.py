@@ -385,10 +385,11 @@ def wall_section(summary: dict) -> list[str]:
     table = pd.DataFrame({"part": parts.index, "seconds": parts.values,
                           "share": (parts.values / wall["total_s"]).round(3)})
     return [f"The sweep stage's last run: {wall['total_s']:.0f} s of worker time; timed steps "
-            f"**{wall['measure_share']:.0%}** of it. Parts: each trial's build, compile (knob compile's first steps), "
-            "warm-up, measured steps, profiling and the by-module table (profile_at only), isolated-head "
-            "cross-check (profile_at only), MLflow logging; failed trials; the drift baselines; the rest (setup, "
-            "Optuna, writing tables).", "", table.to_markdown(index=False), ""]
+            f"**{wall['measure_share']:.0%}** of it. Parts, summed over the trials and the two drift baselines: "
+            "building the detector (and knob linearize's timings), compile (knob compile's first steps), warm-up, "
+            "measured steps, profiling and the by-module table (profile_at only), the isolated-head cross-check "
+            "(profile_at only), MLflow logging; then the failed trials, and the rest (setup, Optuna, writing "
+            "tables).", "", table.to_markdown(index=False), ""]
 
 
 def drift_line(summary: dict) -> str:

@@ -232,14 +232,14 @@ def planned_count(params: Params, points: list[dict]) -> int:
 
 
 def next_trial(queue: WorkQueue, params: Params) -> optuna.Trial | None:
-    """The next trial this worker runs, or None when the sweep has nothing left for it: grid, the queue;
-    tpe, a new sampled trial while the study holds fewer than ``n_trials`` (workers finishing at once may
-    overshoot by one each)."""
-    if params.sweep.sampler == "grid":
-        return queue.claim()
+    """The next trial this worker runs, or None when the sweep has nothing left for it: none once the study
+    holds ``n_trials`` started ones (workers finishing at once may overshoot by one each); else grid, the
+    queue; tpe, a new sampled trial."""
     started = queue.study.get_trials(deepcopy=False,
                                      states=(TrialState.RUNNING, TrialState.COMPLETE, TrialState.FAIL))
-    return queue.study.ask() if len(started) < params.sweep.n_trials else None
+    if params.sweep.n_trials is not None and len(started) >= params.sweep.n_trials:
+        return None
+    return queue.claim() if params.sweep.sampler == "grid" else queue.study.ask()
 
 
 def trials_to_run(params: Params, study: optuna.Study) -> int:

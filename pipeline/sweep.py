@@ -52,7 +52,6 @@ from rcnn.roofline import achieved, head_flops
 from rcnn.factory import source_of
 from rcnn.rules import first_line
 from rcnn.schema import HEAD_NAMES, KNOB_NAMES, SWEEP_WALL_PARTS, TRIAL_WALL_PARTS
-from rcnn.timing import Stopwatch
 
 
 def check_credentials(uri: str) -> None:
@@ -192,7 +191,7 @@ class Sweep:
         time limit or Ctrl-C) that records the knobs, the measured columns as metrics and any kernel table:
         (result, measured columns, the run's id)."""
         setting = {k: v for k, v in asdict(knobs).items() if k != "head"}
-        profile = setting in self.profiled
+        profile = trial is not None and setting in self.profiled  # the baselines measure drift only
         started = time.perf_counter()
         with mlflow.start_run(run_name=run_name, nested=True, parent_run_id=self.parent_run_id,
                               tags=self.tags | tags | {"worker": self.worker},
@@ -311,12 +310,13 @@ class Sweep:
         None if it fails (its MLflow run says why): drift is then unknown, the sweep goes on."""
         self.progress.line(f"baseline ({when}): {point}")
         try:
-            result, _, run_id = self.measure_in_run(Knobs(**point), f"baseline-{when}", {"role": f"baseline-{when}"})
+            result, row, run_id = self.measure_in_run(Knobs(**point), f"baseline-{when}",
+                                                      {"role": f"baseline-{when}"})
         except Exception as err:
             self.progress.line(f"  baseline failed: {first_line(err)}")
             return None
         return {"step_ms": result.median("step"), "head_backward_ms": result.median("head_backward"),
-                "mlflow_run_id": run_id}
+                "mlflow_run_id": run_id, "wall_s": {part: row[f"wall_{part}_s"] for part in TRIAL_WALL_PARTS}}
 
 
 @contextlib.contextmanager
@@ -466,9 +466,9 @@ def run_sweep(args: argparse.Namespace, params: Params) -> int:
     started = time.time()
     setup, storage = connect(args, params)
     with open_study(params, setup, storage) as (study, parent_run_id):
-        failures, baselines_s = run_workers(args, params, setup, study, parent_run_id)
+        failures, baselines = run_workers(args, params, setup, study, parent_run_id)
         tables = collect_tables(params, setup, study, parent_run_id)
-        tables.summary["wall"] = wall = sweep_wall(study, started, baselines_s, params.sweep.workers)
+        tables.summary["wall"] = wall = sweep_wall(study, started, baselines, params.sweep.workers)
         mlflow.log_metrics({k: v for k, v in tables.summary.items() if isinstance(v, (int, float)) and v == v}
                            | {f"wall_{part}_s": s for part, s in wall["parts_s"].items()}
                            | {"wall_total_s": wall["total_s"], "wall_measure_share": wall["measure_share"]})
@@ -526,44 +526,42 @@ def queue_grid(params: Params, setup: Setup, study: optuna.Study) -> None:
 
 
 def run_workers(args: argparse.Namespace, params: Params, setup: Setup, study: optuna.Study,
-                parent_run_id: str) -> tuple[int, float]:
+                parent_run_id: str) -> tuple[int, list[dict]]:
     """Work the study on this host until its deadline, between two measurements of the run order's first
-    point outside the study (drift over the sweep): (the count of failed trials, seconds the two took)."""
+    point outside the study (drift over the sweep): (the count of failed trials, the baselines measured)."""
     if trials_to_run(params, study) == 0:
-        return 0, 0.0
+        return 0, []
     study.set_user_attr("ceilings", setup.ceilings)  # what this run's fraction-of-peak columns use
     point = setup.points[0]
     baseline = Sweep(params, setup, parent_run_id, Progress(0))
-    wall = Stopwatch("baselines")
-    with wall("baselines"):
-        start = baseline.baseline(point, "start")
+    start = baseline.baseline(point, "start")
     failures = work_on_this_host(args, params, setup, study, parent_run_id, study.user_attrs["deadline"])
     if not is_rdb(params.sweep.storage):  # a worker process that died left its trial running
         for t in WorkQueue(study).recover_interrupted():
             print(f"trial {t.number} was interrupted: marked failed, its point queued for the next run")
-    with wall("baselines"):
-        end = baseline.baseline(point, "end")
+    end = baseline.baseline(point, "end")
     if start and end:
         study.set_user_attr("drift", {"start": start, "end": end, "step_drift": end["step_ms"] / start["step_ms"] - 1,
                                       "point": point})
-    return failures, wall.seconds["baselines"]
+    return failures, [b for b in (start, end) if b]
 
 
-def sweep_wall(study: optuna.Study, started: float, baselines_s: float, workers: int) -> dict:
-    """Where this run's wall time went, this host's workers together: each trial's parts (rcnn.schema
-    TRIAL_WALL_PARTS) summed over the trials started in this run, the failed trials, the two baselines, and
-    the rest (setup, Optuna, writing tables). ``measure_share``: the timed steps' share of it all."""
+def sweep_wall(study: optuna.Study, started: float, baselines: list[dict], workers: int) -> dict:
+    """Where this run's wall time went, this host's workers together: the parts (rcnn.schema TRIAL_WALL_PARTS)
+    of the trials started in this run and of the drift baselines, the failed trials, and the rest (setup,
+    Optuna, writing tables). ``measure_share``: the timed steps' share of it all."""
     parts = dict.fromkeys(SWEEP_WALL_PARTS, 0.0)
+    walls = [b["wall_s"] for b in baselines]
     for t in study.get_trials(deepcopy=False):
         if t.datetime_start is None or t.datetime_start.timestamp() < started or not t.state.is_finished():
             continue
         if row := t.user_attrs.get("result"):
-            for part in TRIAL_WALL_PARTS:
-                value = row.get(f"wall_{part}_s")
-                parts[part] += value if value is not None and value == value else 0.0
+            walls.append({part: row.get(f"wall_{part}_s") for part in TRIAL_WALL_PARTS})
         elif t.datetime_complete is not None:
             parts["failed"] += (t.datetime_complete - t.datetime_start).total_seconds()
-    parts["baselines"] = baselines_s
+    for wall in walls:
+        for part, seconds in wall.items():
+            parts[part] += seconds if seconds is not None and seconds == seconds else 0.0
     total = (time.time() - started) * workers
     parts["other"] = max(0.0, total - sum(parts.values()))
     return {"total_s": round(total, 1), "parts_s": {k: round(v, 1) for k, v in parts.items()},

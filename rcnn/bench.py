@@ -99,6 +99,11 @@ class DynamoCounters:
                         "".join(f"{n} x {reason.splitlines()[0]}\n" for reason, n in breaks.items()))
 
 
+# Knob linearize's timings of each convolution, kept for the trials that follow in this process: the heads of a
+# setting share the backbone, RPN and FPN, whose convolutions are then timed once (rcnn.fix.linearize_with).
+LINEARIZE_TIMINGS: dict = {}
+
+
 class Trainer:
     """One knob setting's detector, optimizer and batches (already on the device): ``step()`` runs one
     training step and returns its phase times in ms. Build and step it inside ``backend_flags(knobs)``.
@@ -123,7 +128,8 @@ class Trainer:
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
         self.scaler = grad_scaler(knobs.amp, device)
         self.batches = device_batches(samples, batch_size=knobs.batch_size, device=device)
-        self.swaps = linearize_with(self.model, self._forward, mode="auto") if knobs.linearize else []
+        self.swaps = (linearize_with(self.model, self._forward, mode="auto", timings=LINEARIZE_TIMINGS)
+                      if knobs.linearize else [])
         self.compiled = compile_modules(self.model, knobs.compile)  # compiles on the first steps
         self.head = ModuleSpanProbe(self.model.roi_heads.box_head, self.model.roi_heads.box_predictor, self.clock)
         if not probe:

@@ -181,8 +181,23 @@ def _seen_by_module(model: nn.Module, forward: Callable[[], Any]) -> dict[str, S
     return seen
 
 
-def linearize_with(model: nn.Module, forward: Callable[[], Any], *, mode: str = "auto") -> list[Swap]:
-    """``linearize`` with the example forward as a function (a detector's, with its targets and loss)."""
+def _timing_key(module: nn.Module, seen: Seen) -> tuple:
+    """What decides a convolution's two timings: its kind and hyperparameters, the weights' shape, dtype and
+    layout, what it saw, and the backends' switches."""
+    weight = module.weight
+    conv = tuple(getattr(module, k) for k in ("stride", "padding", "dilation", "groups", "padding_mode"))
+    return (type(module).__name__, module.gemm, conv, module.bias is not None, tuple(weight.shape), weight.dtype,
+            weight.device, weight.is_contiguous(memory_format=torch.channels_last) if weight.dim() == 4 else False,
+            seen, torch.backends.mkldnn.enabled, torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32,
+            torch.backends.cuda.matmul.allow_tf32)
+
+
+def linearize_with(model: nn.Module, forward: Callable[[], Any], *, mode: str = "auto",
+                   timings: dict | None = None) -> list[Swap]:
+    """``linearize`` with the example forward as a function (a detector's, with its targets and loss).
+
+    ``timings``: a dict the caller keeps to reuse mode auto's timings of identical convolutions at identical
+    inputs and backend switches across calls (models that share a backbone time it once)."""
     if mode not in MODES:
         raise ValueError(f"linearize: mode {mode!r} is not allowed; allowed: {', '.join(MODES)}")
     seen = _seen_by_module(model, forward)
@@ -201,7 +216,13 @@ def linearize_with(model: nn.Module, forward: Callable[[], Any], *, mode: str = 
         conv_ms = gemm_ms = float("nan")
         try:
             if mode == "auto":
-                conv_ms, gemm_ms = _time_paths(module, input_seen, module.weight.device)
+                key = _timing_key(module, input_seen)
+                if timings is not None and key in timings:
+                    conv_ms, gemm_ms = timings[key]
+                else:
+                    conv_ms, gemm_ms = _time_paths(module, input_seen, module.weight.device)
+                    if timings is not None:
+                        timings[key] = conv_ms, gemm_ms
             swapped = mode == "always" or gemm_ms < AUTO_MARGIN * conv_ms
         finally:  # declined, or the timing failed: the module exactly as it was
             if mode == "auto" and not (gemm_ms < AUTO_MARGIN * conv_ms):

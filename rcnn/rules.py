@@ -86,8 +86,11 @@ class Rule:
 
 
 def first_line(err: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message."""
-    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    """An exception as one line: its type and the first line of its message, and the next where the first only
+    introduces it (ends with ':', as torch.compile's "backend='inductor' raised:" does)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    head = " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else (lines[0] if lines else "")
+    return f"{type(err).__name__}: {head}"
 
 
 def at_least(value: float, floor: float, key: str, floor_key: str) -> None:

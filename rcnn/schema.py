@@ -72,7 +72,7 @@ SLOW_MIN_FLOP_SHARE = 0.05  # ... while holding at least this share of the step'
 COMPILE_COLUMNS = ("compile_ms", "compile_steps", "compiled_graphs", "graph_breaks")
 # Where a trial's wall time goes, and the parts of a sweep's beyond its trials.
 TRIAL_WALL_PARTS = ("build", "compile", "warmup", "measure", "profile", "cross_check", "logging")
-SWEEP_WALL_PARTS = (*TRIAL_WALL_PARTS, "failed", "baselines", "other")  # other: setup, Optuna, writing tables
+SWEEP_WALL_PARTS = (*TRIAL_WALL_PARTS, "failed", "other")  # other: setup, Optuna, writing tables
 WALL_COLUMNS = tuple(f"wall_{part}_s" for part in TRIAL_WALL_PARTS)
 
 # --- The result tables. The sweep writes exactly these columns; the report reads nothing else.

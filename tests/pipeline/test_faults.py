@@ -145,3 +145,23 @@ def test_slow_trial_times_out_and_a_failing_one_is_recorded(tmp_path, tiny_param
     assert sorted(statuses) == ["FAILED", "KILLED"]
     summary = (tmp_path / "summary.json").read_text()
     assert '"timeout": 1' in summary and '"failed": 1' in summary
+
+
+@pytest.mark.slow
+def test_a_setting_that_fails_to_compile_is_a_failed_trial_and_the_sweep_goes_on(tmp_path, tiny_params, monkeypatch):
+    import torch
+
+    real = torch.compile
+
+    def failing_backend(graph_module, example_inputs):
+        raise RuntimeError("the C++ build of a kernel failed\nsecond line of the compiler's output")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None: real(fn, backend=failing_backend))
+    args = prepare(tmp_path, tiny_params, {"sweep": {"profile_steps": 0, "cross_check": False,
+                                                     "space": {"head": ["linear"], "compile": ["off", "head"]}}})
+    assert sweep.main(args) == 0  # fail_on_trial_error is off: recorded, and the sweep goes on
+    trials = read_trials(tmp_path / "trials.csv").set_index("compile")
+    assert trials.loc["off", "status"] == "complete" and trials.loc["head", "status"] == "failed"
+    error = trials.loc["head", "error"]
+    assert "the C++ build of a kernel failed" in error and "second line" not in error
+    assert runs(tmp_path).set_index("params.compile").loc["head", "status"] == "FAILED"

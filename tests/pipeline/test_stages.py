@@ -10,6 +10,7 @@ import pytest
 
 from pipeline import data, env, report, sweep
 from pipeline.results import COMPARED_PHASES, read_trials
+from rcnn.schema import SWEEP_WALL_PARTS
 from tests.conftest import ROOT, TINY_PARAMS
 from tests.pipeline.helpers import SWEEP_FILES
 
@@ -85,7 +86,7 @@ def test_missing_data_folder_and_source(tmp_path, tiny_params):
 
 
 def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
-    params = tiny_params()
+    params = tiny_params({"tracking": {"system_metrics_s": 1}})
     paths = {k: tmp_path / v for k, v in SWEEP_FILES.items()}
     assert data.main(["--params", str(params), "--out", str(paths["data"])]) == 0
     assert env.main(["--params", str(params), "--out", str(paths["env"])]) == 0
@@ -132,6 +133,12 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
     assert summary["conv_as_linear_over_linear_head_backward"] is None  # that head was not swept
     best = summary["best"]
     assert (best["head"], best["batch_size"]) in set(zip(trials["head"], trials["batch_size"]))
+    wall = summary["wall"]  # where the run's time went: the parts add up to it, timed steps a share of it
+    assert set(wall["parts_s"]) == set(SWEEP_WALL_PARTS) and 0 < wall["measure_share"] < 1
+    assert sum(wall["parts_s"].values()) == pytest.approx(wall["total_s"], rel=0.01, abs=0.3)
+    baselines = summary["drift"]["start"]["wall_s"]["measure"] + summary["drift"]["end"]["wall_s"]["measure"]
+    assert wall["parts_s"]["measure"] == pytest.approx(trials["wall_measure_s"].sum() + baselines, abs=0.1)
+    assert wall["parts_s"]["compile"] == 0
     drift = summary["drift"]
     assert drift["step_drift"] == pytest.approx(drift["end"]["step_ms"] / drift["start"]["step_ms"] - 1, abs=1e-3)
     kernels = pd.read_csv(paths["kernels"])
@@ -159,6 +166,13 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
     for run_id in children["run_id"]:  # the profiled trials (here both) carry their by-module table
         assert "modules.csv" in {a.path for a in mlflow.MlflowClient().list_artifacts(run_id)}
     assert set(children["tags.trial"]) == {"0", "1"} and children["tags.torch"].notna().all()
+    # System metrics, sampled every second: on the parent run, and on every run that lasted past a sample.
+    assert parents["metrics.system/cpu_utilization_percentage"].notna().all()
+    assert parents["metrics.system/system_memory_usage_megabytes"].gt(0).all()
+    lasted = (children["end_time"] - children["start_time"]).dt.total_seconds() > 1.5
+    assert lasted.any() and children.loc[lasted, "metrics.system/cpu_utilization_percentage"].notna().all()
+    parent_metrics = mlflow.get_run(parents["run_id"].iloc[0]).data.metrics
+    assert parent_metrics["wall_measure_s"] > 0 and 0 < parent_metrics["wall_measure_share"] < 1
 
     # Rerun with nothing changed: the same study resumes, nothing is measured twice.
     assert sweep.main(sweep_args) == 0
@@ -173,6 +187,7 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
     assert "fastest setting, by time per image" in text
     assert "aten::convolution_backward" in text and "Baseline" in text
     assert "## Backward by module" in text and "The conv head's 7x7 conv (roi_heads.box_head.0)" in text
+    assert "## Where the sweep's time went" in text and "| measure " in text
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(parents["run_id"].iloc[0])}
     assert {"report.html", "figures", "trials.csv"} <= artifacts
 

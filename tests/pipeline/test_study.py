@@ -289,3 +289,21 @@ def test_a_second_sweep_stage_on_the_journal_is_refused_at_once_and_the_first_go
     trials = read_trials(tmp_path / "trials.csv")
     assert len(trials) == 4 and trials["status"].eq("complete").all()  # none failed by the refused second stage
     print(f"second stage refused in {waited:.1f} s; first completed {len(trials)} of 4 trials")
+
+
+def test_a_grid_sweep_stops_at_n_trials():
+    from types import SimpleNamespace
+
+    from pipeline.study import WorkQueue, next_trial
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study()
+    queue = WorkQueue(study)
+    queue.enqueue([{k: GRID[k][0] for k in KNOB_NAMES} | {"head": head} for head in GRID["head"]])
+    params = SimpleNamespace(sweep=SimpleNamespace(sampler="grid", n_trials=2))
+    for _ in range(2):
+        trial = next_trial(queue, params)
+        queue.complete(trial, 1.0)
+    assert next_trial(queue, params) is None  # a third point is queued, but n_trials is reached
+    params.sweep.n_trials = None
+    assert next_trial(queue, params) is not None  # null: the whole grid

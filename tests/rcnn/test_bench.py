@@ -1,4 +1,6 @@
 import math
+import re
+import time
 import subprocess
 import sys
 
@@ -192,6 +194,20 @@ def test_cli_error_is_one_line(capsys):
     assert capsys.readouterr().err.strip().count("\n") == 0
 
 
+def test_cli_refuses_tf32_on_a_cpu(capsys):
+    assert main(["--tf32", "--device", "cpu", "--num-images", "2", "--image-size", "64"]) == 2
+    assert capsys.readouterr().err == "error: --tf32: True does not apply on cpu: TF32 is not used on CPU (pinned, " \
+                                      "reported as n/a)\n"
+
+
+def test_cli_reports_what_compiling_cost(capsys, slow_compiler):
+    assert main(["--compile", "head", "--device", "cpu", "--num-images", "2", "--image-size", "64",
+                 "--backbone", "mobilenet_v3_fpn", "--rois-per-image", "8", "--representation-size", "32",
+                 "--warmup", "1", "--iterations", "2", "--max-iterations", "2"]) == 0
+    assert re.search(r"compile=head: \d+\.\d s in 1 compiling step\(s\), kept out of the medians; 2 graph\(s\), "
+                     r"0 graph break\(s\)", capsys.readouterr().out)
+
+
 BAD_OPTIONS = [  # every numeric and choice option refuses a bad value with one line naming it and what is allowed
     (["--batch-size", "0"], "--batch-size: 0 is too small; allowed: >= 1"),
     (["--image-size", "100"], "--image-size: 100 is not allowed; allowed: a multiple of 32"),
@@ -209,6 +225,7 @@ BAD_OPTIONS = [  # every numeric and choice option refuses a bad value with one 
     (["--device", "tpu"], "--device: 'tpu' is not allowed; allowed: auto, cpu, cuda"),
     (["--head", "mlp"], "--head: 'mlp' is not allowed; allowed: linear, conv, conv_as_linear, or package.module:factory"),
     (["--amp", "fp8"], "--amp: 'fp8' is not allowed; allowed: off, fp16, bf16"),
+    (["--compile", "all"], "--compile: 'all' is not allowed; allowed: off, head, model"),
     (["--backbone", "vgg16"],
      "--backbone: 'vgg16' is not allowed; allowed: resnet50_fpn, resnet18_fpn, mobilenet_v3_fpn"),
 ]
@@ -228,3 +245,53 @@ def test_cli_bad_option_as_a_user_runs_it():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr == "error: --batch-size: 0 is too small; allowed: >= 1\n" and result.stdout == ""
+
+
+@pytest.fixture
+def slow_compiler(monkeypatch):
+    """torch.compile with a backend that takes a second per graph and then runs it as traced (no Inductor): a
+    compile whose cost is known and far above a tiny step's."""
+    real = torch.compile
+
+    def slow_backend(graph_module, example_inputs):
+        time.sleep(1.0)
+        return graph_module.forward
+
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None: real(fn, backend=slow_backend))
+
+
+def test_compile_steps_are_timed_apart_and_kept_out_of_the_medians(slow_compiler):
+    result = run_trial(TINY_CONFIG, Knobs(head="conv", compile="head"), SAMPLES, device=CPU, policy=QUICK)
+    compiled = result.compiled
+    # The first step compiles the box head's and the predictor's forwards: a graph each, a second each.
+    assert (compiled.compile_steps, compiled.compiled_graphs, compiled.graph_breaks) == (1, 2, 0)
+    assert compiled.compile_ms >= 2000 and result.wall_s["compile"] >= 2.0
+    assert result.warmup_iterations == 1 and result.iterations == 2  # QUICK's bounds: compiling is not warm-up
+    assert max(result.samples["step"]) < 1000 and result.median("head_backward") > 0
+    row = result.row()
+    assert row["compile_ms"] == compiled.compile_ms and row["graph_breaks"] == 0 and row["wall_compile_s"] >= 2.0
+    eager = run_trial(TINY_CONFIG, Knobs(head="conv"), SAMPLES, device=CPU, policy=QUICK)
+    assert eager.compiled is None and math.isnan(eager.row()["compile_ms"]) and eager.wall_s["compile"] == 0
+
+
+def test_wall_time_parts_cover_the_trial():
+    started = time.perf_counter()
+    result = run_trial(TINY_CONFIG, Knobs(head="linear"), SAMPLES, device=CPU, policy=QUICK, profile_steps=1)
+    elapsed = time.perf_counter() - started
+    assert set(result.wall_s) == {"build", "compile", "warmup", "measure", "profile"}
+    assert all(result.wall_s[p] > 0 for p in ("build", "warmup", "measure", "profile"))
+    assert sum(result.wall_s.values()) == pytest.approx(elapsed, rel=0.1)
+
+
+def test_dynamo_counters_count_graph_breaks_with_their_reasons():
+    def broken(x):
+        x = x * 2
+        torch._dynamo.graph_break()
+        return x + 1
+
+    counters = bench.DynamoCounters()
+    torch._dynamo.reset()
+    torch.compile(broken, backend="eager")(torch.ones(3))
+    compiled = counters.compiled(compile_ms=5.0, compile_steps=1)
+    assert compiled.graph_breaks >= 1 and compiled.compiled_graphs == 2
+    assert compiled.break_reasons.startswith(f"{compiled.graph_breaks} x ") and compiled.break_reasons.count("\n") >= 1

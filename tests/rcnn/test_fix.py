@@ -254,3 +254,24 @@ def test_patches_output_has_the_convs_layout():
     assert fixed(x).is_contiguous() and fixed(x).view(3, -1).shape == (3, 160)
     x_cl = x.contiguous(memory_format=torch.channels_last)
     assert fixed(x_cl).is_contiguous(memory_format=torch.channels_last)
+
+
+def test_timings_kept_by_the_caller_time_each_convolution_once(monkeypatch):
+    import rcnn.fix as fix
+
+    calls = []
+    real = fix._time_paths
+    monkeypatch.setattr(fix, "_time_paths", lambda *args, **kwargs: calls.append(args[1]) or real(*args, **kwargs))
+    timings: dict = {}
+    x = torch.randn(4, 16, 7, 7)
+    for _ in range(2):
+        fix.linearize(nn.Sequential(nn.Conv2d(16, 32, 7)), x)
+    assert len(calls) == 2  # no dict kept: each call times
+    calls.clear()
+    models = [nn.Sequential(nn.Conv2d(16, 32, 7), nn.Flatten(), nn.Linear(32, 2)) for _ in range(3)]
+    swaps = [fix.linearize_with(m, lambda m=m: m(x), timings=timings) for m in models[:2]]
+    assert len(calls) == 1 and len(timings) == 1  # the second model's identical conv: the first's timings
+    assert swaps[0][0].conv_ms == swaps[1][0].conv_ms and swaps[0][0].swapped == swaps[1][0].swapped
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # another dtype seen: timed anew
+        fix.linearize_with(models[2], lambda: models[2](x), timings=timings)
+    assert len(calls) == 2 and len(timings) == 2

@@ -124,6 +124,67 @@ def test_tf32_is_one_setting_for_matmul_and_cudnn(enabled):
     assert torch.backends.cuda.matmul.allow_tf32 is enabled and torch.backends.cudnn.allow_tf32 is enabled
 
 
+@pytest.mark.parametrize("tf32", [None, False, True])
+@pytest.mark.parametrize("before", [False, True])
+def test_backend_flags_set_tf32_for_both_and_restore_each(before, tf32):
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before, not before  # PyTorch's: differ
+    with backend_flags(Knobs(tf32=tf32)):  # None (n/a, a CPU): off
+        assert torch.backends.cuda.matmul.allow_tf32 is torch.backends.cudnn.allow_tf32 is (tf32 is True)
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (before, not before)
+
+
+def test_tf32_is_pinned_not_applicable_on_cpu_and_swept_on_cuda():
+    grid, skipped = applicable_space({"tf32": [False, True]}, CPU)
+    assert grid == {"tf32": [None]} and [(s.knob, s.value) for s in skipped] == [("tf32", "any")]
+    assert "TF32 is not used on CPU" in skipped[0].reason
+    assert applicable_space({"tf32": [False, True]}, CUDA)[0] == {"tf32": [False, True]}
+    assert why_not("tf32", True, CPU) and why_not("tf32", True, CUDA) is None
+
+
+@pytest.fixture
+def no_compiler(monkeypatch):
+    """A machine without a C++ compiler, as Inductor searches for one."""
+    import torch._inductor.config as inductor
+
+    with inductor.patch({"cpp.cxx": (None, "no-such-c++-compiler")}):
+        yield
+
+
+def test_compile_needs_a_cxx_compiler_on_cpu(no_compiler):
+    assert knobs.cxx_compiler() is None
+    reason = why_not("compile", "head", CPU)
+    assert "needs a C++ compiler" in reason and why_not("compile", "off", CPU) is None
+    grid, skipped = applicable_space({"compile": ["off", "head", "model"]}, CPU)
+    assert grid == {"compile": ["off"]}
+    assert [(s.knob, s.value, s.reason) for s in skipped] == [("compile", "head", reason), ("compile", "model", reason)]
+    with pytest.raises(ValueNotAllowed, match="compile: no value applies on cpu .*C\\+\\+ compiler"):
+        applicable_space({"compile": ["head"]}, CPU)
+
+
+def test_compile_applies_where_a_compiler_is_found():
+    import shutil
+
+    import torch._inductor.config as inductor
+
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler on this machine")
+    with inductor.patch({"cpp.cxx": (None, compiler)}):
+        assert knobs.cxx_compiler() == compiler and why_not("compile", "model", CPU) is None
+
+
+def test_compile_modules_compiles_the_forward_and_keeps_the_hooks_eager():
+    from rcnn.model import build_detector
+    from tests.conftest import TINY_CONFIG
+
+    model = build_detector(TINY_CONFIG, "linear")
+    assert knobs.compile_modules(model, "off") == []
+    heads = knobs.compile_modules(model, "head")
+    assert heads == [model.roi_heads.box_head, model.roi_heads.box_predictor]
+    assert all("forward" in vars(m) for m in heads) and "forward" not in vars(model)  # on the instances only
+    assert knobs.compile_modules(build_detector(TINY_CONFIG, "conv"), "model")[0].forward is not None
+
+
 def head_outputs(device: torch.device, amp: str) -> tuple[torch.dtype, torch.dtype]:
     """The dtypes a Linear and a Conv2d (the two box heads' layers) compute in under the knob's autocast."""
     linear, conv = nn.Linear(8, 4).to(device), nn.Conv2d(8, 4, 3).to(device)

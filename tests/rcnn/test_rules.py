@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from rcnn.cli import Parser
-from rcnn.rules import Rule, ValueNotAllowed, at_least
+from rcnn.rules import Rule, ValueNotAllowed, at_least, first_line
 from tests.conftest import ROOT
 
 
@@ -49,3 +49,14 @@ def test_parser_errors_are_one_line(capsys, argv, line):
 def test_rules_and_cli_import_no_torch():
     code = "import sys, rcnn.rules, rcnn.cli; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+@pytest.mark.parametrize("message, line", [
+    ("boom", "RuntimeError: boom"),
+    ("", "RuntimeError: "),
+    ("first\nsecond", "RuntimeError: first"),
+    ("backend='inductor' raised:\nCppCompileError: C++ compile error\n\nmore", "RuntimeError: backend='inductor' "
+                                                                              "raised: CppCompileError: C++ compile error"),
+])
+def test_first_line_keeps_what_an_introducing_line_introduces(message, line):
+    assert first_line(RuntimeError(message)) == line
