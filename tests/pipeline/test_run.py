@@ -29,13 +29,16 @@ def test_device_check_runs_every_stage_on_cpu(tmp_path):
     assert {"./results/trials.csv", "./results/env.json", "./mlflow.db", "./reports/report.md"} <= names
     assert not any(n.startswith("./data/") for n in names)
     trials = read_trials(tmp_path / "run" / "results" / "trials.csv")
-    # fp16 and cudnn.benchmark do not apply on CPU: no duplicates, nothing hidden; each head with and without
-    # the automatic fix
+    # fp16, cudnn.benchmark and TF32 do not apply on CPU: no duplicates, nothing hidden; each head eager and
+    # compiled, as on the GPU
     assert set(trials["head"]) == {"linear", "conv", "conv_as_linear"} and trials["status"].eq("complete").all()
-    assert not trials.duplicated(["head", "amp", "linearize"]).any() and set(trials["amp"]) <= {"off", "bf16"}
-    assert len(trials) == 3 * trials["amp"].nunique() * 2
+    assert not trials.duplicated(["head", "amp", "compile"]).any() and set(trials["amp"]) <= {"off", "bf16"}
+    assert len(trials) == 3 * trials["amp"].nunique() * 2 and trials["tf32"].eq("n/a").all()
+    compiled = trials[trials["compile"] == "head"]
+    assert (compiled["compile_steps"] >= 1).all() and (compiled["compiled_graphs"] >= 2).all()
     assert {"./results/comparisons.csv", "./results/kernels.csv", "./results/modules.csv"} <= names
-    assert "## Verdict" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "## Verdict" in report and "- does torch.compile close the conv/linear gap?" in report
 
 
 def test_bad_preset_fails_before_any_stage(tmp_path):
