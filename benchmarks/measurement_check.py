@@ -10,8 +10,9 @@
    (target: at least 2x fewer steps, same ranking).
 4. Cross-check: the head alone under torch.utils.benchmark against the in-detector hooks (within 15%).
 5. System metrics: step time while MLflow samples CPU, memory (and GPU) at the sweep's interval against
-   without (target: the ratio's 95% CI holds 1, or the ratio is <= 1.02). Blocks of steps alternate, each
-   in an MLflow run of a scratch store, with and without the sampler, as the sweep's trial runs are.
+   without (target: the ratio's 95% CI holds 1, or the ratio is <= 1.02). Blocks of steps alternate, in
+   MLflow runs of a scratch store: with the sampler of a parent run and of its nested run, as during a
+   sweep's trial, and without either.
 
 Run by hand (minutes), from the project folder: .venv/bin/python -m benchmarks.measurement_check [--device cpu] [--rounds 3]
 """
@@ -71,8 +72,9 @@ def interleaved(config: DetectorConfig, knobs: dict[str, tuple[Knobs, bool]], sa
 def system_metrics_blocks(config: DetectorConfig, knobs: Knobs, samples: list[Sample], device: torch.device,
                           interval: float, rounds: int, block_s: float = 3.0) -> tuple[list[float], list[float]]:
     """Step times (ms) of one detector in alternating blocks of about ``block_s`` seconds (and at least two
-    sampling intervals), each block an MLflow run of a scratch store: with MLflow's system metrics sampled every
-    ``interval`` s, and without. ``rounds`` blocks of each."""
+    sampling intervals), each block a nested MLflow run of a scratch store: with MLflow's system metrics sampled
+    every ``interval`` s on it and on its parent run (as a sweep samples its parent and each trial), and
+    without. ``rounds`` blocks of each."""
     import mlflow
 
     with tempfile.TemporaryDirectory() as store, backend_flags(knobs):
@@ -86,7 +88,8 @@ def system_metrics_blocks(config: DetectorConfig, knobs: Knobs, samples: list[Sa
         times: dict[bool, list[float]] = {True: [], False: []}
         for block in range(2 * rounds):
             sampled = block % 2 == 0
-            with mlflow.start_run(log_system_metrics=sampled):
+            with mlflow.start_run(log_system_metrics=sampled), mlflow.start_run(nested=True,
+                                                                                log_system_metrics=sampled):
                 started = time.perf_counter()
                 while time.perf_counter() - started < max(block_s, 2 * interval):
                     times[sampled].append(trainer.step(block)["step"])
@@ -114,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checks", type=CHECKS.arg(), default="12345", help="which checks to run, e.g. 12")
     parser.add_argument("--metrics-interval", type=Rule(minimum=1).arg(float), default=TrackingParams.system_metrics_s,
                         help="check 5: MLflow's system metrics interval (s), as tracking.system_metrics_s")
+    parser.add_argument("--metrics-rounds", type=Rule(minimum=2).arg(int), default=10,
+                        help="check 5: blocks of steps with the sampler, and as many without")
     parser.add_argument("--fixed", type=ITERATIONS.arg(int), default=30,
                         help="the fixed step count adaptive stopping is held to")
     parser.add_argument("--no-onednn", action="store_true",
@@ -145,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
     if "5" in args.checks:
         with_metrics, without = system_metrics_blocks(config, knobs(head="linear"), samples, device,
-                                                      interval=args.metrics_interval, rounds=args.rounds)
+                                                      interval=args.metrics_interval, rounds=args.metrics_rounds)
         c = compare(with_metrics, without)
         print(f"{'5 system metrics: step with / without':<46}{c.ratio:>12.3f}  CI holds 1 or <= 1.02 "
               f"(CI {c.ci_low:.3f}-{c.ci_high:.3f}, p {c.p_value:.2f}; {len(without)} steps each, every "

@@ -127,7 +127,7 @@ class SweepParams:
     storage: str = "optuna.journal"   # a journal file path (one host), or postgresql://... (many machines)
     workers: int = _field(1, Rule(minimum=1))  # processes on this host sharing the study (and its CPU threads or GPUs)
     heartbeat_s: int = _field(60, Rule(minimum=1))  # RDB storage: a trial silent for 3x this is failed and queued again
-    cross_check: bool = True          # also time each head alone with torch.utils.benchmark
+    cross_check: bool = True          # also time each head alone with torch.utils.benchmark, at profile_at
     profile_steps: int = _field(3, Rule(minimum=0))  # torch.profiler steps per head at profile_at; 0: no kernel tables
     profile_at: tuple[ProfileAt, ...] = (ProfileAt(),)  # these settings run first, so a time budget keeps them
     space: SpaceParams = field(default_factory=SpaceParams)

@@ -46,12 +46,12 @@ from pipeline.study import (WorkQueue, finished_count, grid_points, hold_journal
                             wait_for_study)
 from rcnn.bench import TrialResult, isolated_head_ms, run_trial
 from rcnn.data import Sample, read_coco
-from rcnn.knobs import Knobs, Skipped, applicable_space, peak_dtype, resolve_device
+from rcnn.knobs import Knobs, Skipped, applicable_space, resolve_device
 from rcnn.model import BACKBONE_CHANNELS, ROI_RESOLUTION, DetectorConfig
 from rcnn.roofline import achieved, head_flops
 from rcnn.factory import source_of
 from rcnn.rules import first_line
-from rcnn.schema import HEAD_NAMES, KNOB_NAMES, SWEEP_WALL_PARTS, TRIAL_WALL_PARTS
+from rcnn.schema import HEAD_NAMES, KNOB_NAMES, SWEEP_WALL_PARTS, TRIAL_WALL_PARTS, peak_dtype
 
 
 def check_credentials(uri: str) -> None:
@@ -130,7 +130,7 @@ def measured_columns(result: TrialResult, knobs: Knobs, config: DetectorConfig, 
     forward, backward = head_flops(knobs.head, rois=result.rois, in_channels=BACKBONE_CHANNELS,
                                    resolution=ROI_RESOLUTION, representation_size=config.representation_size,
                                    num_classes=config.num_classes)
-    peak = ceilings.get("matmul_tflops", {}).get(peak_dtype(knobs))
+    peak = ceilings.get("matmul_tflops", {}).get(peak_dtype(knobs.amp, knobs.tf32))
     fwd_tflops, fwd_fraction = achieved(forward, result.median("head_forward"), peak)
     bwd_tflops, bwd_fraction = achieved(backward, result.median("head_backward"), peak)
     return result.row() | {"head_forward_gflop": forward / 1e9, "head_backward_gflop": backward / 1e9,
@@ -242,7 +242,7 @@ class Sweep:
             result = run_trial(self.config, knobs, self.samples, device=self.device, policy=self.policy,
                                seed=self.params.sweep.seed,
                                profile_steps=self.params.sweep.profile_steps if profile else 0,
-                               peak_tflops=self.ceilings.get("matmul_tflops", {}).get(peak_dtype(knobs)))
+                               peak_tflops=self.ceilings.get("matmul_tflops", {}).get(peak_dtype(knobs.amp, knobs.tf32)))
             started = time.perf_counter()
             isolated = (isolated_head_ms(self.config, knobs, rois=result.rois, device=self.device)
                         if self.params.sweep.cross_check and profile else (float("nan"), float("nan")))
@@ -467,11 +467,12 @@ def run_sweep(args: argparse.Namespace, params: Params) -> int:
     setup, storage = connect(args, params)
     with open_study(params, setup, storage) as (study, parent_run_id):
         failures, baselines = run_workers(args, params, setup, study, parent_run_id)
+        if wall := sweep_wall(study, started, baselines, params.sweep.workers):
+            study.set_user_attr("wall", wall)  # a rerun that measures nothing keeps the last run's accounting
+            mlflow.log_metrics({f"wall_{part}_s": s for part, s in wall["parts_s"].items()}
+                               | {"wall_total_s": wall["total_s"], "wall_measure_share": wall["measure_share"]})
         tables = collect_tables(params, setup, study, parent_run_id)
-        tables.summary["wall"] = wall = sweep_wall(study, started, baselines, params.sweep.workers)
-        mlflow.log_metrics({k: v for k, v in tables.summary.items() if isinstance(v, (int, float)) and v == v}
-                           | {f"wall_{part}_s": s for part, s in wall["parts_s"].items()}
-                           | {"wall_total_s": wall["total_s"], "wall_measure_share": wall["measure_share"]})
+        mlflow.log_metrics({k: v for k, v in tables.summary.items() if isinstance(v, (int, float)) and v == v})
     write_outputs(args, tables)
     if failures and params.sweep.fail_on_trial_error:
         print(f"error: {failures} trial(s) failed or timed out in this run (sweep.fail_on_trial_error)",
@@ -546,19 +547,24 @@ def run_workers(args: argparse.Namespace, params: Params, setup: Setup, study: o
     return failures, [b for b in (start, end) if b]
 
 
-def sweep_wall(study: optuna.Study, started: float, baselines: list[dict], workers: int) -> dict:
+def sweep_wall(study: optuna.Study, started: float, baselines: list[dict], workers: int) -> dict | None:
     """Where this run's wall time went, this host's workers together: the parts (rcnn.schema TRIAL_WALL_PARTS)
-    of the trials started in this run and of the drift baselines, the failed trials, and the rest (setup,
-    Optuna, writing tables). ``measure_share``: the timed steps' share of it all."""
+    of the trials this host started in this run and of the drift baselines, the failed trials, and the rest
+    (setup, Optuna, writing tables). ``measure_share``: the timed steps' share of it all. None when the run
+    measured nothing."""
     parts = dict.fromkeys(SWEEP_WALL_PARTS, 0.0)
     walls = [b["wall_s"] for b in baselines]
+    host = f"{socket.gethostname()}:"  # a joining machine's trials are its own
     for t in study.get_trials(deepcopy=False):
-        if t.datetime_start is None or t.datetime_start.timestamp() < started or not t.state.is_finished():
+        if (t.datetime_start is None or t.datetime_start.timestamp() < started or not t.state.is_finished()
+                or not t.user_attrs.get("worker", "").startswith(host)):
             continue
         if row := t.user_attrs.get("result"):
             walls.append({part: row.get(f"wall_{part}_s") for part in TRIAL_WALL_PARTS})
         elif t.datetime_complete is not None:
             parts["failed"] += (t.datetime_complete - t.datetime_start).total_seconds()
+    if not walls and not parts["failed"]:
+        return None
     for wall in walls:
         for part, seconds in wall.items():
             parts[part] += seconds if seconds is not None and seconds == seconds else 0.0
@@ -589,6 +595,7 @@ def collect_tables(params: Params, setup: Setup, study: optuna.Study, parent_run
         "device": setup.device.type, "study": setup.study_name, "skipped": [asdict(s) for s in setup.skipped],
         "drift": study.user_attrs.get("drift"), "profile_at": setup.profiled, "git_commit": setup.tags["git_commit"],
         "ceilings": study.user_attrs.get("ceilings", setup.ceilings), "workers": params.sweep.workers,
+        "wall": study.user_attrs.get("wall"),
         "mlflow_parent_run_id": parent_run_id}
     return Tables(trials=trials, comparisons=comparisons, kernels=kernels_table(study), modules=modules_table(study),
                   summary=summary)

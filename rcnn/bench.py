@@ -25,7 +25,7 @@ from rcnn.model import BACKBONE_CHANNELS, ROI_RESOLUTION, DetectorConfig, build_
 from rcnn.rules import UserError, ValueNotAllowed, at_least
 from rcnn.schema import (AMP, BACKBONE, BATCH_SIZE, COMPILE, DEVICE, HEAD, IMAGE_SIZE, ITERATIONS, MAX_ITERATIONS,
                          MAX_SECONDS, NUM_IMAGES, PHASES, REL_PRECISION, REPRESENTATION_SIZE, ROIS_PER_IMAGE,
-                         STAT_COLUMNS, WARMUP, WATCHED, COMPILE_COLUMNS)
+                         STAT_COLUMNS, WARMUP, WATCHED, COMPILE_COLUMNS, OTHER_KNOBS)
 from rcnn.stats import Stats, TimingPolicy, median_precision, summarize
 from rcnn.timing import Clock, ModuleSpanProbe, PeakMemory, Stopwatch
 from rcnn.workloads import Workload, detection_loss
@@ -96,7 +96,7 @@ class DynamoCounters:
         breaks = {reason: n - self.start_breaks.get(reason, 0) for reason, n in self.breaks().items()}
         breaks = {reason: n for reason, n in sorted(breaks.items(), key=lambda item: -item[1]) if n}
         return Compiled(compile_ms, compile_steps, self.graphs() - self.start_graphs, sum(breaks.values()),
-                        "".join(f"{n} x {reason.splitlines()[0]}\n" for reason, n in breaks.items()))
+                        "".join(f"{n} x {(reason.splitlines() or [''])[0]}\n" for reason, n in breaks.items()))
 
 
 # Knob linearize's timings of each convolution, kept for the trials that follow in this process: the heads of a
@@ -114,7 +114,7 @@ class Trainer:
 
     def __init__(self, config: DetectorConfig, knobs: Knobs, samples: list[Sample], *, device: torch.device,
                  seed: int = 0, probe: bool = True) -> None:
-        for knob in ("cudnn_benchmark", "amp", "onednn", "tf32", "compile"):
+        for knob in OTHER_KNOBS:
             value = getattr(knobs, knob)
             if value is not None and (reason := why_not(knob, value, device)):
                 raise ValueNotAllowed(knob, f"{value} does not apply on {device.type}: {reason}")
@@ -131,7 +131,9 @@ class Trainer:
         self.swaps = (linearize_with(self.model, self._forward, mode="auto", timings=LINEARIZE_TIMINGS)
                       if knobs.linearize else [])
         self.compiled = compile_modules(self.model, knobs.compile)  # compiles on the first steps
-        self.head = ModuleSpanProbe(self.model.roi_heads.box_head, self.model.roi_heads.box_predictor, self.clock)
+        # Compiling the whole detector would trace the probe's hooks: they stay eager (a graph break each).
+        self.head = ModuleSpanProbe(self.model.roi_heads.box_head, self.model.roi_heads.box_predictor, self.clock,
+                                    eager_hooks=knobs.compile == "model")
         if not probe:
             self.head.remove()
 
@@ -201,24 +203,29 @@ def run_trial(config: DetectorConfig, knobs: Knobs, samples: list[Sample], *, de
         try:
             warm: list[float] = []
             compiling: list[float] = []
-            while not policy.warmed_up(warm):  # burn-in: compiling, allocator, kernel choice, autotuning
+            times: dict[str, list[float]] = {phase: [] for phase in PHASES}
+
+            def step(part: str) -> dict[str, float] | None:
+                """One step timed as ``part`` of the wall time; one that compiled is compile time (None)."""
                 graphs = dynamo.graphs()
-                with wall("warmup") as part:
-                    ms = trainer.step(len(warm) + len(compiling))["step"]
-                    if dynamo.graphs() > graphs:
-                        part.name = "compile"
-                        compiling.append(ms)
-                    else:
-                        warm.append(ms)
+                with wall(part) as timed:
+                    ms = trainer.step(len(warm) + len(compiling) + len(times["step"]))
+                    if dynamo.graphs() == graphs:
+                        return ms
+                    timed.name = "compile"
+                compiling.append(ms["step"])
                 if len(compiling) > MAX_COMPILE_STEPS:
                     raise RuntimeError(f"compile={knobs.compile}: still recompiling after {MAX_COMPILE_STEPS} steps")
+                return None
+
+            while not policy.warmed_up(warm):  # burn-in: compiling, allocator, kernel choice, autotuning
+                if ms := step("warmup"):
+                    warm.append(ms["step"])
             memory.reset()
-            times: dict[str, list[float]] = {phase: [] for phase in PHASES}
             started = time.perf_counter()
-            with wall("measure"):
-                while not policy.done([times[p] for p in watched], time.perf_counter() - started):
-                    for phase, ms in trainer.step(len(warm) + len(times["step"])).items():
-                        times[phase].append(ms)
+            while not policy.done([times[p] for p in watched], time.perf_counter() - started):
+                for phase, value in (step("measure") or {}).items():  # a step that recompiled is not measured
+                    times[phase].append(value)
             compiled = dynamo.compiled(sum(compiling), len(compiling)) if knobs.compile != "off" else None
             kernels, modules = [], []
             with wall("profile"):

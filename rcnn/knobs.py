@@ -121,23 +121,17 @@ def applicable_space(space: dict[str, list], device: torch.device) -> tuple[dict
     return grid, skipped
 
 
-def _backends() -> tuple[bool, bool, bool, bool]:
-    return (torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled, torch.backends.cuda.matmul.allow_tf32,
-            torch.backends.cudnn.allow_tf32)
-
-
 @contextlib.contextmanager
 def backend_flags(knobs: Knobs) -> Iterator[None]:
     """Set cudnn.benchmark, oneDNN and TF32 for the duration of a trial and restore them afterwards."""
-    previous = _backends()
+    previous = torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled
     torch.backends.cudnn.benchmark = bool(knobs.cudnn_benchmark)
     torch.backends.mkldnn.enabled = knobs.onednn is not False  # n/a keeps PyTorch's default (on)
-    set_tf32(bool(knobs.tf32))  # n/a (CPU): off, which no CPU kernel reads
     try:
-        yield
+        with tf32(bool(knobs.tf32)):  # n/a (CPU): off, which no CPU kernel reads
+            yield
     finally:
-        (torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled, torch.backends.cuda.matmul.allow_tf32,
-         torch.backends.cudnn.allow_tf32) = previous
+        torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled = previous
 
 
 def autocast_dtype(amp: str) -> torch.dtype:
@@ -150,11 +144,6 @@ def autocast(amp: str, device: torch.device) -> contextlib.AbstractContextManage
     return torch.autocast(device.type, dtype=autocast_dtype(amp), enabled=amp != "off")
 
 
-def peak_dtype(knobs: Knobs) -> str:
-    """The dtype whose measured matmul peak (rcnn.machine.ceilings) a setting's FLOP/s compare against."""
-    return "tf32" if knobs.tf32 and knobs.amp == "off" else AMP_DTYPES[knobs.amp]
-
-
 def grad_scaler(amp: str, device: torch.device) -> torch.amp.GradScaler:
     # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
     return torch.amp.GradScaler(device.type, enabled=amp == "fp16")
@@ -164,6 +153,17 @@ def set_tf32(enabled: bool) -> None:
     """Give matmul (nn.Linear) and cuDNN (nn.Conv2d) the same TF32 setting; their defaults differ."""
     torch.backends.cuda.matmul.allow_tf32 = enabled
     torch.backends.cudnn.allow_tf32 = enabled
+
+
+@contextlib.contextmanager
+def tf32(enabled: bool) -> Iterator[None]:
+    """``set_tf32`` inside, each switch as it was afterwards."""
+    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    set_tf32(enabled)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
 
 
 def compile_modules(model: nn.Module, target: str) -> list[nn.Module]:
@@ -188,12 +188,14 @@ def compile_forward(*modules: nn.Module) -> None:
         module.forward = torch.compile(module.forward, mode=COMPILE_MODE)
 
 
-def inductor_settings() -> dict[str, Any]:
-    """The torch.compile settings that shape knob compile's numbers (for the fingerprint)."""
+def inductor_settings(device: torch.device) -> dict[str, Any]:
+    """The torch.compile settings that shape knob compile's numbers (for the fingerprint); the C++ compiler on a
+    CPU, where Inductor builds its kernels with it."""
     import torch._inductor.config as inductor
 
+    cxx = {"cxx": cxx_compiler() or "none"} if device.type == "cpu" else {}
     return {"compile_mode": COMPILE_MODE, "inductor_conv_1x1_as_mm": inductor.conv_1x1_as_mm,
-            "inductor_max_autotune": inductor.max_autotune, "cxx": cxx_compiler() or "none"}
+            "inductor_max_autotune": inductor.max_autotune, **cxx}
 
 
 def memory_format(knobs: Knobs) -> torch.memory_format:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torchvision
 
-from rcnn.knobs import DTYPES, cpu_has_native_bf16, inductor_settings, set_tf32, why_not
+from rcnn.knobs import DTYPES, cpu_has_native_bf16, inductor_settings, tf32, why_not
 from rcnn.roofline import measure_copy_gbps, measure_matmul_tflops
 from rcnn.schema import AMP_DTYPES
 
@@ -50,7 +50,7 @@ def fingerprint(device: torch.device) -> dict:
         "cpu_native_bf16": cpu_has_native_bf16(),
         "cuda": torch.version.cuda or "n/a",
         "cudnn": str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else "n/a",
-        **inductor_settings(),
+        **inductor_settings(device),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -69,14 +69,10 @@ def ceilings(device: torch.device) -> dict:
     """Measured peaks: matmul TFLOP/s for each dtype the sweep can use on ``device`` (fp32 without TF32; on CUDA
     also ``tf32``, fp32 with it: knob tf32), copy GB/s."""
     cuda = device.type == "cuda"
-    tf32_before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     peak = lambda dtype: round(measure_matmul_tflops(device, dtype, n=matmul_size(device)), 3)  # noqa: E731
-    try:
-        set_tf32(False)
+    with tf32(False):
         matmul = {name: peak(DTYPES[name]) for amp, name in AMP_DTYPES.items() if why_not("amp", amp, device) is None}
-        if cuda:
-            set_tf32(True)
+    if cuda:
+        with tf32(True):
             matmul["tf32"] = peak(torch.float32)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32_before
     return {"matmul_tflops": matmul, "copy_gbps": round(measure_copy_gbps(device, 2048 if cuda else 256), 1)}

@@ -28,6 +28,14 @@ COMPILE = Rule(choices=COMPILE_TARGETS)
 BATCH_SIZE = Rule(minimum=1)
 DEVICE = Rule(choices=DEVICES)
 
+
+
+def peak_dtype(amp: str, tf32: object) -> str:
+    """The dtype whose measured matmul peak (rcnn.machine.ceilings) a setting's FLOP/s compare against: fp32
+    with knob tf32 on is ``tf32``. ``tf32`` as a table holds it too ('True', 'n/a')."""
+    return "tf32" if str(tf32) == "True" and amp == "off" else AMP_DTYPES[amp]
+
+
 # --- The detector (rcnn.model.DetectorConfig).
 BACKBONE_NAMES = ("resnet50_fpn", "resnet18_fpn", "mobilenet_v3_fpn")
 BACKBONE = Rule(choices=BACKBONE_NAMES)

@@ -57,7 +57,7 @@ def median_ms(timed: Callable[[], float], *, repeats: int = 5, burn_in: int = 2)
 
 
 @dataclass
-class Part:
+class TimedPart:
     name: str  # may be changed inside the ``with``, once what the time was spent on is known
 
 
@@ -68,8 +68,8 @@ class Stopwatch:
         self.seconds: dict[str, float] = dict.fromkeys(parts, 0.0)
 
     @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[Part]:
-        part, start = Part(name), time.perf_counter()
+    def __call__(self, name: str) -> Iterator[TimedPart]:
+        part, start = TimedPart(name), time.perf_counter()
         try:
             yield part
         finally:
@@ -87,17 +87,20 @@ class ModuleSpanProbe:
     Autograd runs nodes in reverse creation order, so nothing outside the chain runs inside that span.
     """
 
-    def __init__(self, first: nn.Module, last: nn.Module, clock: Clock, label: str = "box_head") -> None:
+    def __init__(self, first: nn.Module, last: nn.Module, clock: Clock, label: str = "box_head",
+                 eager_hooks: bool = False) -> None:
         self.clock = clock
         self.label = label
         self.marks: dict[str, object] = {}
         self.rows = 0
         self._range: torch.autograd.profiler.record_function | None = None
+        # eager_hooks: inside code torch.compile traces, the hooks still run as written, at their moment.
+        eager = torch.compiler.disable if eager_hooks else (lambda hook: hook)
         self._handles = [
-            first.register_forward_pre_hook(self._on_forward_start),
-            last.register_forward_hook(lambda *_: self._mark("forward_end")),
-            last.register_full_backward_pre_hook(lambda *_: self._on_backward_start()),
-            first.register_full_backward_hook(lambda *_: self._on_backward_end()),
+            first.register_forward_pre_hook(eager(self._on_forward_start)),
+            last.register_forward_hook(eager(lambda *_: self._mark("forward_end"))),
+            last.register_full_backward_pre_hook(eager(lambda *_: self._on_backward_start())),
+            first.register_full_backward_hook(eager(lambda *_: self._on_backward_end())),
         ]
 
     def _on_forward_start(self, _module: nn.Module, args: tuple) -> None:
