@@ -91,9 +91,9 @@ class TimingPolicy:
     """
     warmup: int = 2
     max_warmup: int = 10
-    settle_window: int = 3
+    settle_window: int = 2  # on a CPU the first step after building is already steady: a third bought nothing
     settle_tolerance: float = 0.15
-    iterations: int = 6
+    iterations: int = 12
     max_iterations: int = 30
     max_seconds: float = 15.0
     rel_precision: float = 0.05

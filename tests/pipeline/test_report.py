@@ -13,7 +13,8 @@ from rcnn.schema import KERNEL_COLUMNS
 from tests.conftest import ROOT, fake_trials
 
 SECTIONS = ["## Verdict", "## Knob effects", "## Where the time goes", "## Batch-size scaling", "## Speed vs memory",
-            "## Against the limit", "## Why", "## Backward by module", "## Environment and reproduction", "## Trials"]
+            "## Against the limit", "## Why", "## Backward by module", "## torch.compile",
+            "## Environment and reproduction", "## Where the sweep's time went", "## Trials"]
 FIGURES = ["head_backward", "time_split", "batch_scaling", "pareto", "roofline"]
 
 
@@ -147,3 +148,43 @@ def test_the_verdict_says_what_linearize_swapped_and_how_close_it_came():
     (line,) = linearize_lines(pd.concat([trials, fixed]))
     assert "swapped `roi_heads.box_head.0` (in 2 of 2 settings), `roi_heads.box_head.2` (in 1 of 2 settings)" in line
     assert "box-head backward is 1.02x conv_as_linear's (geometric mean over 2 settings; within the 5%" in line
+
+
+def compiled_fixture(conv_speedup: float) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """fake_trials with every setting also compiled (compile: head), the compiled conv head ``conv_speedup``
+    times faster in the box-head backward than eager; and the comparisons table of the whole."""
+    trials, samples = fake_trials()
+    done = trials[trials["status"] == "complete"]
+    compiled = done.assign(compile="head", trial=done["trial"] + 100, compile_ms=5000.0, compile_steps=1,
+                           compiled_graphs=2, graph_breaks=0)
+    for old, new in zip(done["trial"], compiled["trial"]):
+        factor = conv_speedup if done.set_index("trial").loc[old, "head"] == "conv" else 1.0
+        samples[new] = {**samples[old], "head_backward": [x / factor for x in samples[old]["head_backward"]]}
+    compiled.loc[compiled["head"] == "conv", "head_backward_ms"] /= conv_speedup
+    both = pd.concat([trials, compiled], ignore_index=True)
+    return both, comparisons_table(both, samples)
+
+
+@pytest.mark.parametrize("speedup, answer", [(1.0, "no: the gap stays"),
+                                             (4.0, "yes, compile head brings it under 1.25x")])
+def test_the_verdict_answers_whether_compile_closes_the_gap(speedup, answer):
+    from pipeline.report import by_value_lines, compile_section
+
+    trials, comparisons = compiled_fixture(speedup)
+    (line,) = by_value_lines(comparisons)  # tf32 is n/a on this CPU: no line for it
+    assert line.startswith(f"- does torch.compile close the conv/linear gap? {answer}.")
+    gaps = re.search(r"compile off: \*\*([\d.]+)x\*\* \(95% CI [\d.]+-[\d.]+, 2 settings\); compile head: \*\*([\d.]+)x", line)
+    assert float(gaps[1]) == pytest.approx(4.0, rel=0.02) and float(gaps[2]) == pytest.approx(4.0 / speedup, rel=0.02)
+    section = "\n".join(compile_section(trials))
+    assert "| compile " in section and "5" in section and "no eager trial" not in section
+    assert by_value_lines(comparisons_table(*fake_trials())) == []  # compile not swept: no line
+    assert "Not swept here" in compile_section(fake_trials()[0])[0]
+
+
+def test_the_sweep_time_section_reads_the_summary():
+    from pipeline.report import wall_section
+
+    wall = {"total_s": 100.0, "measure_share": 0.72, "parts_s": {"measure": 72.0, "warmup": 18.0, "other": 10.0}}
+    text = "\n".join(wall_section({"wall": wall}))
+    assert "100 s of worker time; timed steps **72%**" in text and "| measure |" in text.replace("  ", " ")
+    assert "Not recorded" in wall_section({})[0]

@@ -88,7 +88,7 @@ def test_head_spans_lie_inside_the_forward_and_the_backward(head):
 
 # (policy, batch size, warm-up steps, timed steps): the policy's bounds decide how many steps run.
 POLICIES = {
-    # Step times cannot settle in fewer than settle_window (3) steps, so warm-up runs to max_warmup; precision
+    # Step times cannot settle in fewer than settle_window (2) steps, so warm-up runs to max_warmup; precision
     # needs at least 6 samples, so measuring runs to max_iterations.
     "to-max-iterations": (TimingPolicy(warmup=0, max_warmup=2, iterations=1, max_iterations=3, rel_precision=1e-4),
                           1, 2, 3),
