@@ -374,7 +374,9 @@ def compile_section(trials: pd.DataFrame) -> list[str]:
             "default; the environment below records it) and runs `aten.convolution_backward` as a fallback to the "
             "eager kernel, so compiling is not expected to close the gap; the verdict says whether it did. "
             "Compile time (the first steps, which compile, and any later step that recompiled) is kept out of the "
-            "medians. Compiling the whole detector counts the probe's own graph breaks (its hooks run eagerly).",
+            "medians, and includes Inductor's on-disk caches as earlier trials and runs on this machine left them (the "
+            "first trial to compile a graph pays the most). Compiling the whole detector counts the probe's own graph "
+            "breaks (its hooks run eagerly).",
             *([] if "off" in values else ["", "Every trial here was compiled: no eager trial to compare with."]), "",
             shown.rename(columns={"head_backward": "box-head backward ms [95% CI]"}).round(2)
             .to_markdown(index=False, missingval=""), ""]
