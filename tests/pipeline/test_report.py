@@ -188,3 +188,16 @@ def test_the_sweep_time_section_reads_the_summary():
     text = "\n".join(wall_section({"wall": wall}))
     assert "100 s of worker time; timed steps **72%**" in text and "| measure |" in text.replace("  ", " ")
     assert "Not recorded" in wall_section({})[0]
+
+
+def test_the_verdict_answers_whether_tf32_closes_the_gap_where_it_was_swept():
+    from pipeline.report import by_value_lines
+
+    trials, samples = fake_trials()
+    trials = trials.assign(device="cuda", cudnn_benchmark=False, onednn="n/a")
+    trials["tf32"] = trials["batch_size"] == 2  # batch 2 with TF32 on: the same gap, 4x
+    (line,) = by_value_lines(comparisons_table(trials, samples))
+    assert line.startswith("- does TF32 close the conv/linear gap? no: the gap stays. conv / linear box-head "
+                           "backward, tf32 False: **")
+    gaps = [float(g) for g in re.findall(r"tf32 (?:False|True): \*\*([\d.]+)x\*\*", line)]
+    assert gaps == pytest.approx([4.0, 4.0], rel=0.02) and line.count("1 setting)") == 2
