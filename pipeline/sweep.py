@@ -123,6 +123,11 @@ def profile_settings(params: Params, grid: dict) -> list[dict]:
     return settings
 
 
+def matmul_peak(ceilings: dict, knobs: Knobs) -> float | None:
+    """The measured matmul peak (TFLOP/s) a trial's FLOP/s compare against: its dtype's, TF32's where on."""
+    return ceilings.get("matmul_tflops", {}).get(peak_dtype(knobs.amp, knobs.tf32))
+
+
 def measured_columns(result: TrialResult, knobs: Knobs, config: DetectorConfig, ceilings: dict,
                      isolated: tuple[float, float] = (float("nan"), float("nan"))) -> dict:
     """What a trial measured, as the trials table's MEASURED_COLUMNS: timing statistics, the head's FLOPs and
@@ -130,7 +135,7 @@ def measured_columns(result: TrialResult, knobs: Knobs, config: DetectorConfig, 
     forward, backward = head_flops(knobs.head, rois=result.rois, in_channels=BACKBONE_CHANNELS,
                                    resolution=ROI_RESOLUTION, representation_size=config.representation_size,
                                    num_classes=config.num_classes)
-    peak = ceilings.get("matmul_tflops", {}).get(peak_dtype(knobs.amp, knobs.tf32))
+    peak = matmul_peak(ceilings, knobs)
     fwd_tflops, fwd_fraction = achieved(forward, result.median("head_forward"), peak)
     bwd_tflops, bwd_fraction = achieved(backward, result.median("head_backward"), peak)
     return result.row() | {"head_forward_gflop": forward / 1e9, "head_backward_gflop": backward / 1e9,
@@ -242,7 +247,7 @@ class Sweep:
             result = run_trial(self.config, knobs, self.samples, device=self.device, policy=self.policy,
                                seed=self.params.sweep.seed,
                                profile_steps=self.params.sweep.profile_steps if profile else 0,
-                               peak_tflops=self.ceilings.get("matmul_tflops", {}).get(peak_dtype(knobs.amp, knobs.tf32)))
+                               peak_tflops=matmul_peak(self.ceilings, knobs))
             started = time.perf_counter()
             isolated = (isolated_head_ms(self.config, knobs, rois=result.rois, device=self.device)
                         if self.params.sweep.cross_check and profile else (float("nan"), float("nan")))

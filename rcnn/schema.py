@@ -29,7 +29,6 @@ BATCH_SIZE = Rule(minimum=1)
 DEVICE = Rule(choices=DEVICES)
 
 
-
 def peak_dtype(amp: str, tf32: object) -> str:
     """The dtype whose measured matmul peak (rcnn.machine.ceilings) a setting's FLOP/s compare against: fp32
     with knob tf32 on is ``tf32``. ``tf32`` as a table holds it too ('True', 'n/a')."""
