@@ -20,6 +20,7 @@ import json
 import logging
 import multiprocessing
 import os
+import random
 import signal
 import socket
 import sys
@@ -70,6 +71,9 @@ def check_credentials(uri: str) -> None:
                           "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD to a user of that server") from None
 
 
+EXPERIMENT_ATTEMPTS = 3
+
+
 def connect_tracking(tracking: TrackingParams) -> None:
     """Point MLflow at the tracking store and experiment, or stop with one line naming the URI."""
     uri = tracking.mlflow_uri
@@ -85,16 +89,22 @@ def connect_tracking(tracking: TrackingParams) -> None:
         mlflow.set_system_metrics_sampling_interval(tracking.system_metrics_s)
         mlflow.set_system_metrics_samples_before_logging(1)
         logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # not two lines per run
-    try:
-        experiment = mlflow.set_experiment(tracking.experiment)
-        # Again by id: when another machine created the experiment at the same moment, MLflow returns it
-        # but leaves the default experiment active.
-        mlflow.set_experiment(experiment_id=experiment.experiment_id)
-        # A write needing the permission runs need (EDIT): a user who may only read stops here, not in a trial.
-        mlflow.set_experiment_tag("last_sweep_start", time.strftime("%Y-%m-%dT%H:%M:%S"))
-    except mlflow.exceptions.MlflowException as err:
-        raise ParamsError(f"tracking.mlflow_uri: cannot use {uri} with experiment {tracking.experiment} "
-                          f"({first_line(err)})") from None
+    for attempt in range(EXPERIMENT_ATTEMPTS):
+        try:
+            experiment = mlflow.set_experiment(tracking.experiment)
+            # Again by id: when another machine created the experiment at the same moment, MLflow returns it
+            # but leaves the default experiment active.
+            mlflow.set_experiment(experiment_id=experiment.experiment_id)
+            # A write needing the permission runs need (EDIT): a user who may only read stops here, not in a trial.
+            mlflow.set_experiment_tag("last_sweep_start", time.strftime("%Y-%m-%dT%H:%M:%S"))
+            return
+        except mlflow.exceptions.MlflowException as err:
+            # Machines starting together race on the experiment's rows (the server's insert of the same tag
+            # fails with a duplicate key on PostgreSQL): the next attempt finds them written.
+            if attempt + 1 == EXPERIMENT_ATTEMPTS:
+                raise ParamsError(f"tracking.mlflow_uri: cannot use {uri} with experiment {tracking.experiment} "
+                                  f"({first_line(err)})") from None
+            time.sleep(0.5 + random.random())
 
 
 def study_name(params: Params, grid: dict, fingerprint: dict, data_dir: Path) -> str:

@@ -12,6 +12,7 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 
 from pipeline import sweep
+from pipeline.params import ParamsError, TrackingParams
 from pipeline.results import read_trials
 from tests.conftest import ROOT
 from tests.pipeline.helpers import SLOW, kill_mid_trial, prepare
@@ -165,3 +166,28 @@ def test_a_setting_that_fails_to_compile_is_a_failed_trial_and_the_sweep_goes_on
     error = trials.loc["head", "error"]
     assert "the C++ build of a kernel failed" in error and "second line" not in error
     assert runs(tmp_path).set_index("params.compile").loc["head", "status"] == "FAILED"
+
+
+def test_a_machine_racing_another_on_the_experiment_tries_again(tmp_path, monkeypatch):
+    """Machines starting together insert the same experiment rows; the loser's write fails once (a duplicate key
+    on PostgreSQL) and its next attempt finds them. A write that keeps failing stops with one line."""
+    real_tag, tries = mlflow.set_experiment_tag, []
+
+    def raced_once(key, value):
+        tries.append(key)
+        if len(tries) == 1:
+            raise mlflow.exceptions.MlflowException("duplicate key value violates unique constraint")
+        real_tag(key, value)
+
+    monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
+    monkeypatch.setattr(mlflow, "set_experiment_tag", raced_once)
+    sweep.connect_tracking(TrackingParams(mlflow_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="raced"))
+    assert len(tries) == 2 and "last_sweep_start" in mlflow.get_experiment_by_name("raced").tags
+
+    def always_refused(key, value):
+        raise mlflow.exceptions.MlflowException("PERMISSION_DENIED: no EDIT on experiment\nsecond line")
+
+    monkeypatch.setattr(mlflow, "set_experiment_tag", always_refused)
+    with pytest.raises(ParamsError, match=r"^tracking.mlflow_uri: cannot use sqlite:///.* with experiment raced "
+                                          r"\(MlflowException: PERMISSION_DENIED: no EDIT on experiment\)$"):
+        sweep.connect_tracking(TrackingParams(mlflow_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="raced"))

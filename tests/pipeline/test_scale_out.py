@@ -87,7 +87,8 @@ def test_two_machines_on_postgresql_and_an_mlflow_server(tmp_path, tiny_params, 
         mark = f":{second.pid}"
         try:  # kill the second in a trial, after it completed one
             kill_mid_trial(second, lambda: [t for t in study_trials(db.urls["optuna"])
-                                            if t.user_attrs.get("worker", "").endswith(mark)], timeout_s=300)
+                                            if t.user_attrs.get("worker", "").endswith(mark)], timeout_s=300,
+                           log=tmp_path / "second.log")
             output, _ = first.communicate(timeout=600)  # generous: a loaded 2-core machine runs it slowly
         finally:  # a failed or timed-out wait leaves no sweep running behind the test
             for machine in (first, second):
