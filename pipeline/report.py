@@ -242,6 +242,7 @@ def verdict(r: Results, effects: pd.DataFrame) -> list[str]:
                      f"{best['batch_size']} image{'s' if best['batch_size'] > 1 else ''}).")
     lines += linearize_lines(r.trials)
     lines += by_value_lines(r.comparisons)
+    lines += drift_caution(s)
     lines.append("- **the fix**, one line: replace `nn.Conv2d(C, 1024, 7)` by `Conv2dAsLinear(C, 1024, 7)` "
                  "(`rcnn.fix`): same parameters and checkpoints, computed as "
                  "`F.linear(x.flatten(1), weight.flatten(1), bias)`; or, for every such conv of a model, "
@@ -405,6 +406,21 @@ def drift_line(summary: dict) -> str:
     point = setting_label({k: "n/a" if v is None else v for k, v in drift["point"].items()})
     return (f"Baseline ({drift['point']['head']} head, {point}) step time {drift['start']['step_ms']:.1f} ms at the "
             f"start of the sweep, {drift['end']['step_ms']:.1f} ms at the end: drift {drift['step_drift']:+.1%}.")
+
+
+DRIFT_CAUTION = 0.10  # a baseline step that moved more than this between the sweep's start and end
+
+
+def drift_caution(summary: dict) -> list[str]:
+    """A verdict line when the machine's speed moved during the sweep: its trials ran at different speeds, so
+    ratios between them (each head is a trial of its own) carry that drift along with the knobs' effects."""
+    drift = summary.get("drift")
+    if not drift or abs(drift["step_drift"]) <= DRIFT_CAUTION:
+        return []
+    return [f"- **caution**: the baseline step moved {drift['step_drift']:+.0%} between the sweep's start and end "
+            f"({drift['start']['step_ms']:.0f} -> {drift['end']['step_ms']:.0f} ms; over {DRIFT_CAUTION:.0%}): "
+            "another load shared the machine, and the ratios above may carry it. Measure again on a quiet machine "
+            "before quoting them."]
 
 
 def inputs_hash(lock: Path | None) -> str:

@@ -201,3 +201,16 @@ def test_the_verdict_answers_whether_tf32_closes_the_gap_where_it_was_swept():
                            "backward, tf32 False: **")
     gaps = [float(g) for g in re.findall(r"tf32 (?:False|True): \*\*([\d.]+)x\*\*", line)]
     assert gaps == pytest.approx([4.0, 4.0], rel=0.02) and line.count("1 setting)") == 2
+
+
+def test_the_verdict_cautions_when_the_machine_drifted_during_the_sweep():
+    from pipeline.report import drift_caution
+
+    def summary(start, end):
+        return {"drift": {"start": {"step_ms": start}, "end": {"step_ms": end}, "step_drift": end / start - 1}}
+
+    (line,) = drift_caution(summary(500.0, 1050.0))
+    assert line.startswith("- **caution**: the baseline step moved +110% between the sweep's start and end "
+                           "(500 -> 1050 ms; over 10%)")
+    assert drift_caution(summary(1134.9, 1078.3)) == []  # -5%: a quiet machine's noise
+    assert drift_caution({"drift": None}) == [] and drift_caution({}) == []
