@@ -29,7 +29,8 @@ from pipeline.analysis import (baseline_first, batch_scaling, head_order, knob_e
 from pipeline.common import read_json, run_stage, stage_parser
 from rcnn.outputs import CSV, Kind, PNG, check_folder, check_writable, project_root, text_start, write_atomic
 from pipeline.params import Params
-from pipeline.results import ALL_SETTINGS, complete, fastest, pooled_rows, read_env, read_table, read_trials
+from pipeline.results import (ALL_SETTINGS, complete, fastest, headline_compile, pooled_rows, read_env, read_table,
+                              read_trials)
 from rcnn.schema import (COMPARISON_COLUMNS, COMPILE_COLUMNS, KERNEL_COLUMNS, MODULE_TABLE_COLUMNS,
                          OTHER_KNOBS, OUTSIDE, SWEEP_WALL_PARTS, ResultsError, peak_dtype)
 
@@ -227,9 +228,11 @@ def gap_lines(effects: pd.DataFrame) -> list[str]:
 def verdict(r: Results, effects: pd.DataFrame) -> list[str]:
     s = r.summary
     closes = s.get("conv_as_linear_over_linear_head_backward_ci_high")
+    pooled = headline_compile(complete(r.trials))
+    scope = "" if pooled == "off" else f" (no eager trial: these pool the settings with compile {pooled})"
     lines = [f"- conv / linear, box-head backward: **{ratio_text(s, 'conv_over_linear_head_backward')}**; "
              f"whole backward {ratio_text(s, 'conv_over_linear_backward')}; "
-             f"whole step {ratio_text(s, 'conv_over_linear_step')}.",
+             f"whole step {ratio_text(s, 'conv_over_linear_step')}{scope}.",
              "- knobs and the gap (conv/linear box-head backward, geometric mean over paired settings):",
              *(gap_lines(effects) or ["    - no knob varied with both heads complete"]),
              f"- conv_as_linear / linear, box-head backward: **{ratio_text(s, 'conv_as_linear_over_linear_head_backward')}**"

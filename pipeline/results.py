@@ -108,7 +108,7 @@ def read_env(path: str | Path) -> dict:
 BY_VALUE = ("compile", "tf32")  # knobs whose every value gets pooled rows of its own (the verdict's answers)
 
 
-def _uncompiled(done: pd.DataFrame) -> str:
+def headline_compile(done: pd.DataFrame) -> str:
     """The compile value the headline pools: off, or the first swept where off was not."""
     values = list(dict.fromkeys(done["compile"].astype(str)))
     return "off" if "off" in values or not values else values[0]
@@ -124,7 +124,7 @@ def comparisons_table(trials: pd.DataFrame, samples: dict[int, dict[str, list[fl
     done = done[done["trial"].isin([t for t, kept in samples.items() if kept])]
     rows, pooled = [], {}
     pairs = head_pairs(done["head"].unique(), reference)
-    eager = _uncompiled(done)
+    eager = headline_compile(done)
     by_value = [k for k in BY_VALUE if done[k].astype(str).replace("n/a", np.nan).nunique() > 1]  # the swept ones
     for setting, group in done.groupby(list(OTHER_KNOBS), dropna=False, sort=True):
         knobs = dict(zip(OTHER_KNOBS, setting))

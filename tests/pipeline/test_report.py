@@ -214,3 +214,19 @@ def test_the_verdict_cautions_when_the_machine_drifted_during_the_sweep():
                            "(500 -> 1050 ms; over 10%)")
     assert drift_caution(summary(1134.9, 1078.3)) == []  # -5%: a quiet machine's noise
     assert drift_caution({"drift": None}) == [] and drift_caution({}) == []
+
+
+def test_the_verdicts_headline_says_when_every_trial_was_compiled():
+    from pipeline.analysis import knob_effects
+
+    def headline(trials, comparisons):
+        results = report.Results(trials=trials, comparisons=comparisons, kernels=pd.DataFrame(),
+                                 summary=summarize_trials(trials, comparisons), env={}, modules=pd.DataFrame())
+        return report.verdict(results, knob_effects(trials))[0]
+
+    both, comparisons = compiled_fixture(1.0)
+    assert "no eager trial" not in headline(both, comparisons)  # eager trials there: the headline pools them
+    compiled = both[both["compile"] == "head"]
+    line = headline(compiled, comparisons[comparisons["compile"].isin(["head", "all"])])
+    assert line.startswith("- conv / linear, box-head backward: **")
+    assert line.endswith(" (no eager trial: these pool the settings with compile head)."), line
