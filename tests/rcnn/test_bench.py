@@ -16,6 +16,7 @@ from rcnn.model import BACKBONES, build_detector
 from rcnn.rules import ValueNotAllowed
 from rcnn.schema import PHASES
 from rcnn.stats import TimingPolicy
+from rcnn.timing import Clock, ModuleSpanProbe
 from tests.conftest import ROOT, TINY_CONFIG
 
 CPU = torch.device("cpu")
@@ -295,3 +296,14 @@ def test_dynamo_counters_count_graph_breaks_with_their_reasons():
     compiled = counters.compiled(compile_ms=5.0, compile_steps=1)
     assert compiled.graph_breaks >= 1 and compiled.compiled_graphs == 2
     assert compiled.break_reasons.startswith(f"{compiled.graph_breaks} x ") and compiled.break_reasons.count("\n") >= 1
+
+
+def test_graph_breaks_at_the_timing_probes_hooks_are_listed_not_counted():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    ModuleSpanProbe(model[0], model[2], Clock(CPU), eager_hooks=True)  # hooks dynamo must not trace
+    counters = bench.DynamoCounters()
+    torch._dynamo.reset()
+    torch.compile(model, backend="eager")(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    compiled = counters.compiled(compile_ms=5.0, compile_steps=1)
+    assert compiled.graph_breaks == 0  # the model itself compiles whole
+    assert "(the timing probe, not counted)\n" in compiled.break_reasons
