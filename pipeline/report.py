@@ -379,8 +379,9 @@ def compile_section(trials: pd.DataFrame) -> list[str]:
             "eager kernel, so compiling is not expected to close the gap; the verdict says whether it did. "
             "Compile time (the first steps, which compile, and any later step that recompiled) is kept out of the "
             "medians, and includes Inductor's on-disk caches as earlier trials and runs on this machine left them (the "
-            "first trial to compile a graph pays the most). Compiling the whole detector counts the probe's own graph "
-            "breaks (its hooks run eagerly).",
+            "first trial to compile a graph pays the most). Graph breaks are the model's: those at the timing probe's "
+            "hooks (run eagerly) are left out, and listed with every reason in the trial's MLflow artifact "
+            "graph_breaks.txt.",
             *([] if "off" in values else ["", "Every trial here was compiled: no eager trial to compare with."]), "",
             shown.rename(columns={"head_backward": "box-head backward ms [95% CI]"}).round(2)
             .to_markdown(index=False, missingval=""), ""]
