@@ -421,10 +421,10 @@ def drift_caution(summary: dict) -> list[str]:
     drift = summary.get("drift")
     if not drift or abs(drift["step_drift"]) <= DRIFT_CAUTION:
         return []
-    return [f"- **caution**: the baseline step moved {drift['step_drift']:+.0%} between the sweep's start and end "
+    return [f"- **caution**: the baseline step moved {drift['step_drift']:+.1%} between the sweep's start and end "
             f"({drift['start']['step_ms']:.0f} -> {drift['end']['step_ms']:.0f} ms; over {DRIFT_CAUTION:.0%}): "
-            "another load shared the machine, and the ratios above may carry it. Measure again on a quiet machine "
-            "before quoting them."]
+            "the machine's speed changed under the sweep (another load, heat), and the ratios above may carry it. "
+            "Measure again on a quiet machine before quoting them."]
 
 
 def inputs_hash(lock: Path | None) -> str:

@@ -100,8 +100,8 @@ def connect_tracking(tracking: TrackingParams) -> None:
             return
         except mlflow.exceptions.MlflowException as err:
             # Machines starting together race on the experiment's rows (the server's insert of the same tag
-            # fails with a duplicate key on PostgreSQL): the next attempt finds them written.
-            if attempt + 1 == EXPERIMENT_ATTEMPTS:
+            # fails with a duplicate key on PostgreSQL): the next attempt finds them written. A refusal is final.
+            if err.get_http_status_code() in (401, 403) or attempt + 1 == EXPERIMENT_ATTEMPTS:
                 raise ParamsError(f"tracking.mlflow_uri: cannot use {uri} with experiment {tracking.experiment} "
                                   f"({first_line(err)})") from None
             time.sleep(0.5 + random.random())

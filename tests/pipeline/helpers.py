@@ -34,12 +34,12 @@ def kill_mid_trial(proc: subprocess.Popen, trials: Callable[[], list[optuna.tria
                    log: Path | None = None) -> list[optuna.trial.FrozenTrial]:
     """SIGKILL ``proc`` (or call ``send(pid)`` instead) in the middle of a trial, once ``trials()`` (its trials)
     holds a completed one and a running one whose MLflow run has started; waits for ``proc`` to end and
-    returns the trials as last seen. A process that ends first fails the test with its output (``log``, the
-    file it writes to, when its output is not a pipe)."""
+    returns the trials as last seen. A process that ends first fails the test with its output (``log``: the
+    file it writes its output to)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            output = log.read_text() if log else (proc.communicate()[0] or "")
+            output = log.read_text() if log else "(its output is not kept)"
             pytest.fail(f"the process ended (exit {proc.returncode}) before it was in a trial:\n{output}")
         seen = trials()
         if (any(t.state == optuna.trial.TrialState.COMPLETE for t in seen)

@@ -8,6 +8,7 @@ import time
 import mlflow
 import optuna
 import pytest
+from mlflow.protos.databricks_pb2 import BAD_REQUEST, PERMISSION_DENIED
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 
@@ -77,7 +78,7 @@ def test_ctrl_c_stops_with_one_line_and_the_rerun_resumes(tmp_path, tiny_params,
         proc = subprocess.Popen([sys.executable, "-m", "pipeline.sweep", *args], cwd=ROOT, start_new_session=True,
                                 stdout=subprocess.DEVNULL, stderr=stderr)
         # SIGINT lands while a trial measures (nearly all of its time; during its bookkeeping it would wait).
-        kill_mid_trial(proc, lambda: journal_trials(tmp_path), timeout_s=600, send=send)
+        kill_mid_trial(proc, lambda: journal_trials(tmp_path), timeout_s=600, send=send, log=tmp_path / "stderr.txt")
     err = (tmp_path / "stderr.txt").read_text()
     study = journal_study(tmp_path)
     states = [t.state for t in study.trials]
@@ -170,24 +171,41 @@ def test_a_setting_that_fails_to_compile_is_a_failed_trial_and_the_sweep_goes_on
 
 def test_a_machine_racing_another_on_the_experiment_tries_again(tmp_path, monkeypatch):
     """Machines starting together insert the same experiment rows; the loser's write fails once (a duplicate key
-    on PostgreSQL) and its next attempt finds them. A write that keeps failing stops with one line."""
+    on PostgreSQL) and its next attempt finds them. A write that keeps failing stops with one line after three
+    attempts; a refusal at the first."""
+    tracking = TrackingParams(mlflow_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="raced",
+                              system_metrics_s=None)
     real_tag, tries = mlflow.set_experiment_tag, []
 
-    def raced_once(key, value):
-        tries.append(key)
-        if len(tries) == 1:
-            raise mlflow.exceptions.MlflowException("duplicate key value violates unique constraint")
-        real_tag(key, value)
+    def failing(times: int, error: mlflow.exceptions.MlflowException):
+        def set_tag(key, value):
+            tries.append(key)
+            if len(tries) <= times:
+                raise error
+            real_tag(key, value)
+        return set_tag
 
     monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
-    monkeypatch.setattr(mlflow, "set_experiment_tag", raced_once)
-    sweep.connect_tracking(TrackingParams(mlflow_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="raced"))
-    assert len(tries) == 2 and "last_sweep_start" in mlflow.get_experiment_by_name("raced").tags
+    previous_uri = mlflow.get_tracking_uri()
+    try:
+        duplicate = mlflow.exceptions.MlflowException("duplicate key value violates unique constraint\nDETAIL: ...",
+                                                      error_code=BAD_REQUEST)
+        monkeypatch.setattr(mlflow, "set_experiment_tag", failing(1, duplicate))
+        sweep.connect_tracking(tracking)
+        assert len(tries) == 2 and "last_sweep_start" in mlflow.get_experiment_by_name("raced").tags
 
-    def always_refused(key, value):
-        raise mlflow.exceptions.MlflowException("PERMISSION_DENIED: no EDIT on experiment\nsecond line")
+        tries.clear()
+        monkeypatch.setattr(mlflow, "set_experiment_tag", failing(99, duplicate))
+        with pytest.raises(ParamsError, match=r"^tracking.mlflow_uri: cannot use sqlite:///.* with experiment raced "
+                                              r"\(MlflowException: duplicate key value violates unique constraint\)$"):
+            sweep.connect_tracking(tracking)
+        assert len(tries) == sweep.EXPERIMENT_ATTEMPTS
 
-    monkeypatch.setattr(mlflow, "set_experiment_tag", always_refused)
-    with pytest.raises(ParamsError, match=r"^tracking.mlflow_uri: cannot use sqlite:///.* with experiment raced "
-                                          r"\(MlflowException: PERMISSION_DENIED: no EDIT on experiment\)$"):
-        sweep.connect_tracking(TrackingParams(mlflow_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="raced"))
+        tries.clear()
+        refused = mlflow.exceptions.MlflowException("no EDIT on experiment raced", error_code=PERMISSION_DENIED)
+        monkeypatch.setattr(mlflow, "set_experiment_tag", failing(99, refused))
+        with pytest.raises(ParamsError, match=r"\(MlflowException: no EDIT on experiment raced\)$"):
+            sweep.connect_tracking(tracking)
+        assert len(tries) == 1  # no second attempt changes a refusal
+    finally:
+        mlflow.set_tracking_uri(previous_uri)

@@ -210,23 +210,31 @@ def test_the_verdict_cautions_when_the_machine_drifted_during_the_sweep():
         return {"drift": {"start": {"step_ms": start}, "end": {"step_ms": end}, "step_drift": end / start - 1}}
 
     (line,) = drift_caution(summary(500.0, 1050.0))
-    assert line.startswith("- **caution**: the baseline step moved +110% between the sweep's start and end "
+    assert line.startswith("- **caution**: the baseline step moved +110.0% between the sweep's start and end "
                            "(500 -> 1050 ms; over 10%)")
+    assert drift_caution(summary(1000.0, 1104.0))[0].startswith("- **caution**: the baseline step moved +10.4%")
     assert drift_caution(summary(1134.9, 1078.3)) == []  # -5%: a quiet machine's noise
+    assert drift_caution(summary(1000.0, 1099.0)) == []  # within 10%: no caution
     assert drift_caution({"drift": None}) == [] and drift_caution({}) == []
+    trials, samples = fake_trials()
+    comparisons = comparisons_table(trials, samples)
+    results = report.Results(trials=trials, comparisons=comparisons, kernels=pd.DataFrame(), env={},
+                             summary=summarize_trials(trials, comparisons) | summary(500.0, 1050.0),
+                             modules=pd.DataFrame())
+    assert line in report.verdict(results, pd.DataFrame(columns=["gap_change"]))
 
 
 def test_the_verdicts_headline_says_when_every_trial_was_compiled():
     from pipeline.analysis import knob_effects
 
-    def headline(trials, comparisons):
-        results = report.Results(trials=trials, comparisons=comparisons, kernels=pd.DataFrame(),
-                                 summary=summarize_trials(trials, comparisons), env={}, modules=pd.DataFrame())
+    def headline(trials, samples):
+        comparisons = comparisons_table(trials, samples)
+        results = report.Results(trials=trials, comparisons=comparisons, kernels=pd.DataFrame(), env={},
+                                 summary=summarize_trials(trials, comparisons), modules=pd.DataFrame())
         return report.verdict(results, knob_effects(trials))[0]
 
-    both, comparisons = compiled_fixture(1.0)
-    assert "no eager trial" not in headline(both, comparisons)  # eager trials there: the headline pools them
-    compiled = both[both["compile"] == "head"]
-    line = headline(compiled, comparisons[comparisons["compile"].isin(["head", "all"])])
-    assert line.startswith("- conv / linear, box-head backward: **")
+    trials, samples = fake_trials()
+    assert "no eager trial" not in headline(trials, samples)
+    line = headline(trials.assign(compile="head"), samples)
+    assert re.match(r"- conv / linear, box-head backward: \*\*\d\.\d\dx \(95% CI", line), line
     assert line.endswith(" (no eager trial: these pool the settings with compile head)."), line
