@@ -382,7 +382,8 @@ def compile_section(trials: pd.DataFrame) -> list[str]:
             "first trial to compile a graph pays the most). Graph breaks are the model's: those at the timing probe's "
             "hooks (run eagerly) are left out, and listed with every reason in the trial's MLflow artifact "
             "graph_breaks.txt.",
-            *([] if "off" in values else ["", "Every trial here was compiled: no eager trial to compare with."]), "",
+            *([] if headline_compile(done) == "off"
+              else ["", "Every trial here was compiled: no eager trial to compare with."]), "",
             shown.rename(columns={"head_backward": "box-head backward ms [95% CI]"}).round(2)
             .to_markdown(index=False, missingval=""), ""]
 

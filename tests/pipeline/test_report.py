@@ -203,6 +203,16 @@ def test_the_verdict_answers_whether_tf32_closes_the_gap_where_it_was_swept():
     assert gaps == pytest.approx([4.0, 4.0], rel=0.02) and line.count("1 setting)") == 2
 
 
+def verdict_of(trials: pd.DataFrame, samples: dict, summary: dict | None = None) -> list[str]:
+    """The report's verdict on ``trials`` and their samples, ``summary`` added to the one they give."""
+    from pipeline.analysis import knob_effects
+
+    comparisons = comparisons_table(trials, samples)
+    results = report.Results(trials=trials, comparisons=comparisons, kernels=pd.DataFrame(), env={},
+                             summary=summarize_trials(trials, comparisons) | (summary or {}), modules=pd.DataFrame())
+    return report.verdict(results, knob_effects(trials))
+
+
 def test_the_verdict_cautions_when_the_machine_drifted_during_the_sweep():
     from pipeline.report import drift_caution
 
@@ -216,25 +226,12 @@ def test_the_verdict_cautions_when_the_machine_drifted_during_the_sweep():
     assert drift_caution(summary(1134.9, 1078.3)) == []  # -5%: a quiet machine's noise
     assert drift_caution(summary(1000.0, 1099.0)) == []  # within 10%: no caution
     assert drift_caution({"drift": None}) == [] and drift_caution({}) == []
-    trials, samples = fake_trials()
-    comparisons = comparisons_table(trials, samples)
-    results = report.Results(trials=trials, comparisons=comparisons, kernels=pd.DataFrame(), env={},
-                             summary=summarize_trials(trials, comparisons) | summary(500.0, 1050.0),
-                             modules=pd.DataFrame())
-    assert line in report.verdict(results, pd.DataFrame(columns=["gap_change"]))
+    assert line in verdict_of(*fake_trials(), summary(500.0, 1050.0))
 
 
 def test_the_verdicts_headline_says_when_every_trial_was_compiled():
-    from pipeline.analysis import knob_effects
-
-    def headline(trials, samples):
-        comparisons = comparisons_table(trials, samples)
-        results = report.Results(trials=trials, comparisons=comparisons, kernels=pd.DataFrame(), env={},
-                                 summary=summarize_trials(trials, comparisons), modules=pd.DataFrame())
-        return report.verdict(results, knob_effects(trials))[0]
-
     trials, samples = fake_trials()
-    assert "no eager trial" not in headline(trials, samples)
-    line = headline(trials.assign(compile="head"), samples)
+    assert "no eager trial" not in verdict_of(trials, samples)[0]
+    line = verdict_of(trials.assign(compile="head"), samples)[0]
     assert re.match(r"- conv / linear, box-head backward: \*\*\d\.\d\dx \(95% CI", line), line
     assert line.endswith(" (no eager trial: these pool the settings with compile head)."), line
