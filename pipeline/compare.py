@@ -20,7 +20,7 @@ from pipeline.analysis import head_order
 from pipeline.common import read_json
 from rcnn.outputs import CSV, PNG, check_folder, check_writable, project_root, text_start, write_atomic
 from pipeline.report import ratio_text
-from pipeline.results import complete, fastest, read_env, read_table
+from pipeline.results import complete, fastest, headline_scope, read_env, read_table, scope_text
 from rcnn.cli import Parser
 from rcnn.rules import UserError
 from rcnn.schema import KNOB_NAMES
@@ -40,8 +40,10 @@ def machine_name(env: dict, folder: Path) -> str:
 
 
 def per_head(trials: pd.DataFrame) -> pd.DataFrame:
-    """Median over the complete trials of each head (all its settings) of the timed phases, in ms."""
-    medians = complete(trials).groupby("head")[PHASE_COLUMNS].median()
+    """Median over the complete trials of each head, among the headline's settings (results.headline_scope), of
+    the timed phases, in ms."""
+    done = complete(trials)
+    medians = done[headline_scope(done)].groupby("head")[PHASE_COLUMNS].median()
     return medians.reindex(head_order(medians.index))
 
 
@@ -57,9 +59,11 @@ def compare(folders: list[Path], out: Path) -> str:
                              for name, trials, s in runs})
     heads = {name: per_head(trials) for name, trials, _ in runs}
     base = names[0]
+    scopes = "; ".join(f"{name}: {scope_text(complete(trials))}" for name, trials, _ in runs)
     lines = [TITLE, "",
-             f"{len(runs)} result folders; ratios are against the first, {base}. Medians pool every complete "
-             "trial of a head, so they compare like with like only where the grids match.", "",
+             f"{len(runs)} result folders; ratios are against the first, {base}. Headline ratios and medians pool "
+             f"the complete trials of a head among the headline's settings ({scopes}), so they compare like with "
+             "like only where the grids match.", "",
              "## Headline, per machine", "", headline.to_markdown(), ""]
     for phase in ("head_backward_ms", "step_ms"):
         table = pd.DataFrame({name: h[phase] for name, h in heads.items()})

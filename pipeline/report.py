@@ -30,7 +30,7 @@ from pipeline.common import read_json, run_stage, stage_parser
 from rcnn.outputs import CSV, Kind, PNG, check_folder, check_writable, project_root, text_start, write_atomic
 from pipeline.params import Params
 from pipeline.results import (ALL_SETTINGS, complete, fastest, headline_compile, pooled_rows, read_env, read_table,
-                              read_trials)
+                              read_trials, scope_text)
 from rcnn.schema import (COMPARISON_COLUMNS, COMPILE_COLUMNS, KERNEL_COLUMNS, MODULE_TABLE_COLUMNS,
                          OTHER_KNOBS, OUTSIDE, SWEEP_WALL_PARTS, ResultsError, peak_dtype)
 
@@ -221,7 +221,8 @@ def gap_lines(effects: pd.DataFrame) -> list[str]:
     rows = effects.dropna(subset=["gap_change"]).sort_values("gap_change", key=lambda s: -abs(s.apply(
         lambda v: v if v >= 1 else 1 / v)))
     return [f"    - {r.knob} {r['from']} -> {r.to}: gap {r.gap_from:.2f}x -> {r.gap_to:.2f}x "
-            f"({'widens' if r.gap_change > 1 else 'shrinks'} {max(r.gap_change, 1 / r.gap_change):.2f}x)"
+            f"({'widens' if r.gap_change > 1 else 'shrinks'} {max(r.gap_change, 1 / r.gap_change):.2f}x; "
+            f"{r.gap_pairs} paired setting{'s' if r.gap_pairs != 1 else ''})"
             for _, r in rows.iterrows()]
 
 
@@ -233,7 +234,8 @@ def verdict(r: Results, effects: pd.DataFrame) -> list[str]:
     lines = [f"- conv / linear, box-head backward: **{ratio_text(s, 'conv_over_linear_head_backward')}**; "
              f"whole backward {ratio_text(s, 'conv_over_linear_backward')}; "
              f"whole step {ratio_text(s, 'conv_over_linear_step')}{scope}.",
-             "- knobs and the gap (conv/linear box-head backward, geometric mean over paired settings):",
+             "- knobs and the gap (conv/linear box-head backward, geometric mean over the paired settings among "
+             f"the headline's, {scope_text(complete(r.trials))}; each knob's own line lets it vary):",
              *(gap_lines(effects) or ["    - no knob varied with both heads complete"]),
              f"- conv_as_linear / linear, box-head backward: **{ratio_text(s, 'conv_as_linear_over_linear_head_backward')}**"
              f"; whole backward {ratio_text(s, 'conv_as_linear_over_linear_backward')}: "
@@ -244,7 +246,7 @@ def verdict(r: Results, effects: pd.DataFrame) -> list[str]:
                      f"{best['ms_per_image']:.0f} ms per image ({best['step_ms']:.0f} ms per step of "
                      f"{best['batch_size']} image{'s' if best['batch_size'] > 1 else ''}).")
     lines += linearize_lines(r.trials)
-    lines += by_value_lines(r.comparisons)
+    lines += by_value_lines(r.comparisons, complete(r.trials))
     lines += drift_caution(s)
     lines.append("- **the fix**, one line: replace `nn.Conv2d(C, 1024, 7)` by `Conv2dAsLinear(C, 1024, 7)` "
                  "(`rcnn.fix`): same parameters and checkpoints, computed as "
@@ -276,9 +278,10 @@ BY_VALUE_QUESTIONS = {"compile": "does torch.compile close the conv/linear gap?"
                       "tf32": "does TF32 close the conv/linear gap?"}
 
 
-def by_value_lines(comparisons: pd.DataFrame) -> list[str]:
+def by_value_lines(comparisons: pd.DataFrame, done: pd.DataFrame) -> list[str]:
     """One line per BY_VALUE knob swept with two values or more: the conv/linear box-head backward gap at each
-    value (geometric mean over the paired settings, 95% CI), and whether a value other than the default closes it."""
+    value (geometric mean over the paired settings among the headline's, 95% CI), and whether a value other than
+    the default closes it. ``done``: the complete trials, to say which settings were pooled."""
     lines = []
     for knob, question in BY_VALUE_QUESTIONS.items():
         rows = pooled_rows(comparisons, knob)
@@ -293,7 +296,8 @@ def by_value_lines(comparisons: pd.DataFrame) -> list[str]:
         closed = others[others["ci_high"] < CLOSES_GAP]
         answer = (f"yes, {knob} {', '.join(closed.index)} brings it under {CLOSES_GAP}x" if len(closed)
                   else "no: the gap stays")
-        lines.append(f"- {question} {answer}. conv / linear box-head backward, {gaps}.")
+        lines.append(f"- {question} {answer}. conv / linear box-head backward over {scope_text(done, free=knob)}, "
+                     f"{gaps}.")
     return lines
 
 
@@ -315,7 +319,8 @@ def effects_table(effects: pd.DataFrame) -> pd.DataFrame:
             lambda x: f"{x.step_ratio:.2f} [{x.ci_low:.2f}, {x.ci_high:.2f}]" if x.ci_low == x.ci_low
             else f"{x.step_ratio:.2f}", axis=1),
         "paired settings": effects["pairs"],
-        "conv/linear gap": effects.apply(lambda x: f"{x.gap_from:.2f}x -> {x.gap_to:.2f}x", axis=1)})
+        "conv/linear gap": effects.apply(lambda x: f"{x.gap_from:.2f}x -> {x.gap_to:.2f}x", axis=1),
+        "gap settings": effects["gap_pairs"]})
 
 
 def kernel_section(kernels: pd.DataFrame) -> list[str]:
@@ -471,7 +476,8 @@ def render(r: Results, lock: Path | None) -> str:
         "## Knob effects", "",
         "Switching one knob from PyTorch's default (batch size: the smallest), all else equal (factorial grid): "
         "the step-time ratio with a bootstrap 95% CI over the paired settings, and the conv/linear box-head "
-        "backward gap before and after (the head x knob interaction).", "",
+        "backward gap before and after (the head x knob interaction), pooled over the headline's settings "
+        f"({scope_text(done)}; the knob itself free).", "",
         effects_table(effects).to_markdown(index=False) if not effects.empty else "No knob had two values.", "",
         "Knobs not swept on this device:", "",
         *([f"- {x['knob']}={x['value']}: {x['reason']}" for x in s.get("skipped", [])] or ["- none"]), "",

@@ -114,18 +114,40 @@ def headline_compile(done: pd.DataFrame) -> str:
     return "off" if "off" in values or not values else values[0]
 
 
+def headline_scope(done: pd.DataFrame, free: str | None = None) -> pd.Series:
+    """Which rows of ``done`` the headline pools: the heads as written (knob linearize false) and uncompiled
+    (headline_compile). ``free`` lifts that knob's condition, for a line that varies it. Every pooled gap uses
+    this, so a knob line never mixes in settings where the fix already closed the gap."""
+    mask = pd.Series(True, index=done.index)
+    if free != "linearize":
+        mask &= done["linearize"].astype(str) != "True"
+    if free != "compile":
+        mask &= done["compile"].astype(str) == headline_compile(done)
+    return mask
+
+
+def scope_text(done: pd.DataFrame, free: str | None = None) -> str:
+    """What headline_scope keeps, in words: 'the settings with linearize false, compile off'."""
+    conditions = []
+    if free != "linearize" and (done["linearize"].astype(str) == "True").any():
+        conditions.append("linearize false")
+    if free != "compile" and set(done["compile"].astype(str)) != {"off"}:
+        conditions.append(f"compile {headline_compile(done)}")
+    return f"the settings with {', '.join(conditions)}" if conditions else "every setting"
+
+
 def comparisons_table(trials: pd.DataFrame, samples: dict[int, dict[str, list[float]] | None],
                       seed: int = 0, reference: str | None = None) -> pd.DataFrame:
     """Per setting of the other knobs, each head pair's ratio of medians per phase (head_pairs) with a bootstrap
-    CI and the Mann-Whitney p-value. Then pooled rows (geometric mean over settings, knobs 'all'), over the
-    settings without the automatic fix (knob linearize false): one per pair and phase over the uncompiled
-    settings (the heads as written), and one per value of each BY_VALUE knob swept (that knob keeps its value)."""
+    CI and the Mann-Whitney p-value. Then pooled rows (geometric mean over settings, knobs 'all') over the
+    headline's settings (headline_scope): one per pair and phase, and one per value of each BY_VALUE knob swept
+    (that knob keeps its value and is free of the scope's condition)."""
     done = complete(trials)
     done = done[done["trial"].isin([t for t, kept in samples.items() if kept])]
     rows, pooled = [], {}
     pairs = head_pairs(done["head"].unique(), reference)
-    eager = headline_compile(done)
     by_value = [k for k in BY_VALUE if done[k].astype(str).replace("n/a", np.nan).nunique() > 1]  # the swept ones
+    in_scope = {free: set(done["trial"][headline_scope(done, free)]) for free in (None, *by_value)}
     for setting, group in done.groupby(list(OTHER_KNOBS), dropna=False, sort=True):
         knobs = dict(zip(OTHER_KNOBS, setting))
         trial_of = dict(zip(group["head"], group["trial"]))
@@ -138,13 +160,13 @@ def comparisons_table(trials: pd.DataFrame, samples: dict[int, dict[str, list[fl
                 rows.append(knobs | {
                     "numerator": num, "denominator": den, "phase": phase, "ratio": c.ratio, "ci_low": c.ci_low,
                     "ci_high": c.ci_high, "p_value": c.p_value, "settings": 1})
-                if str(knobs.get("linearize")) == "True":
-                    continue
-                if str(knobs["compile"]) == eager:
-                    pooled.setdefault(((), num, den, phase), []).append((a, b))
-                for knob in by_value:
-                    if str(knobs[knob]) != "n/a":
-                        pooled.setdefault((((knob, knobs[knob]),), num, den, phase), []).append((a, b))
+                for free, trials_in_scope in in_scope.items():
+                    if trial_of[num] not in trials_in_scope:
+                        continue
+                    if free is None:
+                        pooled.setdefault(((), num, den, phase), []).append((a, b))
+                    elif str(knobs[free]) != "n/a":
+                        pooled.setdefault((((free, knobs[free]),), num, den, phase), []).append((a, b))
     for (kept, num, den, phase), pairs in pooled.items():
         ratio, low, high = geomean_ratio(pairs, seed=seed)
         rows.append({k: ALL_SETTINGS for k in OTHER_KNOBS} | dict(kept) | {
@@ -154,7 +176,7 @@ def comparisons_table(trials: pd.DataFrame, samples: dict[int, dict[str, list[fl
 
 
 def pooled_rows(comparisons: pd.DataFrame, knob: str | None = None) -> pd.DataFrame:
-    """The pooled comparisons: over every uncompiled setting (``knob`` None), or per value of a BY_VALUE knob."""
+    """The pooled comparisons: over the headline's settings (``knob`` None), or per value of a BY_VALUE knob."""
     others = [k for k in OTHER_KNOBS if k != knob]
     mask = (comparisons[others].astype(str) == ALL_SETTINGS).all(axis=1)
     if knob is not None:

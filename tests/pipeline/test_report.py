@@ -4,6 +4,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -171,13 +172,13 @@ def test_the_verdict_answers_whether_compile_closes_the_gap(speedup, answer):
     from pipeline.report import by_value_lines, compile_section
 
     trials, comparisons = compiled_fixture(speedup)
-    (line,) = by_value_lines(comparisons)  # tf32 is n/a on this CPU: no line for it
+    (line,) = by_value_lines(comparisons, trials)  # tf32 is n/a on this CPU: no line for it
     assert line.startswith(f"- does torch.compile close the conv/linear gap? {answer}.")
     gaps = re.search(r"compile off: \*\*([\d.]+)x\*\* \(95% CI [\d.]+-[\d.]+, 2 settings\); compile head: \*\*([\d.]+)x", line)
     assert float(gaps[1]) == pytest.approx(4.0, rel=0.02) and float(gaps[2]) == pytest.approx(4.0 / speedup, rel=0.02)
     section = "\n".join(compile_section(trials))
     assert "| compile " in section and "5" in section and "no eager trial" not in section
-    assert by_value_lines(comparisons_table(*fake_trials())) == []  # compile not swept: no line
+    assert by_value_lines(comparisons_table(*fake_trials()), fake_trials()[0]) == []  # compile not swept: no line
     assert "Not swept here" in compile_section(fake_trials()[0])[0]
 
 
@@ -196,9 +197,9 @@ def test_the_verdict_answers_whether_tf32_closes_the_gap_where_it_was_swept():
     trials, samples = fake_trials()
     trials = trials.assign(device="cuda", cudnn_benchmark=False, onednn="n/a")
     trials["tf32"] = trials["batch_size"] == 2  # batch 2 with TF32 on: the same gap, 4x
-    (line,) = by_value_lines(comparisons_table(trials, samples))
+    (line,) = by_value_lines(comparisons_table(trials, samples), trials)
     assert line.startswith("- does TF32 close the conv/linear gap? no: the gap stays. conv / linear box-head "
-                           "backward, tf32 False: **")
+                           "backward over every setting, tf32 False: **")
     gaps = [float(g) for g in re.findall(r"tf32 (?:False|True): \*\*([\d.]+)x\*\*", line)]
     assert gaps == pytest.approx([4.0, 4.0], rel=0.02) and line.count("1 setting)") == 2
 
@@ -211,6 +212,43 @@ def verdict_of(trials: pd.DataFrame, samples: dict, summary: dict | None = None)
     results = report.Results(trials=trials, comparisons=comparisons, kernels=pd.DataFrame(), env={},
                              summary=summarize_trials(trials, comparisons) | (summary or {}), modules=pd.DataFrame())
     return report.verdict(results, knob_effects(trials))
+
+
+def fixed_and_onednn_fixture() -> tuple[pd.DataFrame, dict]:
+    """fake_trials (onednn on: conv/linear box-head backward 4x) plus the same settings with oneDNN off, where
+    the conv head is 3x slower (12x), and all of these again with linearize on, where the gap is closed (1x)."""
+    trials, samples = fake_trials()
+    done = trials[trials["status"] == "complete"]
+    parts, next_trial = [trials], len(trials)
+    for onednn, linearize, conv_factor in ((False, False, 3.0), (True, True, 0.25), (False, True, 0.25)):
+        variant = done.assign(onednn=onednn, linearize=linearize, trial=range(next_trial, next_trial + len(done)))
+        for old, new, head in zip(done["trial"], variant["trial"], done["head"]):
+            factor = conv_factor if head == "conv" else 1.0
+            samples[new] = {**samples[old], "head_backward": [x * factor for x in samples[old]["head_backward"]]}
+        variant.loc[variant["head"] == "conv", "head_backward_ms"] *= conv_factor
+        parts.append(variant)
+        next_trial += len(done)
+    return pd.concat(parts, ignore_index=True), samples
+
+
+def test_every_pooled_gap_pools_the_headlines_settings():
+    trials, samples = fixed_and_onednn_fixture()
+    comparisons = comparisons_table(trials, samples)
+    rows = comparisons[(comparisons["phase"] == "head_backward") & (comparisons["numerator"] == "conv")
+                       & (comparisons["denominator"] == "linear") & (comparisons["batch_size"] != "all")]
+    as_written = rows[rows["linearize"].astype(str) == "False"]
+    per_onednn = as_written.groupby(as_written["onednn"].astype(str))["ratio"].apply(
+        lambda r: float(np.exp(np.log(r).mean())))
+    assert per_onednn.to_dict() == pytest.approx({"True": 4.0, "False": 12.0}, rel=0.02)  # the per-setting rows
+    lines = verdict_of(trials, samples)
+    assert lines[0].startswith("- conv / linear, box-head backward: **6.9")  # sqrt(4 x 12): the fix left out
+    assert "among the headline's, the settings with linearize false;" in lines[1]
+    (onednn,) = [line for line in lines if line.startswith("    - onednn")]
+    gaps = re.match(r"    - onednn True -> False: gap ([\d.]+)x -> ([\d.]+)x \(widens [\d.]+x; 2 paired settings\)",
+                    onednn)
+    assert [float(gaps[1]), float(gaps[2])] == pytest.approx([per_onednn["True"], per_onednn["False"]], rel=0.01)
+    (fix,) = [line for line in lines if line.startswith("    - linearize")]  # its own line lets it vary
+    assert re.match(r"    - linearize False -> True: gap 6.9\dx -> 1.00x", fix), fix
 
 
 def test_the_verdict_cautions_when_the_machine_drifted_during_the_sweep():
@@ -235,3 +273,11 @@ def test_the_verdicts_headline_says_when_every_trial_was_compiled():
     line = verdict_of(trials.assign(compile="head"), samples)[0]
     assert re.match(r"- conv / linear, box-head backward: \*\*\d\.\d\dx \(95% CI", line), line
     assert line.endswith(" (no eager trial: these pool the settings with compile head)."), line
+
+
+def test_compare_medians_pool_the_headlines_settings():
+    trials, _ = fixed_and_onednn_fixture()
+    as_written = trials[(trials["status"] == "complete") & (trials["linearize"].astype(str) == "False")]
+    expected = as_written[as_written["head"] == "conv"]["head_backward_ms"].median()
+    assert compare.per_head(trials).loc["conv", "head_backward_ms"] == pytest.approx(expected)
+    assert expected > trials[trials["head"] == "conv"]["head_backward_ms"].median()  # the fixed ones would lower it
