@@ -23,15 +23,18 @@ import sys
 import numpy as np
 
 from benchmarks.measurement_check import knobs_for, median_ratio
-from rcnn.attribution import OUTSIDE, ModuleTimer
-from rcnn.bench import Trainer
+from rcnn.doctor.columns import OUTSIDE
+from rcnn.doctor.attribution import ModuleTimer
+from rcnn.detector.trial import Trainer
 from rcnn.cli import Parser
-from rcnn.data import synthetic_samples
-from rcnn.knobs import backend_flags, resolve_device
-from rcnn.model import DetectorConfig
+from rcnn.detector.data import synthetic_samples
+from rcnn.detector.knobs import backend_flags
+from rcnn.measure.device import resolve_device
+from rcnn.detector.model import DetectorConfig
 from rcnn.rules import Rule, ValueNotAllowed
-from rcnn.schema import BACKBONE, DEVICE, IMAGE_SIZE, ROIS_PER_IMAGE
-from rcnn.stats import bootstrap_ci
+from rcnn.detector.schema import BACKBONE, IMAGE_SIZE, ROIS_PER_IMAGE
+from rcnn.measure.settings import DEVICE
+from rcnn.measure.stats import bootstrap_ci
 
 HEAD_MODULES = ("roi_heads.box_head", "roi_heads.box_predictor")
 

@@ -25,16 +25,16 @@ import torch
 
 from benchmarks.measurement_check import median_ratio
 from rcnn.cli import Parser
-from rcnn.doctor import fix
+from rcnn.doctor.diagnosis import fix
 from rcnn.fix import Conv2dAsLinear
-from rcnn.knobs import resolve_device
-from rcnn.machine import cpu_model
+from rcnn.measure.device import resolve_device
+from rcnn.measure.machine import cpu_model
 from rcnn.outputs import check_output, project_root, text_start, write_atomic
 from rcnn.rules import UserError
-from rcnn.schema import DEVICE
-from rcnn.stats import TimingPolicy
-from rcnn.timing import Clock
-from rcnn.workloads import build_workload
+from rcnn.measure.settings import DEVICE
+from rcnn.measure.stats import TimingPolicy
+from rcnn.measure.clock import Clock
+from rcnn.doctor.workloads import build_workload
 
 TITLE = "# The automatic fix, measured"
 MODELS = {  # name -> (MODEL spec, input): small inputs, so that a CPU runs them in minutes

@@ -30,15 +30,18 @@ import time
 import numpy as np
 import torch
 
-from rcnn.bench import Trainer, isolated_head_ms, run_trial
+from rcnn.detector.trial import Trainer, isolated_head_ms, run_trial
 from rcnn.cli import Parser
-from rcnn.data import Sample, synthetic_samples
-from rcnn.knobs import Knobs, backend_flags, resolve_device
-from rcnn.model import DetectorConfig
+from rcnn.detector.data import Sample, synthetic_samples
+from rcnn.detector.knobs import Knobs, backend_flags
+from rcnn.measure.device import resolve_device
+from rcnn.detector.model import DetectorConfig
 from rcnn.rules import Rule, ValueNotAllowed
-from rcnn.schema import BACKBONE, DEVICE, IMAGE_SIZE, ITERATIONS, PHASES, ROIS_PER_IMAGE
+from rcnn.detector.schema import BACKBONE, IMAGE_SIZE, PHASES, ROIS_PER_IMAGE
+from rcnn.measure.settings import DEVICE
+from rcnn.measure.stats import ITERATIONS
 from pipeline.params import TrackingParams
-from rcnn.stats import TimingPolicy, bootstrap_ci, compare
+from rcnn.measure.stats import TimingPolicy, bootstrap_ci, compare
 
 CHECKS = Rule(choices=[c for n in range(1, 6) for c in map("".join, itertools.combinations("12345", n))])
 

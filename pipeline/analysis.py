@@ -6,8 +6,8 @@ import pandas as pd
 import scipy.stats
 
 from pipeline.results import complete, head_order, headline_scope, ms_per_image
-from rcnn.schema import OTHER_KNOBS
-from rcnn.stats import bootstrap_ci
+from rcnn.detector.schema import OTHER_KNOBS
+from rcnn.measure.stats import bootstrap_ci
 
 # PyTorch's own defaults (TF32: cuDNN's is on, matmul's off; the knob sets both alike, and off is the fp32 baseline).
 DEFAULTS = {"cudnn_benchmark": False, "onednn": True, "amp": "off", "channels_last": False, "linearize": False,

@@ -13,7 +13,7 @@ from pipeline.params import Params, load_params
 from rcnn.cli import Parser
 from rcnn.outputs import write_atomic
 from rcnn.rules import UserError
-from rcnn.schema import ResultsError
+from rcnn.detector.schema import ResultsError
 
 
 class Interrupted(KeyboardInterrupt):

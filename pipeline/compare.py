@@ -23,7 +23,7 @@ from pipeline.report import ratio_text
 from pipeline.results import complete, fastest, headline_scope, read_env, read_table, scope_text
 from rcnn.cli import Parser
 from rcnn.rules import UserError
-from rcnn.schema import KNOB_NAMES
+from rcnn.detector.schema import KNOB_NAMES
 
 PHASE_COLUMNS = ["forward_ms", "backward_ms", "step_ms", "head_backward_ms"]  # the per-head medians compared
 NEEDED = ("status", *KNOB_NAMES, *PHASE_COLUMNS)

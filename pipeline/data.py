@@ -18,7 +18,7 @@ from PIL import Image
 from pipeline.common import run_stage, stage_parser
 from rcnn.outputs import check_writable, claim_folder, project_root, write_atomic
 from pipeline.params import DataParams, Params, ParamsError
-from rcnn.data import CocoSet, Sample, describe_dropped, read_coco, synthetic_samples, to_coco
+from rcnn.detector.data import CocoSet, Sample, describe_dropped, read_coco, synthetic_samples, to_coco
 
 # The files this stage writes (atomic writes leave a dot-file only while writing): the only ones it replaces.
 WRITTEN = re.compile(r"\d{6}\.png|annotations\.json|\.annotations\.json\..+")

@@ -14,8 +14,8 @@ from pathlib import Path
 from pipeline.common import run_stage, stage_parser, write_json
 from rcnn.outputs import check_output, check_writable, json_object, project_root
 from pipeline.params import Params, keyed
-from rcnn.knobs import resolve_device
-from rcnn.machine import ceilings, fingerprint
+from rcnn.measure.device import resolve_device
+from rcnn.measure.machine import ceilings, fingerprint
 
 
 ENV_FILE = json_object("an env.json", "fingerprint", "ceilings", "device")  # "device": the older flat format

@@ -17,10 +17,11 @@ from typing import Any, Iterator
 
 import yaml
 
-from rcnn import schema
+from rcnn.detector import schema
+from rcnn.measure import settings, stats
 from rcnn.rules import Rule, UserError, ValueNotAllowed, at_least
-from rcnn.schema import KNOB_NAMES
-from rcnn.stats import TimingPolicy
+from rcnn.detector.schema import KNOB_NAMES
+from rcnn.measure.stats import TimingPolicy
 
 
 class YamlLoader(yaml.SafeLoader):
@@ -91,7 +92,7 @@ class SpaceParams:
     head: tuple[str, ...] = _field(schema.HEAD_NAMES, schema.HEAD)
     cudnn_benchmark: tuple[bool, ...] = (False, True)
     onednn: tuple[bool, ...] = (True, False)
-    amp: tuple[str, ...] = _field(("off", "bf16"), schema.AMP)
+    amp: tuple[str, ...] = _field(("off", "bf16"), settings.AMP)
     channels_last: tuple[bool, ...] = (False, True)
     batch_size: tuple[int, ...] = _field((1, 2), schema.BATCH_SIZE)
     linearize: tuple[bool, ...] = (False, True)
@@ -107,7 +108,7 @@ class ProfileAt:
     """A setting whose heads get a kernel profile; a knob left null takes its first swept value."""
     cudnn_benchmark: bool | None = None
     onednn: bool | None = None
-    amp: str | None = _field(None, schema.AMP)
+    amp: str | None = _field(None, settings.AMP)
     channels_last: bool | None = None
     batch_size: int | None = _field(None, schema.BATCH_SIZE)
     linearize: bool | None = None
@@ -117,7 +118,7 @@ class ProfileAt:
 
 @dataclass(frozen=True)
 class SweepParams:
-    device: str = _field("auto", schema.DEVICE)
+    device: str = _field("auto", settings.DEVICE)
     sampler: str = _field("grid", Rule(choices=("grid", "tpe")))
     n_trials: int | None = _field(None, Rule(minimum=1))  # None: the whole applicable grid (grid sampler only)
     seed: int = _field(0, schema.SEED)
@@ -135,15 +136,15 @@ class SweepParams:
 
 @dataclass(frozen=True)
 class TimingParams:
-    """Warm-up and stopping (rcnn.stats.TimingPolicy, whose defaults these are): at least ``warmup`` untimed
+    """Warm-up and stopping (rcnn.measure.stats.TimingPolicy, whose defaults these are): at least ``warmup`` untimed
     steps, more until step times settle; at least ``iterations`` timed steps, more until the backward medians'
     95% CI half-width is ``rel_precision`` of the median, ``max_iterations`` or ``max_seconds``."""
-    warmup: int = _field(TimingPolicy.warmup, schema.WARMUP)
-    max_warmup: int = _field(TimingPolicy.max_warmup, schema.MAX_WARMUP)
-    iterations: int = _field(TimingPolicy.iterations, schema.ITERATIONS)
-    max_iterations: int = _field(TimingPolicy.max_iterations, schema.MAX_ITERATIONS)
-    max_seconds: float = _field(TimingPolicy.max_seconds, schema.MAX_SECONDS)
-    rel_precision: float = _field(TimingPolicy.rel_precision, schema.REL_PRECISION)
+    warmup: int = _field(TimingPolicy.warmup, stats.WARMUP)
+    max_warmup: int = _field(TimingPolicy.max_warmup, stats.MAX_WARMUP)
+    iterations: int = _field(TimingPolicy.iterations, stats.ITERATIONS)
+    max_iterations: int = _field(TimingPolicy.max_iterations, stats.MAX_ITERATIONS)
+    max_seconds: float = _field(TimingPolicy.max_seconds, stats.MAX_SECONDS)
+    rel_precision: float = _field(TimingPolicy.rel_precision, stats.REL_PRECISION)
 
     def policy(self) -> TimingPolicy:
         return TimingPolicy(**dataclasses.asdict(self))
@@ -252,7 +253,7 @@ def parse_params(raw: Any) -> Params:
     if params.sweep.n_trials is None and params.sweep.sampler != "grid":
         raise ParamsError("sweep.n_trials: null (whole grid) needs sampler: grid; allowed for tpe: an integer >= 1")
     timing = params.timing
-    for high, low in schema.FLOORS.items():
+    for high, low in stats.FLOORS.items():
         try:
             at_least(getattr(timing, high), getattr(timing, low), f"timing.{high}", f"timing.{low}")
         except ValueNotAllowed as err:

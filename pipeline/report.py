@@ -31,8 +31,9 @@ from rcnn.outputs import CSV, Kind, PNG, check_folder, check_writable, project_r
 from pipeline.params import Params
 from pipeline.results import (ALL_SETTINGS, complete, fastest, headline_compile, pooled_rows, read_env, read_table,
                               read_trials, scope_text)
-from rcnn.schema import (COMPARISON_COLUMNS, COMPILE_COLUMNS, KERNEL_COLUMNS, MODULE_TABLE_COLUMNS,
-                         OTHER_KNOBS, OUTSIDE, SWEEP_WALL_PARTS, ResultsError, peak_dtype)
+from rcnn.detector.schema import COMPARISON_COLUMNS, COMPILE_COLUMNS, KERNEL_COLUMNS, MODULE_TABLE_COLUMNS, OTHER_KNOBS, ResultsError, SWEEP_WALL_PARTS
+from rcnn.doctor.columns import OUTSIDE
+from rcnn.measure.settings import peak_dtype
 
 TITLE = "# Why the conv box head's backward is slow, and what fixes it"
 HTML_START = "<!doctype html><html><head><meta charset='utf-8'><title>RoI-head backward"

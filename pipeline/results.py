@@ -1,4 +1,4 @@
-"""The result files: one trial's row, the tables read and written (their columns are rcnn.schema's), env.json,
+"""The result files: one trial's row, the tables read and written (their columns are rcnn.detector.schema's), env.json,
 and the head comparisons and headline metrics computed from the trials. No torch here.
 
 Times are per training step, in ms; ``cudnn_benchmark`` and ``onednn`` are ``n/a`` where that backend is not
@@ -13,9 +13,8 @@ import pandas as pd
 
 from pipeline.common import read_json
 from rcnn.outputs import csv_with, json_object, write_atomic
-from rcnn.schema import (ADDED_COLUMNS, COMPARISON_COLUMNS, HEAD_NAMES, KNOB_NAMES, MEASURED_COLUMNS, OTHER_KNOBS, RECORD_COLUMNS,
-                         SETUP_COLUMNS, TRIAL_COLUMNS, ResultsError)
-from rcnn.stats import compare, geomean_ratio
+from rcnn.detector.schema import ADDED_COLUMNS, COMPARISON_COLUMNS, HEAD_NAMES, KNOB_NAMES, MEASURED_COLUMNS, OTHER_KNOBS, RECORD_COLUMNS, ResultsError, SETUP_COLUMNS, TRIAL_COLUMNS
+from rcnn.measure.stats import compare, geomean_ratio
 
 
 def head_order(present) -> list[str]:

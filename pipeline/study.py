@@ -28,15 +28,29 @@ from optuna.trial import TrialState
 from rcnn.rules import first_line
 from pipeline.params import Params, ParamsError, SweepParams
 from pipeline.results import trial_row
-from rcnn.knobs import Skipped, why_not_together
-from rcnn.model import DetectorConfig
-from rcnn.outputs import owner_of
-from rcnn.schema import DEVICE_KNOBS, KERNEL_COLUMNS, KNOB_NAMES, MODULE_TABLE_COLUMNS, TRIAL_COLUMNS
+from rcnn.detector.knobs import Skipped, why_not_together
+from rcnn.detector.model import DetectorConfig
+from rcnn.outputs import Kind, first_line_of, is_ours, parse_json
+from rcnn.detector.schema import DEVICE_KNOBS, KERNEL_COLUMNS, KNOB_NAMES, MODULE_TABLE_COLUMNS, TRIAL_COLUMNS
 
 STATUS = {TrialState.COMPLETE: "complete", TrialState.FAIL: "failed", TrialState.RUNNING: "running",
           TrialState.PRUNED: "pruned", TrialState.WAITING: "not run"}  # queued, but the time budget ran out first
 INTERRUPTED = "interrupted: the process running this trial ended"
 CTRL_C = "interrupted (Ctrl-C)"
+
+
+def owner_of(journal: str | Path) -> Path:
+    """The lock file beside a journal."""
+    return Path(f"{journal}.owner")
+
+
+# The lock file a sweep stage holds beside its journal (hold_journal): who holds it.
+OWNER = Kind("a journal's lock file", lambda path: path.stat().st_size == 0 or first_line_of(path).startswith("pid "))
+# Optuna's JournalFileBackend writes one JSON record per line, each with an op_code; it creates the file
+# empty when opened, so a run stopped before its study was created leaves an empty one, always beside the
+# lock file the stage took first (an empty source file such as a package's __init__.py has none).
+JOURNAL = Kind("an Optuna journal", lambda path: (path.stat().st_size == 0 and is_ours(owner_of(path), OWNER))
+               or (isinstance(record := parse_json(first_line_of(path)), dict) and "op_code" in record))
 
 
 def is_rdb(spec: str) -> bool:

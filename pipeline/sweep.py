@@ -37,22 +37,25 @@ import torch
 from optuna.trial import TrialState
 
 from pipeline.common import Interrupted, git_commit, run_stage, stage_parser, write_json
-from rcnn.outputs import JOURNAL, OWNER, check_output, check_sqlite_url, check_writable, owner_of, project_root
+from rcnn.outputs import check_output, check_sqlite_url, check_writable, project_root
 from pipeline.params import Params, ParamsError, TrackingParams, keyed
 from pipeline.progress import Progress
 from pipeline.results import WRITTEN, comparisons_table, read_env, summarize_trials, write_table, write_trials
 from pipeline.stopping import TrialTimeout, interrupts, sigint_blocked, time_limit
-from pipeline.study import (WorkQueue, finished_count, grid_points, hold_journal, is_rdb, kernels_table, make_sampler,
+from pipeline.study import (JOURNAL, OWNER, WorkQueue, finished_count, grid_points, hold_journal, is_rdb, owner_of, kernels_table, make_sampler,
                             modules_table, next_trial, open_storage, planned_count, trials_table, trials_to_run,
                             wait_for_study)
-from rcnn.bench import TrialResult, isolated_head_ms, run_trial
-from rcnn.data import Sample, read_coco
-from rcnn.knobs import Knobs, Skipped, applicable_space, resolve_device
-from rcnn.model import BACKBONE_CHANNELS, ROI_RESOLUTION, DetectorConfig
-from rcnn.roofline import achieved, head_flops
+from rcnn.detector.trial import TrialResult, isolated_head_ms, run_trial
+from rcnn.detector.data import Sample, read_coco
+from rcnn.detector.knobs import Knobs, Skipped, applicable_space
+from rcnn.measure.device import resolve_device
+from rcnn.detector.model import BACKBONE_CHANNELS, DetectorConfig, ROI_RESOLUTION
+from rcnn.measure.machine import achieved
+from rcnn.detector.roofline import head_flops
 from rcnn.factory import source_of
 from rcnn.rules import first_line
-from rcnn.schema import HEAD_NAMES, KNOB_NAMES, SWEEP_WALL_PARTS, TRIAL_WALL_PARTS, peak_dtype
+from rcnn.detector.schema import HEAD_NAMES, KNOB_NAMES, SWEEP_WALL_PARTS, TRIAL_WALL_PARTS
+from rcnn.measure.settings import peak_dtype
 
 
 def check_credentials(uri: str) -> None:
@@ -107,10 +110,13 @@ def connect_tracking(tracking: TrackingParams) -> None:
             time.sleep(0.5 + random.random())
 
 
+LIBRARY = Path(__file__).parents[1] / "rcnn"  # the study name hashes every module of it, subfolders too
+
+
 def study_name(params: Params, grid: dict, fingerprint: dict, data_dir: Path) -> str:
     """Experiment name plus a hash of the model, timing, grid, environment, data and library code, and the code
     of users' heads (the module defining each factory): a change to any re-measures."""
-    code = "".join(p.read_text() for p in sorted(Path(__file__).parents[1].glob("rcnn/*.py")))
+    code = "".join(f"{p.relative_to(LIBRARY)}\n{p.read_text()}" for p in sorted(LIBRARY.rglob("*.py")))
     with keyed("sweep.space."):
         code += "".join(source_of(head, "head") for head in grid["head"] if head not in HEAD_NAMES)
     shape = {"model": asdict(params.model), "timing": asdict(params.timing), "grid": grid, "env": fingerprint,
@@ -563,7 +569,7 @@ def run_workers(args: argparse.Namespace, params: Params, setup: Setup, study: o
 
 
 def sweep_wall(study: optuna.Study, started: float, baselines: list[dict], workers: int) -> dict | None:
-    """Where this run's wall time went, this host's workers together: the parts (rcnn.schema TRIAL_WALL_PARTS)
+    """Where this run's wall time went, this host's workers together: the parts (rcnn.detector.schema TRIAL_WALL_PARTS)
     of the trials this host started in this run and of the drift baselines, the failed trials, and the rest
     (setup, Optuna, writing tables). ``measure_share``: the timed steps' share of it all. None when the run
     measured nothing."""

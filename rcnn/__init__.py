@@ -1,2 +1,12 @@
-"""The detector, its box heads, the knobs, the timer and one trial. No tracking, no params file: it reads only
-the dataset folder it is given and writes nothing."""
+"""Backward time by module for any PyTorch model, and the fix for convolutions that are matrix products in
+disguise. Rooms, each importing only those below it:
+
+- ``rcnn.detector``: the detector study (model, heads, COCO reader, knobs, one trial); ``python -m rcnn.bench``.
+- ``rcnn.doctor``: backward time by module for any model, flags and why; ``python -m rcnn.doctor``.
+- ``rcnn.fix``: ``linearize(model, example)`` and ``Conv2dAsLinear`` (``rcnn.disguise`` tells which convs).
+- ``rcnn.measure``: the clock, the training step, statistics, the machine's fingerprint and peaks.
+- Shared plumbing: ``rules`` (allowed values, user errors), ``cli`` (every command's wrapper), ``outputs``
+  (where a command may write), ``factory`` (a user's ``package.module:factory``).
+
+No params file, no tracking: files are written only where a command's ``--out`` asks.
+"""

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rcnn.attribution import Seen, channels_last, example_input
+from rcnn.measure.inputs import Seen, channels_last, example_input
 from rcnn.disguise import gemm_kind
-from rcnn.timing import Clock, median_ms
+from rcnn.measure.clock import Clock, median_ms
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 MODES = ("auto", "always")

@@ -3,7 +3,7 @@
 The project is the nearest folder at or above a start folder (the params file's, or the working folder)
 that holds dvc.yaml, else the start folder itself. An output must resolve inside it (symlinks followed).
 An existing file is replaced only when it has the layout the command writes (a trials table's header, the
-report's title, an Optuna journal's records), so a mistyped path cannot overwrite params.yaml, dvc.yaml or
+report's title), so a mistyped path cannot overwrite params.yaml, dvc.yaml or
 a source file; a folder is emptied only when every file in it is one the command writes. Each check runs
 before anything is measured or written, and raises OutputError naming the path.
 """
@@ -36,11 +36,11 @@ def _head(path: Path, size: int = 1 << 16) -> bytes:
         return f.read(size)
 
 
-def _first_line(path: Path) -> str:
+def first_line_of(path: Path) -> str:
     return _head(path).decode("utf-8", errors="replace").partition("\n")[0]
 
 
-def _json(text: str) -> object:
+def parse_json(text: str) -> object:
     try:
         return json.loads(text)
     except ValueError:
@@ -49,35 +49,23 @@ def _json(text: str) -> object:
 
 def csv_with(*columns: str) -> Kind:
     """A CSV table whose header names ``columns`` (among others: the column set may grow)."""
-    return Kind("a results table", lambda path: set(columns) <= set(_first_line(path).strip().split(",")))
+    return Kind("a results table", lambda path: set(columns) <= set(first_line_of(path).strip().split(",")))
 
 
 def json_object(name: str, *keys: str) -> Kind:
     """A JSON object holding any of ``keys``."""
-    return Kind(name, lambda path: isinstance(data := _json(path.read_text(errors="replace")), dict)
+    return Kind(name, lambda path: isinstance(data := parse_json(path.read_text(errors="replace")), dict)
                 and any(k in data for k in keys))
 
 
 def text_start(name: str, prefix: str) -> Kind:
-    return Kind(name, lambda path: _first_line(path).startswith(prefix))
+    return Kind(name, lambda path: first_line_of(path).startswith(prefix))
 
 
-CSV = Kind("a CSV table", lambda path: "," in _first_line(path) and b"\0" not in _head(path))
+CSV = Kind("a CSV table", lambda path: "," in first_line_of(path) and b"\0" not in _head(path))
 PNG = Kind("a PNG image", lambda path: _head(path, 8) == b"\x89PNG\r\n\x1a\n")
-# The lock file a sweep stage holds beside its journal (pipeline.study.hold_journal): who holds it.
-OWNER = Kind("a journal's lock file", lambda path: path.stat().st_size == 0 or _first_line(path).startswith("pid "))
-# Optuna's JournalFileBackend writes one JSON record per line, each with an op_code; it creates the file
-# empty when opened, so a run stopped before its study was created leaves an empty one, always beside the
-# lock file the stage took first (an empty source file such as a package's __init__.py has none).
-JOURNAL = Kind("an Optuna journal", lambda path: (path.stat().st_size == 0 and is_ours(owner_of(path), OWNER))
-               or (isinstance(record := _json(_first_line(path)), dict) and "op_code" in record))
 # SQLite creates a database file empty and writes its header with the first table.
 SQLITE = Kind("an SQLite database", lambda path: path.stat().st_size == 0 or _head(path, 16) == b"SQLite format 3\0")
-
-
-def owner_of(journal: str | Path) -> Path:
-    """The lock file beside a journal."""
-    return Path(f"{journal}.owner")
 
 
 def project_root(start: str | Path) -> Path:

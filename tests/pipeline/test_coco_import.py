@@ -3,7 +3,7 @@ import pytest
 
 from pipeline import sweep
 from pipeline.results import read_trials
-from rcnn.data import describe_dropped
+from rcnn.detector.data import describe_dropped
 from tests.pipeline.helpers import prepare
 from tests.coco import QUIRKY_DROPPED, QUIRKY_KEPT, write_quirky_coco
 

@@ -10,7 +10,7 @@ from pipeline.common import Interrupted, run_stage, stage_parser
 from rcnn.outputs import NotWritable
 from pipeline.params import ParamsError, keyed
 from rcnn.rules import ValueNotAllowed
-from rcnn.schema import ResultsError
+from rcnn.detector.schema import ResultsError
 from tests.conftest import ROOT
 
 

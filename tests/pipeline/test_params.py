@@ -1,8 +1,8 @@
 import pytest
 
 from pipeline.params import Params, ParamsError, load_params, parse_params
-from rcnn import bench
-from rcnn.stats import TimingPolicy
+from rcnn.detector import trial as bench
+from rcnn.measure.stats import TimingPolicy
 from tests.conftest import ROOT
 
 
@@ -19,7 +19,7 @@ def test_missing_keys_take_defaults():
 
 
 def test_the_repo_params_state_the_timing_defaults():
-    """params.yaml's timing section is the library's defaults (rcnn.stats.TimingPolicy), not a fifth set."""
+    """params.yaml's timing section is the library's defaults (rcnn.measure.stats.TimingPolicy), not a fifth set."""
     assert load_params(ROOT / "params.yaml").timing.policy() == TimingPolicy()
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from pipeline import compare, report
 from pipeline.results import comparisons_table, fastest, summarize_trials, write_table, write_trials
-from rcnn.schema import KERNEL_COLUMNS
+from rcnn.detector.schema import KERNEL_COLUMNS
 from tests.conftest import ROOT, fake_trials
 
 SECTIONS = ["## Verdict", "## Knob effects", "## Where the time goes", "## Batch-size scaling", "## Speed vs memory",

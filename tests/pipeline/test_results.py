@@ -3,7 +3,7 @@ import pytest
 
 from pipeline.results import (ALL_SETTINGS, comparisons_table, pooled_rows, head_order, head_pairs, read_env, read_trials, summarize_trials, trial_row,
                               write_trials)
-from rcnn.schema import MEASURED_COLUMNS, TRIAL_COLUMNS, ResultsError
+from rcnn.detector.schema import MEASURED_COLUMNS, ResultsError, TRIAL_COLUMNS
 from tests.conftest import fake_trials as fixture
 
 def test_comparisons_per_setting_and_pooled():

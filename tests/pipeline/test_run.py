@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.run import stage_commands
 from pipeline.results import read_trials
-from rcnn.knobs import cxx_compiler
+from rcnn.measure.device import cxx_compiler
 from tests.conftest import ROOT
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from pipeline import data, env, report, sweep
 from pipeline.results import COMPARED_PHASES, read_trials
-from rcnn.schema import SWEEP_WALL_PARTS
+from rcnn.detector.schema import SWEEP_WALL_PARTS
 from tests.conftest import ROOT, TINY_PARAMS
 from tests.pipeline.helpers import SWEEP_FILES
 

@@ -21,7 +21,7 @@ from pipeline.results import comparisons_table, summarize_trials
 from pipeline.results import read_trials
 from pipeline.study import (CTRL_C, INTERRUPTED, WorkQueue, grid_points, hold_journal, kernels_table, trials_table,
                             trials_to_run)
-from rcnn.schema import KNOB_NAMES, MEASURED_COLUMNS
+from rcnn.detector.schema import KNOB_NAMES, MEASURED_COLUMNS
 from tests.conftest import ROOT, TINY_CONFIG
 from tests.pipeline.helpers import SLOW, prepare
 

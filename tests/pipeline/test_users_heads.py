@@ -1,5 +1,6 @@
 """A user's own box head in the sweep: the question's two heads, verbatim, by package.module:factory."""
 import json
+import shutil
 
 import pandas as pd
 import pytest
@@ -7,6 +8,7 @@ import pytest
 from pipeline import sweep
 from pipeline.params import load_params
 from pipeline.results import read_trials
+from tests.conftest import ROOT
 from tests.pipeline.helpers import SWEEP_FILES, prepare
 
 QUESTION = {"linear": "tests.fixtures.question_heads:linear", "conv": "tests.fixtures.question_heads:conv"}
@@ -45,6 +47,23 @@ def test_a_change_to_a_users_head_renames_the_study(tmp_path, tiny_params, monke
     assert name() == before
     (tmp_path / "myheads.py").write_text("from tests.fixtures.question_heads import conv  # tuned\n")
     assert name() != before
+
+
+def test_an_edit_anywhere_in_the_library_renames_the_study(tmp_path, tiny_params, monkeypatch):
+    library = tmp_path / "rcnn"
+    shutil.copytree(ROOT / "rcnn", library, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(sweep, "LIBRARY", library)
+    params = load_params(tiny_params())
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "annotations.json").write_text("{}")
+    name = lambda: sweep.study_name(params, {"head": ["conv"]}, {}, tmp_path / "data")  # noqa: E731
+    before = name()
+    clock = library / "measure" / "clock.py"
+    clock.write_text(clock.read_text() + "# tuned\n")
+    edited = name()
+    assert edited != before
+    clock.rename(library / "measure" / "timer.py")  # the same code under another name: another library
+    assert name() not in (before, edited)
 
 
 def test_a_users_head_that_cannot_be_imported_is_one_line(tmp_path, tiny_params, capsys):

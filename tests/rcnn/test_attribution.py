@@ -1,11 +1,12 @@
 import pytest
 import torch
 
-from rcnn.attribution import OUTSIDE, ROOT, ModuleTimer
-from rcnn.doctor import diagnose
-from rcnn.stats import TimingPolicy
-from rcnn.timing import Clock
-from rcnn.workloads import build_workload
+from rcnn.doctor.columns import OUTSIDE, ROOT
+from rcnn.doctor.attribution import ModuleTimer
+from rcnn.doctor.diagnosis import diagnose
+from rcnn.measure.stats import TimingPolicy
+from rcnn.measure.clock import Clock
+from rcnn.doctor.workloads import build_workload
 from tests.fixtures import models
 from tests.fixtures.models import SLEEP_S
 
@@ -104,7 +105,7 @@ def test_flops_by_module_match_flop_counter_mode(monkeypatch):
 def test_a_convolutions_gradients_each_cost_its_forward(groups):
     from torch.utils.flop_counter import FlopCounterMode
 
-    from rcnn.attribution import FlopCount
+    from rcnn.measure.flops import FlopCount
 
     conv = torch.nn.Conv2d(16, 32, 3, padding=1, groups=groups)
     x = torch.randn(2, 16, 8, 8, requires_grad=True)

@@ -8,15 +8,15 @@ import pytest
 import torch
 from torch import nn
 
-import rcnn.bench as bench
-from rcnn.bench import Trainer, isolated_head_ms, main, run_trial
-from rcnn.data import synthetic_samples
-from rcnn.knobs import Knobs, backend_flags
-from rcnn.model import BACKBONES, build_detector
+import rcnn.detector.trial as bench
+from rcnn.detector.trial import Trainer, isolated_head_ms, main, run_trial
+from rcnn.detector.data import synthetic_samples
+from rcnn.detector.knobs import Knobs, backend_flags
+from rcnn.detector.model import BACKBONES, build_detector
 from rcnn.rules import ValueNotAllowed
-from rcnn.schema import PHASES
-from rcnn.stats import TimingPolicy
-from rcnn.timing import Clock, ModuleSpanProbe
+from rcnn.detector.schema import PHASES
+from rcnn.measure.stats import TimingPolicy
+from rcnn.measure.clock import Clock, ModuleSpanProbe
 from tests.conftest import ROOT, TINY_CONFIG
 
 CPU = torch.device("cpu")
@@ -300,7 +300,7 @@ def test_dynamo_counters_count_graph_breaks_with_their_reasons():
 
 def test_graph_breaks_at_the_timing_probes_hooks_are_listed_not_counted():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-    ModuleSpanProbe(model[0], model[2], Clock(CPU), eager_hooks=True)  # hooks dynamo must not trace
+    ModuleSpanProbe(model[0], model[2], Clock(CPU), label="head", eager_hooks=True)  # hooks dynamo must not trace
     counters = bench.DynamoCounters()
     torch._dynamo.reset()
     torch.compile(model, backend="eager")(torch.randn(4, 8, requires_grad=True)).sum().backward()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-from rcnn.data import DROP_REASONS, DataError, describe_dropped, device_batches, read_coco, synthetic_samples, to_coco
+from rcnn.detector.data import DROP_REASONS, DataError, describe_dropped, device_batches, read_coco, synthetic_samples, to_coco
 from pipeline.data import png_bytes
 from tests.coco import QUIRKY_DROPPED, QUIRKY_KEPT, QUIRKY_RGB, write_quirky_coco
 

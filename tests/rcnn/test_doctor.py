@@ -5,10 +5,10 @@ import sys
 import pandas as pd
 import pytest
 
-from rcnn import doctor
-from rcnn.attribution import OUTSIDE, ROOT
+from rcnn.doctor import command as doctor
+from rcnn.doctor.columns import OUTSIDE, ROOT
 from rcnn.fix import AUTO_MARGIN
-from rcnn.schema import MODULE_COLUMNS, WHY_COLUMNS
+from rcnn.doctor.columns import MODULE_COLUMNS, WHY_COLUMNS
 from tests.conftest import ROOT as REPO
 
 QUICK = ["--batch-size", "2", "--image-size", "64", "--max-seconds", "2", "--device", "cpu"]
@@ -71,8 +71,10 @@ def test_out_is_rewritten_but_never_a_foreign_folder(project, capsys):
     (["tests.fixtures.models:flat"], "error: MODEL: tests.fixtures.models:flat failed on its synthetic batch"),
     (["detector:fc"], "error: MODEL: detector:fc: unknown head; allowed: detector:linear"),
     (["tests.fixtures.models:sleepy", "--batch-size", "0"], "error: --batch-size: 0 is too small; allowed: >= 1"),
-    (["tests.fixtures.models:sleepy", "--image-size", "100"],
-     "error: --image-size: 100 is not allowed; allowed: a multiple of 32"),
+    (["tests.fixtures.models:sleepy", "--image-size", "8"], "error: --image-size: 8 is too small; allowed: >= 16"),
+    (["detector:conv", "--image-size", "100"],
+     "error: --image-size: 100 is not allowed; allowed: a multiple of 32 (the detector's FPN)"),
+    (["detector:conv", "--backbone", "vgg"], "error: --backbone: 'vgg' is not allowed; allowed: resnet50_fpn"),
     (["tests.fixtures.models:sleepy", "--amp", "fp8"], "error: --amp: 'fp8' is not allowed; allowed: off, fp16, bf16"),
     (["tests.fixtures.models:sleepy", "--amp", "fp16", "--device", "cpu"],
      "error: --amp: fp16 does not apply on cpu"),
@@ -87,7 +89,7 @@ def test_bad_input_is_one_line_and_exit_2(project, capsys, monkeypatch, args, me
     monkeypatch.syspath_prepend(str(project))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////elsewhere/mlflow.db")
     with pytest.raises(SystemExit) as exited:
-        sys.exit(doctor.main([*args, *QUICK[:4]]))
+        sys.exit(doctor.main([*QUICK[:4], *args]))
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
@@ -96,9 +98,9 @@ def test_bad_input_is_one_line_and_exit_2(project, capsys, monkeypatch, args, me
 def test_slow_for_its_flops_needs_both_a_low_speed_and_a_share_of_the_flops():
     import torch
 
-    from rcnn.doctor import diagnose
-    from rcnn.stats import TimingPolicy
-    from rcnn.workloads import build_workload
+    from rcnn.doctor.diagnosis import diagnose
+    from rcnn.measure.stats import TimingPolicy
+    from rcnn.doctor.workloads import build_workload
 
     cpu = torch.device("cpu")
     workload = build_workload("tests.fixtures.models:box_head_like", batch_size=2, image_size=64, device=cpu)

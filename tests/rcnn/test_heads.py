@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from rcnn.heads import HEADS, Conv2dAsLinear, build_box_head
+from rcnn.detector.heads import Conv2dAsLinear, HEADS, build_box_head
 from rcnn.rules import ValueNotAllowed
-from rcnn.schema import HEAD_NAMES
+from rcnn.detector.schema import HEAD_NAMES
 
 C, R, D, K = 8, 7, 16, 3  # channels, RoI grid, representation size, object classes
 

@@ -4,9 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-import rcnn.knobs as knobs
-from rcnn.knobs import (Knobs, applicable_space, autocast, backend_flags, grad_scaler, memory_format, resolve_device,
-                        set_tf32, why_not, why_not_together)
+import rcnn.detector.knobs as knobs
+import rcnn.measure.device as device
+from rcnn.detector.knobs import Knobs, applicable_space, backend_flags, memory_format, why_not, why_not_together
+from rcnn.measure.device import autocast, grad_scaler, resolve_device, set_tf32
 from rcnn.rules import ValueNotAllowed
 
 CPU = torch.device("cpu")
@@ -29,7 +30,7 @@ def global_flags():
 def bf16(monkeypatch):
     """Says whether the CPU and the GPU have bf16, so that both answers are tested on any machine."""
     def set_support(cpu: bool, gpu: bool) -> None:
-        monkeypatch.setattr(knobs, "cpu_has_native_bf16", lambda: cpu)
+        monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: cpu)
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: gpu)
     return set_support
 
@@ -151,7 +152,7 @@ def no_compiler(monkeypatch):
 
 
 def test_compile_needs_a_cxx_compiler_on_cpu(no_compiler):
-    assert knobs.cxx_compiler() is None
+    assert device.cxx_compiler() is None
     reason = why_not("compile", "head", CPU)
     assert "needs a C++ compiler" in reason and why_not("compile", "off", CPU) is None
     grid, skipped = applicable_space({"compile": ["off", "head", "model"]}, CPU)
@@ -170,11 +171,11 @@ def test_compile_applies_where_a_compiler_is_found():
     if compiler is None:
         pytest.skip("no C++ compiler on this machine")
     with inductor.patch({"cpp.cxx": (None, compiler)}):
-        assert knobs.cxx_compiler() == compiler and why_not("compile", "model", CPU) is None
+        assert device.cxx_compiler() == compiler and why_not("compile", "model", CPU) is None
 
 
 def test_compile_modules_compiles_the_forward_and_keeps_the_hooks_eager():
-    from rcnn.model import build_detector
+    from rcnn.detector.model import build_detector
     from tests.conftest import TINY_CONFIG
 
     model = build_detector(TINY_CONFIG, "linear")

@@ -3,8 +3,9 @@ import re
 
 import pytest
 
-from rcnn.outputs import (CSV, JOURNAL, OWNER, PNG, SQLITE, OutputError, check_folder, check_output, check_sqlite_url,
-                          claim_folder, csv_with, json_object, owner_of, project_root, text_start)
+from pipeline.study import JOURNAL, OWNER, owner_of
+from rcnn.outputs import (CSV, PNG, SQLITE, OutputError, check_folder, check_output, check_sqlite_url, claim_folder,
+                          csv_with, json_object, project_root, text_start)
 
 
 def test_project_is_the_nearest_folder_with_dvc_yaml(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 from tests.conftest import ROOT
 
 
-@pytest.mark.parametrize("modules", ["rcnn.schema, rcnn.stats, rcnn.rules, pipeline.params",
+@pytest.mark.parametrize("modules", ["rcnn.detector.schema, rcnn.measure.settings, rcnn.measure.stats, rcnn.doctor.columns, rcnn.rules, pipeline.params",
                                      "pipeline.report, pipeline.compare"])
 def test_imports_no_torch(modules):
     check = f"import {modules}, sys; assert 'torch' not in sys.modules and 'torchvision' not in sys.modules"

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from rcnn.stats import TimingPolicy, bootstrap_ci, compare, geomean_ratio, median_precision, summarize
+from rcnn.measure.stats import TimingPolicy, bootstrap_ci, compare, geomean_ratio, median_precision, summarize
 
 
 def test_summarize_median_and_iqr():

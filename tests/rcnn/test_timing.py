@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from rcnn.timing import Clock, ModuleSpanProbe
+from rcnn.measure.clock import Clock, ModuleSpanProbe
 from tests.conftest import ROOT
 
 CPU = torch.device("cpu")
@@ -41,7 +41,7 @@ def test_probe_times_only_the_probed_modules():
     predictor = nn.Linear(4, 2)
     model = nn.Sequential(SleepLayer(0.2, 0.2), inner, predictor, SleepLayer(0.2, 0.2))
     clock = Clock(CPU)
-    probe = ModuleSpanProbe(inner, predictor, clock)
+    probe = ModuleSpanProbe(inner, predictor, clock, label="box_head")
     x = torch.randn(3, 4, requires_grad=True)
     model(x).sum().backward()
     forward_ms, backward_ms = probe.spans_ms()
@@ -53,7 +53,7 @@ def test_probe_times_only_the_probed_modules():
 
 def test_removed_probe_stops_marking():
     layer = nn.Linear(2, 2)
-    probe = ModuleSpanProbe(layer, layer, Clock(CPU))
+    probe = ModuleSpanProbe(layer, layer, Clock(CPU), label="layer")
     probe.remove()
     layer(torch.randn(1, 2, requires_grad=True)).sum().backward()
     assert probe.marks == {}
@@ -63,7 +63,7 @@ def test_cpu_peak_memory_sees_a_large_allocation():
     # In a fresh process: one that ran many tests may serve the block from memory it already holds.
     script = """
 import torch
-from rcnn.timing import PeakMemory
+from rcnn.measure.clock import PeakMemory
 memory = PeakMemory(torch.device("cpu"))
 memory.reset()
 before = memory.peak_mb()

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from rcnn.rules import ValueNotAllowed
-from rcnn.workloads import build_workload
+from rcnn.doctor.workloads import build_workload
 
 CPU = torch.device("cpu")
 

@@ -1,5 +1,5 @@
 """One way to time things, used everywhere: marks on the device's timeline, a module chain's spans inside a
-model, peak memory. Their statistics and the policy of when to stop measuring are rcnn.stats (no torch)."""
+model, peak memory. Their statistics and the policy of when to stop measuring are rcnn.measure.stats."""
 from __future__ import annotations
 
 import contextlib
@@ -87,8 +87,7 @@ class ModuleSpanProbe:
     Autograd runs nodes in reverse creation order, so nothing outside the chain runs inside that span.
     """
 
-    def __init__(self, first: nn.Module, last: nn.Module, clock: Clock, label: str = "box_head",
-                 eager_hooks: bool = False) -> None:
+    def __init__(self, first: nn.Module, last: nn.Module, clock: Clock, label: str, eager_hooks: bool = False) -> None:
         self.clock = clock
         self.label = label
         self.marks: dict[str, object] = {}
@@ -109,7 +108,7 @@ class ModuleSpanProbe:
 
     def _on_backward_start(self) -> None:
         self._mark("backward_start")
-        # A named range for torch.profiler (rcnn.kernels); costs nothing when no profiler runs.
+        # A named range for torch.profiler (rcnn.measure.profiler); costs nothing when no profiler runs.
         self._range = torch.autograd.profiler.record_function(BACKWARD_RANGE.format(label=self.label))
         self._range.__enter__()
 

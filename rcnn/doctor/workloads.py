@@ -1,7 +1,8 @@
 """A model to diagnose, with one synthetic batch on the device and its training loss, named by a spec.
 
 - ``detector:<head>``: this project's Faster R-CNN with a built-in head (``detector:conv``) or a user's
-  (``detector:package.module:factory``, as rcnn.heads.users_head takes it).
+  (``detector:package.module:factory``, as rcnn.detector.heads.users_head takes it): rcnn.detector.workload,
+  found through ``ZOOS`` by name, so the doctor imports nothing of the detector study.
 - ``torchvision:<builder>``: a torchvision classification, detection, segmentation or video builder by name,
   untrained (``weights=None``), fed inputs and a loss of its kind: images and cross-entropy on labels; images
   and box targets (with masks or keypoints where the model needs them) for detectors; per-pixel labels for
@@ -20,13 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rcnn.data import device_batches, synthetic_samples
-from rcnn.factory import call_factory
-from rcnn.model import DetectorConfig, build_detector
+from rcnn.factory import call_factory, import_factory
 from rcnn.rules import ValueNotAllowed, first_line
-from rcnn.schema import HEAD, HEAD_NAMES
 
 NUM_CLASSES = 4  # object classes of the synthetic detection targets, background excluded
+# Model zoos named by the spec's prefix, each a builder ``(name, batch_size=, image_size=, device=, **options)
+# -> (model, batch, loss)`` imported when a spec names it: a zoo may import the doctor, never the reverse.
+ZOOS = {"detector": "rcnn.detector.workload:detector_workload"}
 
 Loss = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -63,10 +64,19 @@ def _images(batch_size: int, image_size: int, device: torch.device, *, frames: i
     return torch.rand(shape, generator=generator).to(device)
 
 
-def _detection_batch(name: str, batch_size: int, image_size: int, device: torch.device) -> Any:
-    (images, targets), = device_batches(
-        synthetic_samples(num_images=batch_size, image_size=image_size, num_classes=NUM_CLASSES, seed=0),
-        batch_size=batch_size, device=device)
+def detection_batch(name: str, batch_size: int, image_size: int, device: torch.device) -> Any:
+    """Images in [0, 1] and 1-4 boxes each with labels in 1..NUM_CLASSES (seeded), as torchvision's detectors
+    train on; masks for Mask R-CNN, keypoints for Keypoint R-CNN (their names start so)."""
+    generator = torch.Generator().manual_seed(0)
+    images, targets = [], []
+    for _ in range(batch_size):
+        images.append(torch.rand(3, image_size, image_size, generator=generator).to(device))
+        count = int(torch.randint(1, 5, (1,), generator=generator))
+        corner = torch.rand(count, 2, generator=generator) * image_size / 2
+        size = (0.125 + torch.rand(count, 2, generator=generator) * 0.375) * image_size
+        boxes = torch.cat([corner, (corner + size).clamp(max=image_size)], dim=1).floor()
+        labels = torch.randint(1, NUM_CLASSES + 1, (count,), generator=generator)
+        targets.append({"boxes": boxes.to(device), "labels": labels.to(device)})
     for target in targets:
         boxes = target["boxes"]
         if name.startswith("maskrcnn"):  # a filled box as each object's mask
@@ -116,7 +126,7 @@ def _torchvision(builder: str, *, batch_size: int, image_size: int, frames: int,
             options |= {"min_size": image_size, "max_size": image_size}
     model = models.get_model(builder, **options)
     if kind == "detection":
-        return model, _detection_batch(builder, batch_size, image_size, device), detection_loss
+        return model, detection_batch(builder, batch_size, image_size, device), detection_loss
     if kind == "segmentation":
         return model, _images(batch_size, image_size, device), _segmentation_loss
     return model, _images(batch_size, image_size, device, frames=frames if kind == "video" else None), \
@@ -138,24 +148,32 @@ def _factory(spec: str, *, batch_size: int, image_size: int, device: torch.devic
 
 
 def build_workload(spec: str, *, batch_size: int, image_size: int, device: torch.device, frames: int = 8,
-                   backbone: str = "resnet18_fpn", channels_last: bool = False) -> Workload:
-    """The model a spec names (see the module's docstring), on ``device``, with its batch and loss.
+                   channels_last: bool = False, **options: Any) -> Workload:
+    """The model a spec names, on ``device``, in training mode, with one synthetic batch and its loss.
 
-    Raises ModelError (a ValueNotAllowed keyed 'MODEL') for a spec that names nothing usable.
+    Args:
+        spec: ``torchvision:<builder>``, ``package.module:factory`` (see the module's docstring), or a zoo's
+            ``<zoo>:<name>`` (``ZOOS``: ``detector:<head>``).
+        batch_size: images (or clips) in the batch.
+        image_size: their square size in pixels.
+        device: where the model and the batch go.
+        frames: frames per clip, for video models.
+        channels_last: the model's 4-d and 5-d weights and the batch in channels-last memory.
+        options: passed to a zoo's builder (``backbone`` for the detector).
+
+    Returns:
+        The Workload: model, batch and loss.
+
+    Raises:
+        ModelError: (a ValueNotAllowed keyed 'MODEL') a spec that names nothing usable.
     """
     kind, sep, rest = spec.partition(":")
     if not sep or not rest or not kind:
-        raise ModelError(f"{spec!r} is not a model spec; allowed: detector:<head>, torchvision:<builder>, "
-                         "package.module:factory")
-    if kind == "detector":
-        if HEAD.problem(rest):
-            raise ModelError(f"{spec}: unknown head; allowed: " + ", ".join(f"detector:{h}" for h in HEAD_NAMES)
-                             + ", or detector:package.module:factory (a head of your own)")
-        head = rest
-        config = DetectorConfig(backbone=backbone, image_size=image_size)
-        model: nn.Module = build_detector(config, head)
-        batch: Any = _detection_batch("detector", batch_size, image_size, device)
-        loss: Loss = detection_loss
+        raise ModelError(f"{spec!r} is not a model spec; allowed: {', '.join(f'{z}:<name>' for z in ZOOS)}, "
+                         "torchvision:<builder>, package.module:factory")
+    if kind in ZOOS:
+        zoo = import_factory(ZOOS[kind], "MODEL")
+        model, batch, loss = zoo(rest, batch_size=batch_size, image_size=image_size, device=device, **options)
     elif kind == "torchvision":
         model, batch, loss = _torchvision(rest, batch_size=batch_size, image_size=image_size, frames=frames,
                                           device=device)

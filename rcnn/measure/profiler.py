@@ -1,4 +1,5 @@
-"""What runs inside the box head's backward: a torch.profiler capture reduced to a top-operators table."""
+"""What runs inside a named range (a module chain's backward, say): a torch.profiler capture reduced to a table
+of the top operators and device kernels."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -7,9 +8,6 @@ from typing import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from rcnn.timing import BACKWARD_RANGE
-
-HEAD_BACKWARD = BACKWARD_RANGE.format(label="box_head")  # ModuleSpanProbe's default label
 
 
 def capture(step: Callable[[], None], device: torch.device, steps: int) -> torch.autograd.profiler_util.EventList:
@@ -21,19 +19,19 @@ def capture(step: Callable[[], None], device: torch.device, steps: int) -> torch
     return prof.events()
 
 
-def head_backward_table(events: torch.autograd.profiler_util.EventList, steps: int, top: int = 10) -> list[dict]:
-    """Top operators (self host time) and device kernels inside the head-backward ranges, per step.
+def range_table(events: torch.autograd.profiler_util.EventList, name: str, steps: int, top: int = 10) -> list[dict]:
+    """Top operators (self host time) and device kernels inside the ranges called ``name``, per step.
 
     Rows: kind ('op' or 'kernel'), name, ms (per step), calls (per step), share (of that kind's total inside
     the ranges). On CPU the ops are where the time goes; on CUDA the kernels are.
     """
-    ranges = [e for e in events if e.name == HEAD_BACKWARD]
+    ranges = [e for e in events if e.name == name]
     if not ranges:
         return []
     spans = [(r.thread, r.time_range.start, r.time_range.end) for r in ranges]
     totals: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
     for e in events:
-        if e.name == HEAD_BACKWARD or e.device_type != torch.autograd.DeviceType.CPU:
+        if e.name == name or e.device_type != torch.autograd.DeviceType.CPU:
             continue
         if not any(t == e.thread and s <= e.time_range.start and e.time_range.end <= end for t, s, end in spans):
             continue

@@ -16,61 +16,19 @@ import contextlib
 import functools
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import pandas as pd
-import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import conv_flop_count, flop_registry
 
-from rcnn.schema import OUTSIDE, ROOT
-from rcnn.timing import Clock
+from rcnn.doctor.columns import OUTSIDE, ROOT
+from rcnn.measure.clock import Clock
+from rcnn.measure.flops import FlopCount
+from rcnn.measure.inputs import Seen, tensors
 
 TIME_COLUMNS = ["forward_ms", "forward_inclusive_ms", "backward_ms", "backward_inclusive_ms"]
 FLOP_COLUMNS = ["forward_gflop", "backward_gflop", "backward_inclusive_gflop"]
-
-
-@dataclass(frozen=True)
-class Seen:
-    """What a module saw in a forward call: enough to run it again alone, alike."""
-    input_shape: tuple[int, ...]
-    input_dtype: torch.dtype
-    output_dtype: torch.dtype  # the dtype it computed in (autocast's, or the input's)
-    channels_last: bool        # the input's memory is channels-last (NHWC, NDHWC)
-    input_requires_grad: bool = True
-
-    def autocasts(self, module: nn.Module) -> bool:
-        """Whether running ``module`` alike needs autocast: it computed in fp16 or bf16 with other weights (its
-        input may be fp16 or bf16 already, from the module before it)."""
-        half = (torch.float16, torch.bfloat16)
-        return self.output_dtype in half and any(p.dtype != self.output_dtype for p in module.parameters())
-
-    def run(self, module: nn.Module, x: torch.Tensor) -> Any:
-        """``module(x)`` computed as it was seen: under autocast to its dtype where it needs it."""
-        with torch.autocast(x.device.type, dtype=self.output_dtype, enabled=self.autocasts(module)):
-            return module(x)
-
-    @classmethod
-    def of(cls, args: tuple, output: Any) -> Seen | None:
-        """What a call with ``args`` that returned ``output`` saw; None unless it took one tensor."""
-        inputs, outputs = list(_tensors(args)), list(_tensors(output))
-        if len(inputs) != 1 or not outputs:
-            return None
-        x = inputs[0]
-        return cls(tuple(x.shape), x.dtype, outputs[0].dtype, channels_last(x), x.requires_grad)
-
-
-def example_input(seen: Seen, device: torch.device) -> torch.Tensor:
-    """A random input like the one ``seen``: its shape, dtype and memory layout (no grad)."""
-    x = torch.randn(seen.input_shape, device=device, dtype=seen.input_dtype)
-    return x.movedim(1, -1).contiguous().movedim(-1, 1) if seen.channels_last else x
-
-
-def channels_last(x: torch.Tensor) -> bool:
-    """Whether ``x``'s memory is channels-last: its channel dimension (1) moved last is contiguous."""
-    return x.dim() > 2 and not x.is_contiguous() and x.movedim(1, -1).is_contiguous()
 
 
 @dataclass
@@ -79,18 +37,6 @@ class _Call:
     start: Any
     end: Any = None
     parent: int | None = None
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in an output: tensors, tuples (named tuples, torch.return_types), lists and dicts of them."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
 
 
 class _Creation(TorchFunctionMode):
@@ -103,45 +49,6 @@ class _Creation(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.timer._claim(out)
-        return out
-
-
-def _conv_backward_flops(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, _bias, _stride, _padding,
-                         _dilation, transposed: bool, _output_padding, _groups, output_mask, out_val=None) -> int:
-    """Each gradient of a convolution costs its forward's FLOPs. FlopCounterMode's own formula (torch 2.14)
-    counts a grouped convolution's weight gradient as if ungrouped: a depthwise conv's backward groups-fold."""
-    forward = conv_flop_count(list(x.shape), list(weight.shape), list(grad_out.shape), transposed)
-    return forward * (int(output_mask[0]) + int(output_mask[1]))
-
-
-# FlopCounterMode's formulas, by aten operator, with the convolution backward's corrected.
-FLOP_FORMULAS = {**flop_registry, torch.ops.aten.convolution_backward: _conv_backward_flops}
-
-
-class FlopCount(TorchDispatchMode):
-    """Counts the FLOPs of each aten call inside (FLOP_FORMULAS), passing each count to ``count`` (by default
-    summed in ``total``)."""
-
-    def __init__(self, count: Callable[[int], None] | None = None) -> None:
-        super().__init__()
-        self.total = 0
-        self.count = count or self._add
-
-    def _add(self, flops: int) -> None:
-        self.total += flops
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        packet = func._overloadpacket
-        if packet not in FLOP_FORMULAS and hasattr(func, "decompose"):
-            # As FlopCounterMode: an op without a formula may decompose into ops with one.
-            with self:
-                out = func.decompose(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
-        out = func(*args, **kwargs)
-        if packet in FLOP_FORMULAS:
-            self.count(FLOP_FORMULAS[packet](*args, **kwargs, out_val=out))
         return out
 
 
@@ -203,7 +110,7 @@ class ModuleTimer:
 
     def _claim(self, output: Any) -> None:
         owner = self._owner()
-        todo = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        todo = [t.grad_fn for t in tensors(output) if t.grad_fn is not None]
         while todo:
             node = todo.pop()
             if node is None or node in self._owners:

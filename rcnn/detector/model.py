@@ -9,8 +9,8 @@ from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.backbone_utils import mobilenet_backbone, resnet_fpn_backbone
 from torchvision.ops import MultiScaleRoIAlign
 
-from rcnn.heads import build_box_head
-from rcnn.schema import BACKBONE
+from rcnn.detector.heads import build_box_head
+from rcnn.detector.schema import BACKBONE
 
 ROI_RESOLUTION = 7  # the pooled RoI grid: the conv head's kernel size
 BACKBONE_CHANNELS = 256  # every FPN backbone here outputs 256 channels per level
@@ -46,7 +46,7 @@ BACKBONES = {
     "resnet50_fpn": lambda: _resnet_fpn(50),
     "resnet18_fpn": lambda: _resnet_fpn(18),
     "mobilenet_v3_fpn": _mobilenet_v3_fpn,
-}  # rcnn.schema.BACKBONE_NAMES; the rules for DetectorConfig's fields are there too
+}  # rcnn.detector.schema.BACKBONE_NAMES; the rules for DetectorConfig's fields are there too
 
 
 def build_detector(config: DetectorConfig, head: str) -> FasterRCNN:

@@ -12,6 +12,8 @@ from typing import Callable, Sequence
 import numpy as np
 import scipy.stats
 
+from rcnn.rules import Rule
+
 
 @dataclass(frozen=True)
 class Stats:
@@ -77,6 +79,16 @@ def median_precision(samples: Sequence[float]) -> float:
     if not np.isfinite(ci.low) or not np.isfinite(ci.high) or median <= 0:
         return float("inf")
     return float(ci.high - ci.low) / 2 / median
+
+
+# What TimingPolicy's fields allow (params.yaml's timing section and the commands' flags check them).
+WARMUP = Rule(minimum=0)
+MAX_WARMUP = Rule(minimum=0)
+ITERATIONS = Rule(minimum=1)
+MAX_ITERATIONS = Rule(minimum=1)
+MAX_SECONDS = Rule(minimum=0.001)
+REL_PRECISION = Rule(minimum=0.0001)
+FLOORS = {"max_warmup": "warmup", "max_iterations": "iterations"}  # a bound below its floor would be ignored
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The machine a measurement ran on: its stable facts (a fingerprint) and its measured ceilings."""
+"""The machine a measurement ran on: its stable facts (a fingerprint) and its measured ceilings (matmul and copy
+peaks), and where a timing sits against them."""
 from __future__ import annotations
 
 import platform
@@ -9,9 +10,9 @@ from pathlib import Path
 import torch
 import torchvision
 
-from rcnn.knobs import DTYPES, cpu_has_native_bf16, inductor_settings, tf32, why_not
-from rcnn.roofline import measure_copy_gbps, measure_matmul_tflops
-from rcnn.schema import AMP_DTYPES
+from rcnn.measure.clock import Clock, median_ms
+from rcnn.measure.device import DTYPES, amp_unavailable, cpu_has_native_bf16, inductor_settings, tf32
+from rcnn.measure.settings import AMP_DTYPES
 
 
 def cpu_model() -> str:
@@ -71,8 +72,33 @@ def ceilings(device: torch.device) -> dict:
     cuda = device.type == "cuda"
     peak = lambda dtype: round(measure_matmul_tflops(device, dtype, n=matmul_size(device)), 3)  # noqa: E731
     with tf32(False):
-        matmul = {name: peak(DTYPES[name]) for amp, name in AMP_DTYPES.items() if why_not("amp", amp, device) is None}
+        matmul = {name: peak(DTYPES[name]) for amp, name in AMP_DTYPES.items() if amp_unavailable(amp, device) is None}
     if cuda:
         with tf32(True):
             matmul["tf32"] = peak(torch.float32)
     return {"matmul_tflops": matmul, "copy_gbps": round(measure_copy_gbps(device, 2048 if cuda else 256), 1)}
+
+
+def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, repeats: int = 5) -> float:
+    """Median TFLOP/s of an n x n x n matrix product on random data (zeros can run faster)."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    clock = Clock(device)
+    ms = median_ms(lambda: clock.time(lambda: a @ b), repeats=repeats)  # burn-in: library handles, kernel choice
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def measure_copy_gbps(device: torch.device, megabytes: int, repeats: int = 5) -> float:
+    """Median GB/s of a device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.randn(megabytes * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    clock = Clock(device)
+    ms = median_ms(lambda: clock.time(lambda: dst.copy_(src)), repeats=repeats)
+    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
+
+
+def achieved(flops: int, ms: float, peak_tflops: float | None) -> tuple[float, float]:
+    """(TFLOP/s, fraction of peak) for ``flops`` done in ``ms``; NaN where a time or the peak is missing."""
+    if not ms or ms != ms or ms <= 0:
+        return float("nan"), float("nan")
+    tflops = flops / (ms * 1e-3) / 1e12
+    return tflops, tflops / peak_tflops if peak_tflops else float("nan")

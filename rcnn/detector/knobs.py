@@ -1,0 +1,103 @@
+"""The swept knobs: which settings apply on a device (with the reason when one does not) and applying them."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from rcnn.detector.schema import DEVICE_KNOBS
+from rcnn.measure.device import amp_unavailable, compile_forward, compile_unavailable, tf32
+from rcnn.rules import ValueNotAllowed
+
+
+@dataclass(frozen=True)
+class Knobs:
+    head: str = "linear"
+    cudnn_benchmark: bool | None = None  # None: not applicable on this device
+    onednn: bool | None = None           # CPU convolutions through oneDNN (torch.backends.mkldnn)
+    amp: str = "off"
+    channels_last: bool = False
+    batch_size: int = 2
+    linearize: bool = False              # rcnn.fix.linearize, mode auto, after the detector is built
+    tf32: bool | None = None             # CUDA: TF32 for matmul and cuDNN alike
+    compile: str = "off"                 # torch.compile of: off | head (box head and predictor) | model
+
+
+@dataclass(frozen=True)
+class Skipped:
+    knob: str
+    value: Any
+    reason: str
+
+
+def why_not(knob: str, value: Any, device: torch.device) -> str | None:
+    """The reason a knob setting does not apply on ``device``, or None when it does."""
+    if knob in DEVICE_KNOBS and DEVICE_KNOBS[knob][0] != device.type:
+        return f"{DEVICE_KNOBS[knob][1]} is not used on {device.type.upper()} (pinned, reported as n/a)"
+    if knob == "compile" and value != "off":
+        return compile_unavailable(device)
+    if knob == "amp":
+        return amp_unavailable(value, device)
+    return None
+
+
+def why_not_together(point: dict[str, Any], device: torch.device) -> tuple[tuple[str, ...], str] | None:
+    """Knob combinations that do not apply although each value does: (the knobs involved, reason), or None."""
+    if device.type == "cpu" and point.get("amp") == "bf16" and point.get("onednn") is False:
+        return ("amp", "onednn"), "bf16 convolutions without oneDNN run a reference path (a step takes minutes)"
+    return None
+
+
+def applicable_space(space: dict[str, list], device: torch.device) -> tuple[dict[str, list], list[Skipped]]:
+    """Drop settings that do not apply on ``device``; a knob that never applies is pinned to [None].
+
+    Raises ValueNotAllowed, keyed by the knob's name, when a knob is left with no applicable value.
+    """
+    grid: dict[str, list] = {}
+    skipped: list[Skipped] = []
+    for knob, values in space.items():
+        reasons = {value: why_not(knob, value, device) for value in values}
+        grid[knob] = [v for v, r in reasons.items() if r is None]
+        if knob in DEVICE_KNOBS and not grid[knob]:
+            grid[knob] = [None]
+            skipped.append(Skipped(knob, "any", reasons[values[0]]))
+            continue
+        if not grid[knob]:
+            why = "; ".join(f"{v}: {r}" for v, r in reasons.items())
+            raise ValueNotAllowed(knob, f"no value applies on {device.type} ({why})")
+        skipped += [Skipped(knob, v, r) for v, r in reasons.items() if r]
+    return grid, skipped
+
+
+@contextlib.contextmanager
+def backend_flags(knobs: Knobs) -> Iterator[None]:
+    """Set cudnn.benchmark, oneDNN and TF32 for the duration of a trial and restore them afterwards."""
+    previous = torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled
+    torch.backends.cudnn.benchmark = bool(knobs.cudnn_benchmark)
+    torch.backends.mkldnn.enabled = knobs.onednn is not False  # n/a keeps PyTorch's default (on)
+    try:
+        with tf32(bool(knobs.tf32)):  # n/a (CPU): off, which no CPU kernel reads
+            yield
+    finally:
+        torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled = previous
+
+
+def compile_modules(model: nn.Module, target: str) -> list[nn.Module]:
+    """Knob compile: torch.compile the forward of the detector's box head and predictor (``head``) or of the whole
+    detector (``model``); returns the modules compiled. Their hooks stay outside the compiled code, so the
+    head's probe times it as it times the eager head.
+
+    Resets dynamo first: its cache, keyed by code, would otherwise count an earlier trial's modules towards its
+    recompile limit and fall back to eager. Compiling happens on the first calls."""
+    if target == "off":
+        return []
+    modules = [model.roi_heads.box_head, model.roi_heads.box_predictor] if target == "head" else [model]
+    compile_forward(*modules)
+    return modules
+
+
+def memory_format(knobs: Knobs) -> torch.memory_format:
+    return torch.channels_last if knobs.channels_last else torch.contiguous_format

@@ -1,0 +1,62 @@
+"""What a module saw in a forward call, and inputs made like it: to run the module again alone, alike (the
+doctor's backward alone, the fix's timing of both paths)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What a module saw in a forward call: enough to run it again alone, alike."""
+    input_shape: tuple[int, ...]
+    input_dtype: torch.dtype
+    output_dtype: torch.dtype  # the dtype it computed in (autocast's, or the input's)
+    channels_last: bool        # the input's memory is channels-last (NHWC, NDHWC)
+    input_requires_grad: bool = True
+
+    def autocasts(self, module: nn.Module) -> bool:
+        """Whether running ``module`` alike needs autocast: it computed in fp16 or bf16 with other weights (its
+        input may be fp16 or bf16 already, from the module before it)."""
+        half = (torch.float16, torch.bfloat16)
+        return self.output_dtype in half and any(p.dtype != self.output_dtype for p in module.parameters())
+
+    def run(self, module: nn.Module, x: torch.Tensor) -> Any:
+        """``module(x)`` computed as it was seen: under autocast to its dtype where it needs it."""
+        with torch.autocast(x.device.type, dtype=self.output_dtype, enabled=self.autocasts(module)):
+            return module(x)
+
+    @classmethod
+    def of(cls, args: tuple, output: Any) -> Seen | None:
+        """What a call with ``args`` that returned ``output`` saw; None unless it took one tensor."""
+        inputs, outputs = list(tensors(args)), list(tensors(output))
+        if len(inputs) != 1 or not outputs:
+            return None
+        x = inputs[0]
+        return cls(tuple(x.shape), x.dtype, outputs[0].dtype, channels_last(x), x.requires_grad)
+
+
+def example_input(seen: Seen, device: torch.device) -> torch.Tensor:
+    """A random input like the one ``seen``: its shape, dtype and memory layout (no grad)."""
+    x = torch.randn(seen.input_shape, device=device, dtype=seen.input_dtype)
+    return x.movedim(1, -1).contiguous().movedim(-1, 1) if seen.channels_last else x
+
+
+def channels_last(x: torch.Tensor) -> bool:
+    """Whether ``x``'s memory is channels-last: its channel dimension (1) moved last is contiguous."""
+    return x.dim() > 2 and not x.is_contiguous() and x.movedim(1, -1).is_contiguous()
+
+
+def tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in an output: tensors, tuples (named tuples, torch.return_types), lists and dicts of them."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors(item)

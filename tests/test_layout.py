@@ -1,0 +1,55 @@
+"""The library's rooms import one way: detector -> doctor -> fix -> measure -> the shared plumbing, never back,
+and none of them imports the pipeline or its tools."""
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.imports import imported_names
+
+# Each room may import its own modules and those of the rooms below it.
+ROOMS = ["plumbing", "measure", "fix", "doctor", "detector", "aliases"]
+ROOM_OF = {"rcnn.measure": "measure", "rcnn.fix": "fix", "rcnn.disguise": "fix", "rcnn.doctor": "doctor",
+           "rcnn.detector": "detector", "rcnn.bench": "aliases", "rcnn.heads": "aliases"}
+TOOLS = ("pipeline", "optuna", "mlflow", "dvc")  # the sweep's; the doctor's --mlflow imports mlflow on its own
+
+
+def room(module: str) -> str:
+    return next((r for prefix, r in ROOM_OF.items() if module == prefix or module.startswith(prefix + ".")),
+                "plumbing")
+
+
+def library_modules() -> dict[str, object]:
+    files = sorted((ROOT / "rcnn").rglob("*.py"))
+    names = {}
+    for path in files:
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def wrong_way(module: str, path) -> list[str]:
+    rank = ROOMS.index(room(module))
+    found = []
+    for name in sorted(imported_names(path, module)):
+        if name.split(".")[0] in TOOLS and not (name == "mlflow" and module == "rcnn.doctor.command"):
+            found.append(f"{module} imports {name}")
+        elif name.startswith("rcnn.") and ROOMS.index(room(name)) > rank:
+            found.append(f"{module} ({room(module)}) imports {name} ({room(name)})")
+    return found
+
+
+@pytest.mark.parametrize("module", sorted(library_modules()))
+def test_the_library_imports_one_way(module):
+    assert not wrong_way(module, library_modules()[module])
+
+
+def test_a_wrong_way_import_is_caught(tmp_path):
+    measure = tmp_path / "clock.py"
+    measure.write_text("from rcnn.detector.model import build_detector\nimport optuna\n")
+    found = wrong_way("rcnn.measure.clock", measure)
+    assert "rcnn.measure.clock (measure) imports rcnn.detector.model (detector)" in found
+    assert "rcnn.measure.clock imports optuna" in found
+    plumbing = tmp_path / "rules.py"
+    plumbing.write_text("from rcnn.doctor.columns import ROOT\n")
+    assert wrong_way("rcnn.rules", plumbing)[0].startswith("rcnn.rules (plumbing) imports rcnn.doctor")
