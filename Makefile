@@ -1,11 +1,11 @@
 # `make repro` runs the pipeline, `make exp ARGS="-S key=value"` one DVC experiment, `make test` the tests
-# (`make test-fast` those not marked slow); all create or update .venv first. The stages run `python`: .venv's
-# bin goes first on PATH so it is the one with torch.
+# (`make test-fast` those not marked slow), `make lint` the formatter and linter; all create or update .venv
+# first. The stages run `python`: .venv's bin goes first on PATH so it is the one with torch.
 VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: install repro exp test test-fast ui clean-stores
+.PHONY: install repro exp test test-fast lint ui clean-stores
 
 $(BIN)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ test: $(BIN)/.installed
 
 test-fast: $(BIN)/.installed
 	$(BIN)/python -m pytest -m "not slow"
+
+lint: $(BIN)/.installed  # the layout ruff format gives, and ruff check's rules (pyproject.toml)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 
 ui: $(BIN)/.installed
 	$(BIN)/mlflow ui --host 127.0.0.1 --backend-store-uri sqlite:///mlflow.db  # this machine only: no authentication

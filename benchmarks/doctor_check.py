@@ -14,6 +14,7 @@ value, and each figure comes with a bootstrap 95% CI over rounds.
 
 Run by hand (minutes), from the project folder: .venv/bin/python -m benchmarks.doctor_check [--rounds 20]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,38 +24,47 @@ import sys
 import numpy as np
 
 from benchmarks.measurement_check import knobs_for, median_ratio
-from rcnn.doctor.columns import OUTSIDE
-from rcnn.doctor.attribution import ModuleTimer
-from rcnn.detector.trial import Trainer
 from rcnn.cli import Parser
 from rcnn.detector.data import synthetic_samples
 from rcnn.detector.knobs import backend_flags
-from rcnn.measure.device import resolve_device
 from rcnn.detector.model import DetectorConfig
-from rcnn.rules import Rule, ValueNotAllowed
 from rcnn.detector.schema import BACKBONE, IMAGE_SIZE, ROIS_PER_IMAGE
+from rcnn.detector.trial import Trainer
+from rcnn.doctor.attribution import ModuleTimer
+from rcnn.doctor.columns import OUTSIDE
+from rcnn.measure.device import resolve_device
 from rcnn.measure.settings import DEVICE
 from rcnn.measure.stats import bootstrap_ci
+from rcnn.rules import Rule, ValueNotAllowed
 
 HEAD_MODULES = ("roi_heads.box_head", "roi_heads.box_predictor")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(prog="python -m benchmarks.doctor_check", description=__doc__,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(
+        prog="python -m benchmarks.doctor_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--device", type=DEVICE.arg(), metavar=DEVICE.metavar, default="auto")
     parser.add_argument("--backbone", type=BACKBONE.arg(), metavar=BACKBONE.metavar, default="resnet18_fpn")
     parser.add_argument("--image-size", type=IMAGE_SIZE.arg(int), default=256)
     parser.add_argument("--rois-per-image", type=ROIS_PER_IMAGE.arg(int), default=128)
     parser.add_argument("--rounds", type=Rule(minimum=3).arg(int), default=20, help="steps of each detector")
-    parser.add_argument("--warmup", type=Rule(minimum=1).arg(int), default=3, help="untimed steps of each first")
+    parser.add_argument(
+        "--warmup", type=Rule(minimum=1).arg(int), default=3, help="untimed steps of each first"
+    )
     args = parser.parse_args(argv)
     try:
         device = resolve_device(args.device)
     except ValueNotAllowed as err:
         parser.error(f"--device: {err.problem}")
-    config = DetectorConfig(backbone=args.backbone, image_size=args.image_size, rois_per_image=args.rois_per_image)
-    samples = synthetic_samples(num_images=8, image_size=args.image_size, num_classes=config.num_classes, seed=0)
+    config = DetectorConfig(
+        backbone=args.backbone, image_size=args.image_size, rois_per_image=args.rois_per_image
+    )
+    samples = synthetic_samples(
+        num_images=8, image_size=args.image_size, num_classes=config.num_classes, seed=0
+    )
     print(f"device {device}, {config}, {args.rounds} rounds")
 
     names = [(head, doctor) for head in ("linear", "conv") for doctor in (True, False)]
@@ -62,14 +72,18 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     knobs = {head: knobs_for(device, head=head) for head in ("linear", "conv")}
     with backend_flags(knobs["linear"]):
-        trainers = {(head, doctor): Trainer(config, knobs[head], samples, device=device) for head, doctor in names}
+        trainers = {
+            (head, doctor): Trainer(config, knobs[head], samples, device=device) for head, doctor in names
+        }
         timers = {name: ModuleTimer(trainers[name].model, trainers[name].clock) for name in names if name[1]}
         for number in range(args.warmup + args.rounds):
             for name in rng.sample(names, len(names)):
                 times = trainers[name].step(number, modules=timers.get(name))
                 if name in timers:
                     table, totals = timers[name].step_table()
-                    times["doctor_head_backward"] = sum(table.loc[m, "backward_inclusive_ms"] for m in HEAD_MODULES)
+                    times["doctor_head_backward"] = sum(
+                        table.loc[m, "backward_inclusive_ms"] for m in HEAD_MODULES
+                    )
                     times["unattributed"] = table.loc[OUTSIDE, "backward_ms"] / totals["backward_ms"]
                 if number >= args.warmup:
                     rows[name].append(times)
@@ -84,21 +98,31 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'check':<52}{'value':>10}  target")
     for head in ("linear", "conv"):
         share = doctor[head]["unattributed"]
-        print(f"{f'1 unattributed backward share, {head}':<52}{np.median(share):>10.3f}  <= 0.05 ({ci(share)})")
+        print(
+            f"{f'1 unattributed backward share, {head}':<52}{np.median(share):>10.3f}  <= 0.05 ({ci(share)})"
+        )
     for head in ("linear", "conv"):
         ratio, low, high = median_ratio(doctor[head]["doctor_head_backward"], doctor[head]["head_backward"])
-        print(f"{f'2 box-head backward, doctor / probe, {head}':<52}{ratio:>10.3f}  0.90-1.10 (CI {low:.3f}-"
-              f"{high:.3f}; {np.median(doctor[head]['doctor_head_backward']):.1f} vs "
-              f"{np.median(doctor[head]['head_backward']):.1f} ms)")
+        print(
+            f"{f'2 box-head backward, doctor / probe, {head}':<52}{ratio:>10.3f}  0.90-1.10 (CI {low:.3f}-"
+            f"{high:.3f}; {np.median(doctor[head]['doctor_head_backward']):.1f} vs "
+            f"{np.median(doctor[head]['head_backward']):.1f} ms)"
+        )
     doctor_diff = doctor["conv"]["doctor_head_backward"] - doctor["linear"]["doctor_head_backward"]
     ab_diff = plain["conv"]["backward"] - plain["linear"]["backward"]
     ratio, low, high = median_ratio(doctor_diff, ab_diff)
-    print(f"{'3 conv - linear: doctor head diff / A-B backward diff':<52}{ratio:>10.3f}  0.85-1.15 (CI {low:.3f}-"
-          f"{high:.3f}; {np.median(doctor_diff):.1f} vs {np.median(ab_diff):.1f} ms)")
+    print(
+        f"{'3 conv - linear: doctor head diff / A-B backward diff':<52}{ratio:>10.3f}  0.85-1.15 (CI "
+        f"{low:.3f}-"
+        f"{high:.3f}; {np.median(doctor_diff):.1f} vs {np.median(ab_diff):.1f} ms)"
+    )
     for head in ("linear", "conv"):
         ratio, low, high = median_ratio(doctor[head]["step"], plain[head]["step"])
-        print(f"{f'4 overhead: step with / without the doctor, {head}':<52}{ratio:>10.3f}  <= 1.05 (CI {low:.3f}-"
-              f"{high:.3f}; {np.median(doctor[head]['step']):.1f} vs {np.median(plain[head]['step']):.1f} ms)")
+        print(
+            f"{f'4 overhead: step with / without the doctor, {head}':<52}{ratio:>10.3f}  <= 1.05 (CI "
+            f"{low:.3f}-"
+            f"{high:.3f}; {np.median(doctor[head]['step']):.1f} vs {np.median(plain[head]['step']):.1f} ms)"
+        )
     return 0
 
 

@@ -10,6 +10,7 @@
 Writes the tables to --out (default reports/fix.md). Run by hand (minutes), from the project folder:
 .venv/bin/python -m benchmarks.fix_check [--models vit_b_16,resnet18]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,15 +27,15 @@ import torch
 from benchmarks.measurement_check import median_ratio
 from rcnn.cli import Parser
 from rcnn.doctor.diagnosis import fix
+from rcnn.doctor.workloads import build_workload
 from rcnn.fix import Conv2dAsLinear
+from rcnn.measure.clock import Clock
 from rcnn.measure.device import resolve_device
 from rcnn.measure.machine import cpu_model
-from rcnn.outputs import check_output, project_root, text_start, write_atomic
-from rcnn.rules import UserError
 from rcnn.measure.settings import DEVICE
 from rcnn.measure.stats import TimingPolicy
-from rcnn.measure.clock import Clock
-from rcnn.doctor.workloads import build_workload
+from rcnn.outputs import check_output, project_root, text_start, write_atomic
+from rcnn.rules import UserError
 
 TITLE = "# The automatic fix, measured"
 MODELS = {  # name -> (MODEL spec, input): small inputs, so that a CPU runs them in minutes
@@ -54,8 +55,9 @@ def input_label(sizes: dict) -> str:
     return f"{frames}{sizes['image_size']} px"
 
 
-def conv_against_linear(device: torch.device, rounds: int, rois: int = 256, channels: int = 256,
-                        width: int = 1024) -> tuple[float, float, float, float, float]:
+def conv_against_linear(
+    device: torch.device, rounds: int, rois: int = 256, channels: int = 256, width: int = 1024
+) -> tuple[float, float, float, float, float]:
     """Forward + backward ms of the box head's 7x7 conv after the fix and of nn.Linear of its shape, stepped
     in turn: (conv ms, linear ms, ratio, CI low, CI high)."""
     torch.manual_seed(0)
@@ -81,10 +83,15 @@ def conv_against_linear(device: torch.device, rounds: int, rois: int = 256, chan
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(prog="python -m benchmarks.fix_check", description=__doc__,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(
+        prog="python -m benchmarks.fix_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--device", type=DEVICE.arg(), metavar=DEVICE.metavar, default="auto")
-    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, of: " + ", ".join(MODELS))
+    parser.add_argument(
+        "--models", default=",".join(MODELS), help="comma-separated, of: " + ", ".join(MODELS)
+    )
     parser.add_argument("--max-seconds", type=float, default=20.0, help="per model, for the paired steps")
     parser.add_argument("--out", default="reports/fix.md", help="the markdown report to write")
     args = parser.parse_args(argv)
@@ -93,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--models: {', '.join(unknown)} not allowed; allowed: {', '.join(MODELS)}")
     try:
         device = resolve_device(args.device)
-        check_output(args.out, text_start("the fix report", TITLE), root=project_root(Path.cwd()), what="--out")
+        check_output(
+            args.out, text_start("the fix report", TITLE), root=project_root(Path.cwd()), what="--out"
+        )
     except UserError as err:
         parser.error(str(err))
     policy = TimingPolicy(warmup=3, iterations=10, max_iterations=40, max_seconds=args.max_seconds)
@@ -107,40 +116,71 @@ def main(argv: list[str] | None = None) -> int:
         workload = build_workload(spec, batch_size=2, device=device, **sizes)
         fixed = fix(workload, device=device, amp="off", policy=policy, peak_tflops=None, by_module=False)
         s = fixed.summary
-        summary.append({"model": name, "input": input_label(sizes), "eligible": s["eligible"],
-                        "swapped": s["swapped"], "steps": s["paired_steps"],
-                        **{f"{phase} before / after ms": f"{s[phase]['before_ms']:.1f} / {s[phase]['after_ms']:.1f}"
-                           for phase in ("forward_backward", "backward")},
-                        **{f"{phase} after/before": f"{s[phase]['ratio']:.3f} [{s[phase]['ci_low']:.3f}, "
-                                                    f"{s[phase]['ci_high']:.3f}]"
-                           for phase in ("forward_backward", "backward")}})
+        summary.append(
+            {
+                "model": name,
+                "input": input_label(sizes),
+                "eligible": s["eligible"],
+                "swapped": s["swapped"],
+                "steps": s["paired_steps"],
+                **{
+                    f"{phase} before / after ms": f"{s[phase]['before_ms']:.1f} / {s[phase]['after_ms']:.1f}"
+                    for phase in ("forward_backward", "backward")
+                },
+                **{
+                    f"{phase} after/before": f"{s[phase]['ratio']:.3f} [{s[phase]['ci_low']:.3f}, "
+                    f"{s[phase]['ci_high']:.3f}]"
+                    for phase in ("forward_backward", "backward")
+                },
+            }
+        )
         swaps += [{"model": name, **row} for row in fixed.swaps.to_dict("records")]
-        print(f"{name}: {s['swapped']} of {s['eligible']} swapped; forward + backward after/before "
-              f"{s['forward_backward']['ratio']:.3f} [{s['forward_backward']['ci_low']:.3f}, "
-              f"{s['forward_backward']['ci_high']:.3f}] ({time.perf_counter() - started:.0f} s)", flush=True)
+        print(
+            f"{name}: {s['swapped']} of {s['eligible']} swapped; forward + backward after/before "
+            f"{s['forward_backward']['ratio']:.3f} [{s['forward_backward']['ci_low']:.3f}, "
+            f"{s['forward_backward']['ci_high']:.3f}] ({time.perf_counter() - started:.0f} s)",
+            flush=True,
+        )
     conv_ms, linear_ms, ratio, low, high = conv_against_linear(device, rounds=30)
-    print(f"box head 7x7 conv after the fix / nn.Linear: {ratio:.3f} [{low:.3f}, {high:.3f}] "
-          f"({conv_ms:.1f} vs {linear_ms:.1f} ms)")
+    print(
+        f"box head 7x7 conv after the fix / nn.Linear: {ratio:.3f} [{low:.3f}, {high:.3f}] "
+        f"({conv_ms:.1f} vs {linear_ms:.1f} ms)"
+    )
 
     per_module = pd.DataFrame(swaps)
     if len(per_module):
         per_module["gemm / conv"] = (per_module["gemm_ms"] / per_module["conv_ms"]).round(2)
         per_module["input_shape"] = per_module["input_shape"].map(lambda s: "x".join(map(str, s)))
-    text = "\n".join([
-        TITLE, "",
-        f"`python -m benchmarks.fix_check` on {device.type} ({where}, {platform.machine()}), torch "
-        f"{torch.__version__}, fp32, batch 2, untrained models, inputs as listed. `rcnn.fix.linearize` in mode "
-        "auto: each eligible convolution is timed forward + backward both ways at its input and swapped where the "
-        "GEMM is faster. Then the original and the fixed model are stepped in turn (forward, backward, optimizer) "
-        "until the backward medians are known to 5% or the time runs out; ratios are after / before medians with "
-        "bootstrap 95% CIs (target: forward + backward <= 1.02).", "",
-        pd.DataFrame(summary).to_markdown(index=False), "",
-        f"The box head's 7x7 conv after the fix (`Conv2dAsLinear`, 256 RoIs x 256 x 7 x 7 -> 1024) against "
-        f"`nn.Linear(12544, 1024)`, forward + backward, stepped in turn 30 times: {conv_ms:.1f} vs {linear_ms:.1f} "
-        f"ms, ratio {ratio:.3f} [95% CI {low:.3f}, {high:.3f}] (target: within 1.05).", "",
-        "Each eligible convolution: forward + backward ms as the convolution and as the GEMM at the input it saw.",
-        "",
-        per_module.round(3).to_markdown(index=False) if len(per_module) else "None.", ""])
+    text = "\n".join(
+        [
+            TITLE,
+            "",
+            f"`python -m benchmarks.fix_check` on {device.type} ({where}, {platform.machine()}), torch "
+            f"{torch.__version__}, fp32, batch 2, untrained models, inputs as listed. `rcnn.fix.linearize` "
+            "in mode "
+            "auto: each eligible convolution is timed forward + backward both ways at its input and swapped "
+            "where the "
+            "GEMM is faster. Then the original and the fixed model are stepped in turn (forward, backward, "
+            "optimizer) "
+            "until the backward medians are known to 5% or the time runs out; ratios are after / before "
+            "medians with "
+            "bootstrap 95% CIs (target: forward + backward <= 1.02).",
+            "",
+            pd.DataFrame(summary).to_markdown(index=False),
+            "",
+            "The box head's 7x7 conv after the fix (`Conv2dAsLinear`, 256 RoIs x 256 x 7 x 7 -> 1024) "
+            "against "
+            f"`nn.Linear(12544, 1024)`, forward + backward, stepped in turn 30 times: {conv_ms:.1f} vs "
+            f"{linear_ms:.1f} "
+            f"ms, ratio {ratio:.3f} [95% CI {low:.3f}, {high:.3f}] (target: within 1.05).",
+            "",
+            "Each eligible convolution: forward + backward ms as the convolution and as the GEMM at the "
+            "input it saw.",
+            "",
+            per_module.round(3).to_markdown(index=False) if len(per_module) else "None.",
+            "",
+        ]
+    )
     write_atomic(args.out, text)
     print(f"wrote {args.out}")
     return 0

@@ -14,8 +14,10 @@
    MLflow runs of a scratch store: with the sampler of a parent run and of its nested run, as during a
    sweep's trial, and without either.
 
-Run by hand (minutes), from the project folder: .venv/bin/python -m benchmarks.measurement_check [--device cpu] [--rounds 3]
+Run by hand (minutes), from the project folder: .venv/bin/python -m benchmarks.measurement_check [--device
+cpu] [--rounds 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,18 +32,17 @@ import time
 import numpy as np
 import torch
 
-from rcnn.detector.trial import Trainer, isolated_head_ms, run_trial
+from pipeline.params import TrackingParams
 from rcnn.cli import Parser
 from rcnn.detector.data import Sample, synthetic_samples
 from rcnn.detector.knobs import Knobs, backend_flags
-from rcnn.measure.device import resolve_device
 from rcnn.detector.model import DetectorConfig
-from rcnn.rules import Rule, ValueNotAllowed
 from rcnn.detector.schema import BACKBONE, IMAGE_SIZE, PHASES, ROIS_PER_IMAGE
+from rcnn.detector.trial import Trainer, isolated_head_ms, run_trial
+from rcnn.measure.device import resolve_device
 from rcnn.measure.settings import DEVICE
-from rcnn.measure.stats import ITERATIONS
-from pipeline.params import TrackingParams
-from rcnn.measure.stats import TimingPolicy, bootstrap_ci, compare
+from rcnn.measure.stats import ITERATIONS, TimingPolicy, bootstrap_ci, compare
+from rcnn.rules import Rule, ValueNotAllowed
 
 CHECKS = Rule(choices=[c for n in range(1, 6) for c in map("".join, itertools.combinations("12345", n))])
 
@@ -51,14 +52,23 @@ def knobs_for(device: torch.device, onednn: bool = True, **kwargs) -> Knobs:
     return Knobs(**backend, **kwargs)
 
 
-def interleaved(config: DetectorConfig, knobs: dict[str, tuple[Knobs, bool]], samples: list[Sample],
-                device: torch.device, rounds: int, warmup: int, seed: int = 0) -> dict[str, dict[str, np.ndarray]]:
+def interleaved(
+    config: DetectorConfig,
+    knobs: dict[str, tuple[Knobs, bool]],
+    samples: list[Sample],
+    device: torch.device,
+    rounds: int,
+    warmup: int,
+    seed: int = 0,
+) -> dict[str, dict[str, np.ndarray]]:
     """Build one detector per entry (knobs, hooks on) and step each once per round in a shuffled order:
     name -> phase -> per-round times (ms). The backend knobs (oneDNN, cuDNN) must be the same for all."""
     rng = random.Random(seed)
     with backend_flags(next(iter(knobs.values()))[0]):
-        trainers = {name: Trainer(config, k, samples, device=device, seed=seed, probe=probe)
-                    for name, (k, probe) in knobs.items()}
+        trainers = {
+            name: Trainer(config, k, samples, device=device, seed=seed, probe=probe)
+            for name, (k, probe) in knobs.items()
+        }
         for trainer in trainers.values():
             for number in range(warmup):
                 trainer.step(number)
@@ -72,11 +82,19 @@ def interleaved(config: DetectorConfig, knobs: dict[str, tuple[Knobs, bool]], sa
     return {name: {phase: np.asarray(v) for phase, v in phases.items()} for name, phases in times.items()}
 
 
-def system_metrics_blocks(config: DetectorConfig, knobs: Knobs, samples: list[Sample], device: torch.device,
-                          interval: float, rounds: int, block_s: float = 3.0) -> tuple[list[float], list[float]]:
+def system_metrics_blocks(
+    config: DetectorConfig,
+    knobs: Knobs,
+    samples: list[Sample],
+    device: torch.device,
+    interval: float,
+    rounds: int,
+    block_s: float = 3.0,
+) -> tuple[list[float], list[float]]:
     """Step times (ms) of one detector in alternating blocks of about ``block_s`` seconds (and at least two
-    sampling intervals), each block a nested MLflow run of a scratch store: with MLflow's system metrics sampled
-    every ``interval`` s on it and on its parent run (as a sweep samples its parent and each trial), and
+    sampling intervals), each block a nested MLflow run of a scratch store: with MLflow's system metrics
+    sampled every ``interval`` s on it and on its parent run (as a sweep samples its parent and each trial),
+    and
     without. ``rounds`` blocks of each."""
     import mlflow
 
@@ -91,8 +109,10 @@ def system_metrics_blocks(config: DetectorConfig, knobs: Knobs, samples: list[Sa
         times: dict[bool, list[float]] = {True: [], False: []}
         for block in range(2 * rounds):
             sampled = block % 2 == 0
-            with mlflow.start_run(log_system_metrics=sampled), mlflow.start_run(nested=True,
-                                                                                log_system_metrics=sampled):
+            with (
+                mlflow.start_run(log_system_metrics=sampled),
+                mlflow.start_run(nested=True, log_system_metrics=sampled),
+            ):
                 started = time.perf_counter()
                 while time.perf_counter() - started < max(block_s, 2 * interval):
                     times[sampled].append(trainer.step(block)["step"])
@@ -102,69 +122,123 @@ def system_metrics_blocks(config: DetectorConfig, knobs: Knobs, samples: list[Sa
 
 def median_ratio(numerator: np.ndarray, denominator: np.ndarray) -> tuple[float, float, float]:
     """median(numerator) / median(denominator) of paired per-round values, with a paired bootstrap 95% CI."""
+
     def ratio(a, b, axis=-1):
         return np.median(a, axis=axis) / np.median(b, axis=axis)
+
     low, high = bootstrap_ci((numerator, denominator), ratio, paired=True)
     return float(ratio(numerator, denominator)), low, high
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(prog="python -m benchmarks.measurement_check", description=__doc__,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(
+        prog="python -m benchmarks.measurement_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--device", type=DEVICE.arg(), metavar=DEVICE.metavar, default="auto")
     parser.add_argument("--backbone", type=BACKBONE.arg(), metavar=BACKBONE.metavar, default="resnet18_fpn")
     parser.add_argument("--image-size", type=IMAGE_SIZE.arg(int), default=256)
     parser.add_argument("--rois-per-image", type=ROIS_PER_IMAGE.arg(int), default=128)
-    parser.add_argument("--rounds", type=Rule(minimum=3).arg(int), default=40,
-                        help="steps of each detector for checks 1 and 2")
+    parser.add_argument(
+        "--rounds",
+        type=Rule(minimum=3).arg(int),
+        default=40,
+        help="steps of each detector for checks 1 and 2",
+    )
     parser.add_argument("--checks", type=CHECKS.arg(), default="12345", help="which checks to run, e.g. 12")
-    parser.add_argument("--metrics-interval", type=Rule(minimum=1).arg(float), default=TrackingParams.system_metrics_s,
-                        help="check 5: MLflow's system metrics interval (s), as tracking.system_metrics_s")
-    parser.add_argument("--metrics-rounds", type=Rule(minimum=2).arg(int), default=10,
-                        help="check 5: blocks of steps with the sampler, and as many without")
-    parser.add_argument("--fixed", type=ITERATIONS.arg(int), default=30,
-                        help="the fixed step count adaptive stopping is held to")
-    parser.add_argument("--no-onednn", action="store_true",
-                        help="CPU: run without oneDNN, where the conv head's cost dwarfs step-to-step noise")
+    parser.add_argument(
+        "--metrics-interval",
+        type=Rule(minimum=1).arg(float),
+        default=TrackingParams.system_metrics_s,
+        help="check 5: MLflow's system metrics interval (s), as tracking.system_metrics_s",
+    )
+    parser.add_argument(
+        "--metrics-rounds",
+        type=Rule(minimum=2).arg(int),
+        default=10,
+        help="check 5: blocks of steps with the sampler, and as many without",
+    )
+    parser.add_argument(
+        "--fixed",
+        type=ITERATIONS.arg(int),
+        default=30,
+        help="the fixed step count adaptive stopping is held to",
+    )
+    parser.add_argument(
+        "--no-onednn",
+        action="store_true",
+        help="CPU: run without oneDNN, where the conv head's cost dwarfs step-to-step noise",
+    )
     args = parser.parse_args(argv)
     try:
         device = resolve_device(args.device)
     except ValueNotAllowed as err:
         parser.error(f"--device: {err.problem}")
     knobs = functools.partial(knobs_for, device, onednn=not args.no_onednn)
-    config = DetectorConfig(backbone=args.backbone, image_size=args.image_size, rois_per_image=args.rois_per_image)
-    samples = synthetic_samples(num_images=8, image_size=args.image_size, num_classes=config.num_classes, seed=0)
+    config = DetectorConfig(
+        backbone=args.backbone, image_size=args.image_size, rois_per_image=args.rois_per_image
+    )
+    samples = synthetic_samples(
+        num_images=8, image_size=args.image_size, num_classes=config.num_classes, seed=0
+    )
     fixed = TimingPolicy(warmup=3, iterations=args.fixed, max_iterations=args.fixed, max_seconds=float("inf"))
     adaptive = TimingPolicy(warmup=3, iterations=6, max_iterations=args.fixed, max_seconds=float("inf"))
     print(f"device {device}, {config}, oneDNN {'off' if args.no_onednn else 'on'}")
 
     print(f"\n{'check':<46}{'value':>12}  target")
     if "1" in args.checks or "2" in args.checks:  # three detectors stepped in turn
-        runs = interleaved(config, {"linear": (knobs(head="linear"), True), "conv": (knobs(head="conv"), True),
-                                    "linear_nohooks": (knobs(head="linear"), False)},
-                           samples, device, rounds=args.rounds, warmup=3)
+        runs = interleaved(
+            config,
+            {
+                "linear": (knobs(head="linear"), True),
+                "conv": (knobs(head="conv"), True),
+                "linear_nohooks": (knobs(head="linear"), False),
+            },
+            samples,
+            device,
+            rounds=args.rounds,
+            warmup=3,
+        )
         hooks_diff = runs["conv"]["head_backward"] - runs["linear"]["head_backward"]
         ab_diff = runs["conv"]["backward"] - runs["linear"]["backward"]
         ratio, low, high = median_ratio(hooks_diff, ab_diff)
-        print(f"{'1 attribution: hooks diff / A-B diff':<46}{ratio:>12.3f}  0.90-1.10 (CI {low:.3f}-{high:.3f}; "
-              f"{np.median(hooks_diff):.1f} ms vs {np.median(ab_diff):.1f} ms, {args.rounds} paired steps)")
+        print(
+            f"{'1 attribution: hooks diff / A-B diff':<46}{ratio:>12.3f}  0.90-1.10 (CI "
+            f"{low:.3f}-{high:.3f}; "
+            f"{np.median(hooks_diff):.1f} ms vs {np.median(ab_diff):.1f} ms, {args.rounds} paired steps)"
+        )
         ratio, low, high = median_ratio(runs["linear"]["step"], runs["linear_nohooks"]["step"])
-        print(f"{'2 hook overhead: step with / without hooks':<46}{ratio:>12.3f}  <= 1.02 (CI {low:.3f}-{high:.3f})",
-              flush=True)
+        print(
+            f"{'2 hook overhead: step with / without hooks':<46}{ratio:>12.3f}  <= 1.02 (CI "
+            f"{low:.3f}-{high:.3f})",
+            flush=True,
+        )
     if "5" in args.checks:
-        with_metrics, without = system_metrics_blocks(config, knobs(head="linear"), samples, device,
-                                                      interval=args.metrics_interval, rounds=args.metrics_rounds)
+        with_metrics, without = system_metrics_blocks(
+            config,
+            knobs(head="linear"),
+            samples,
+            device,
+            interval=args.metrics_interval,
+            rounds=args.metrics_rounds,
+        )
         c = compare(with_metrics, without)
-        print(f"{'5 system metrics: step with / without':<46}{c.ratio:>12.3f}  CI holds 1 or <= 1.02 "
-              f"(CI {c.ci_low:.3f}-{c.ci_high:.3f}, p {c.p_value:.2f}; {len(without)} steps each, every "
-              f"{args.metrics_interval:g} s)", flush=True)
+        print(
+            f"{'5 system metrics: step with / without':<46}{c.ratio:>12.3f}  CI holds 1 or <= 1.02 "
+            f"(CI {c.ci_low:.3f}-{c.ci_high:.3f}, p {c.p_value:.2f}; {len(without)} steps each, every "
+            f"{args.metrics_interval:g} s)",
+            flush=True,
+        )
     if "3" not in args.checks and "4" not in args.checks:
         return 0
 
     # 3 and 4, per configuration in turn (so drift between them stays small): a fixed step count, the isolated
     # head at the same shapes (4), then adaptive stopping (3); ranked by head backward.
-    configs = [knobs(head=h, channels_last=cl) for h, cl in itertools.product(
-        ("linear", "conv", "conv_as_linear"), (False, True))]
+    configs = [
+        knobs(head=h, channels_last=cl)
+        for h, cl in itertools.product(("linear", "conv", "conv_as_linear"), (False, True))
+    ]
     by_policy, isolated = {"fixed": [], "adaptive": []}, []
     for k in configs:
         by_policy["fixed"].append(run_trial(config, k, samples, device=device, policy=fixed))
@@ -174,12 +248,21 @@ def main(argv: list[str] | None = None) -> int:
     # Same ranking: every pair of configurations the fixed count separates by more than 10% is ordered
     # alike by adaptive stopping (linear and conv_as_linear run the same GEMMs and may tie).
     med = {name: [r.median("head_backward") for r in results] for name, results in by_policy.items()}
-    pairs = [(i, j) for i, j in itertools.combinations(range(len(configs)), 2)
-             if abs(med["fixed"][i] / med["fixed"][j] - 1) > 0.10]
-    agree = sum((med["fixed"][i] < med["fixed"][j]) == (med["adaptive"][i] < med["adaptive"][j]) for i, j in pairs)
-    print(f"{'3 steps saved: fixed / adaptive':<46}{steps['fixed'] / steps['adaptive']:>12.2f}  >= 2 "
-          f"({steps['fixed']} vs {steps['adaptive']} steps)")
-    print(f"{'3 same ranking: separated pairs ordered alike':<46}{f'{agree}/{len(pairs)}':>12}  all", flush=True)
+    pairs = [
+        (i, j)
+        for i, j in itertools.combinations(range(len(configs)), 2)
+        if abs(med["fixed"][i] / med["fixed"][j] - 1) > 0.10
+    ]
+    agree = sum(
+        (med["fixed"][i] < med["fixed"][j]) == (med["adaptive"][i] < med["adaptive"][j]) for i, j in pairs
+    )
+    print(
+        f"{'3 steps saved: fixed / adaptive':<46}{steps['fixed'] / steps['adaptive']:>12.2f}  >= 2 "
+        f"({steps['fixed']} vs {steps['adaptive']} steps)"
+    )
+    print(
+        f"{'3 same ranking: separated pairs ordered alike':<46}{f'{agree}/{len(pairs)}':>12}  all", flush=True
+    )
 
     for k, result, alone in zip(configs, by_policy["fixed"], isolated):
         label = f"4 cross-check {k.head}{' NHWC' if k.channels_last else ''}: isolated / hooks"

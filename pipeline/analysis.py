@@ -1,4 +1,5 @@
 """Tables the report is drawn from, computed from the trials table alone (pandas; no files, no plots)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -9,9 +10,17 @@ from pipeline.results import complete, head_order, headline_scope, ms_per_image
 from rcnn.detector.schema import OTHER_KNOBS
 from rcnn.measure.stats import bootstrap_ci
 
-# PyTorch's own defaults (TF32: cuDNN's is on, matmul's off; the knob sets both alike, and off is the fp32 baseline).
-DEFAULTS = {"cudnn_benchmark": False, "onednn": True, "amp": "off", "channels_last": False, "linearize": False,
-            "tf32": False, "compile": "off"}
+# PyTorch's own defaults (TF32: cuDNN's is on, matmul's off; the knob sets both alike, and off is the fp32
+# baseline).
+DEFAULTS = {
+    "cudnn_benchmark": False,
+    "onednn": True,
+    "amp": "off",
+    "channels_last": False,
+    "linearize": False,
+    "tf32": False,
+    "compile": "off",
+}
 
 
 def baseline_first(knob: str, values: list) -> list:
@@ -27,7 +36,9 @@ def reference_setting(trials: pd.DataFrame, preferred: list[dict] | None = None)
     done = complete(trials)
     counts = done.groupby(list(OTHER_KNOBS), dropna=False, sort=False)["head"].nunique()
     for setting in preferred or []:
-        key = tuple("n/a" if setting.get(k) is None else setting.get(k) for k in OTHER_KNOBS)  # as the table reads
+        key = tuple(
+            "n/a" if setting.get(k) is None else setting.get(k) for k in OTHER_KNOBS
+        )  # as the table reads
         if key in counts.index and counts[key] == counts.max():
             return dict(zip(OTHER_KNOBS, key))
     return dict(zip(OTHER_KNOBS, counts.idxmax()))
@@ -55,16 +66,19 @@ def _where(series: pd.Series, knob: str, value: object) -> pd.Series:
 
 def _gap(done: pd.DataFrame) -> pd.Series:
     """conv / linear box-head backward per setting of the other knobs (settings with both heads only)."""
-    by_setting = {head: done[done["head"] == head].set_index(list(OTHER_KNOBS))["head_backward_ms"]
-                  for head in ("conv", "linear")}
+    by_setting = {
+        head: done[done["head"] == head].set_index(list(OTHER_KNOBS))["head_backward_ms"]
+        for head in ("conv", "linear")
+    }
     return (by_setting["conv"] / by_setting["linear"]).dropna()
 
 
 def knob_effects(trials: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
     """Main effect of each swept knob, from the factorial grid: switching the knob from PyTorch's default to
-    another value, all else equal. Step time ratio (geometric mean over every paired setting, bootstrap CI), and
-    the conv/linear box-head backward gap at the first value and at the other (the head x knob interaction),
-    pooled over the headline's settings only (results.headline_scope, the knob itself free): the gap where the
+    another value, all else equal. Step time ratio (geometric mean over every paired setting, bootstrap CI),
+    and the conv/linear box-head backward gap at the first value and at the other (the head x knob
+    interaction), pooled over the headline's settings only (results.headline_scope, the knob itself free): the
+    gap where the
     fix already closed it would dilute every other knob's gap."""
     done = complete(trials)
     step = done.pivot_table(index=["head", *OTHER_KNOBS], values="step_ms", aggfunc="median")["step_ms"]
@@ -81,40 +95,72 @@ def knob_effects(trials: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
             ratio, low, high = _log_ratio_ci(paired, seed) if len(paired) else (np.nan,) * 3
             gaps = [_where(gap, knob, v) for v in (base, value)]
             common = gaps[0].index.intersection(gaps[1].index)
-            gap_base, gap_value = (float(scipy.stats.gmean(g[common])) if len(common) else np.nan for g in gaps)
-            rows.append({"knob": knob, "from": base, "to": value, "step_ratio": ratio, "ci_low": low,
-                         "ci_high": high, "pairs": len(paired), "gap_from": gap_base, "gap_to": gap_value,
-                         "gap_change": gap_value / gap_base if gap_base == gap_base else np.nan,
-                         "gap_pairs": len(common)})
+            gap_base, gap_value = (
+                float(scipy.stats.gmean(g[common])) if len(common) else np.nan for g in gaps
+            )
+            rows.append(
+                {
+                    "knob": knob,
+                    "from": base,
+                    "to": value,
+                    "step_ratio": ratio,
+                    "ci_low": low,
+                    "ci_high": high,
+                    "pairs": len(paired),
+                    "gap_from": gap_base,
+                    "gap_to": gap_value,
+                    "gap_change": gap_value / gap_base if gap_base == gap_base else np.nan,
+                    "gap_pairs": len(common),
+                }
+            )
     return pd.DataFrame(rows, columns=[*EFFECT_COLUMNS])
 
 
-EFFECT_COLUMNS = ("knob", "from", "to", "step_ratio", "ci_low", "ci_high", "pairs", "gap_from", "gap_to",
-                  "gap_change", "gap_pairs")
+EFFECT_COLUMNS = (
+    "knob",
+    "from",
+    "to",
+    "step_ratio",
+    "ci_low",
+    "ci_high",
+    "pairs",
+    "gap_from",
+    "gap_to",
+    "gap_change",
+    "gap_pairs",
+)
 
 
 def time_split(trials: pd.DataFrame, setting: dict) -> pd.DataFrame:
     """Per head at one setting: box-head backward, the rest of the backward, forward, optimizer (ms)."""
     rows = at_setting(trials, setting).set_index("head")
-    table = pd.DataFrame({"box-head backward": rows["head_backward_ms"],
-                          "rest of backward": rows["backward_ms"] - rows["head_backward_ms"],
-                          "forward": rows["forward_ms"], "optimizer": rows["optimizer_ms"]})
+    table = pd.DataFrame(
+        {
+            "box-head backward": rows["head_backward_ms"],
+            "rest of backward": rows["backward_ms"] - rows["head_backward_ms"],
+            "forward": rows["forward_ms"],
+            "optimizer": rows["optimizer_ms"],
+        }
+    )
     return table.reindex(head_order(table.index)).rename_axis("head").reset_index()
 
 
 def batch_scaling(trials: pd.DataFrame, setting: dict) -> pd.DataFrame:
     """ms per image of the whole step against batch size, per head, other knobs at ``setting``."""
     rows = at_setting(trials, setting, skip=("batch_size",))
-    return pd.DataFrame({"head": rows["head"], "batch_size": rows["batch_size"],
-                         "ms_per_image": ms_per_image(rows)}).sort_values(["head", "batch_size"])
+    return pd.DataFrame(
+        {"head": rows["head"], "batch_size": rows["batch_size"], "ms_per_image": ms_per_image(rows)}
+    ).sort_values(["head", "batch_size"])
 
 
 def pareto_front(trials: pd.DataFrame) -> pd.DataFrame:
-    """Every complete trial's time per image and peak memory, flagged when no other trial is both faster per image
-    and leaner. Per image, not per step: a larger batch takes longer per step but may do more per second, and
+    """Every complete trial's time per image and peak memory, flagged when no other trial is both faster per
+    image and leaner. Per image, not per step: a larger batch takes longer per step but may do more per
+    second, and
     that is the trade against its memory."""
     done = complete(trials)[["trial", "head", *OTHER_KNOBS, "step_ms", "peak_mem_mb"]].dropna(
-        subset=["step_ms", "peak_mem_mb"])
+        subset=["step_ms", "peak_mem_mb"]
+    )
     done = done.assign(ms_per_image=ms_per_image(done)).sort_values(["ms_per_image", "peak_mem_mb"])
     best_memory, on_front = np.inf, []
     for memory in done["peak_mem_mb"]:
@@ -126,6 +172,10 @@ def pareto_front(trials: pd.DataFrame) -> pd.DataFrame:
 def roofline(trials: pd.DataFrame, setting: dict) -> pd.DataFrame:
     """Per head at one setting: achieved box-head TFLOP/s forward and backward, and the fraction of peak."""
     rows = at_setting(trials, setting).set_index("head")
-    columns = ["head_forward_tflops", "head_backward_tflops", "head_forward_peak_fraction",
-               "head_backward_peak_fraction"]
+    columns = [
+        "head_forward_tflops",
+        "head_backward_tflops",
+        "head_forward_peak_fraction",
+        "head_backward_peak_fraction",
+    ]
     return rows.reindex(head_order(rows.index))[columns].rename_axis("head").reset_index()

@@ -1,4 +1,5 @@
 """Helpers every stage shares: argument parsing, one-line errors, atomic writes, the git commit."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,14 +7,15 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pipeline.params import Params, load_params
 from rcnn.cli import Parser
+from rcnn.detector.schema import ResultsError
 from rcnn.outputs import write_atomic
 from rcnn.rules import UserError
-from rcnn.detector.schema import ResultsError
 
 
 class Interrupted(KeyboardInterrupt):
@@ -27,11 +29,14 @@ def stage_parser(description: str | None) -> argparse.ArgumentParser:
     return parser
 
 
-def run_stage(main: Callable[[argparse.Namespace, Params], int | None], parser: argparse.ArgumentParser,
-              argv: list[str] | None = None) -> int:
-    """Parse arguments and params, run the stage and return its exit code (0 unless it returns one).
-    A user error (rcnn.rules.UserError: bad params, data, results files, outputs, unreachable services) exits 2
-    with one line on stderr, Ctrl-C 130 (as a shell reports SIGINT) with one line; anything else is a bug and
+def run_stage(
+    main: Callable[[argparse.Namespace, Params], int | None],
+    parser: argparse.ArgumentParser,
+    argv: list[str] | None = None,
+) -> int:
+    """Parse arguments and params, run the stage and return its exit code (0 unless it returns one). A user
+    error (rcnn.rules.UserError: bad params, data, results files, outputs, unreachable services) exits 2 with
+    one line on stderr, Ctrl-C 130 (as a shell reports SIGINT) with one line; anything else is a bug and
     propagates with its traceback (exit 1). RCNN_DEBUG=1 shows the traceback of the first two too."""
     args = parser.parse_args(argv)
     try:

@@ -4,6 +4,7 @@
 trials table, summary.json and env.json (the sweep's and env stage's outputs), and writes compare.md with
 the headline ratios per machine, per-head medians with their ratio to the first folder, and a figure.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,20 +19,27 @@ import pandas as pd
 
 from pipeline.analysis import head_order
 from pipeline.common import read_json
-from rcnn.outputs import CSV, PNG, check_folder, check_writable, project_root, text_start, write_atomic
 from pipeline.report import ratio_text
 from pipeline.results import complete, fastest, headline_scope, read_env, read_table, scope_text
 from rcnn.cli import Parser
-from rcnn.rules import UserError
 from rcnn.detector.schema import KNOB_NAMES
+from rcnn.outputs import CSV, PNG, check_folder, check_writable, project_root, text_start, write_atomic
+from rcnn.rules import UserError
 
 PHASE_COLUMNS = ["forward_ms", "backward_ms", "step_ms", "head_backward_ms"]  # the per-head medians compared
 NEEDED = ("status", *KNOB_NAMES, *PHASE_COLUMNS)
 TITLE = "# RoI-head backward across machines"
-WRITTEN = {"compare.md": text_start("the comparison", TITLE), "head_backward_by_machine.csv": CSV,
-           "figures/head_backward_by_machine.png": PNG}
-HEADLINES = ("conv_over_linear_head_backward", "conv_over_linear_backward", "conv_as_linear_over_linear_head_backward",
-             "conv_as_linear_over_linear_backward")
+WRITTEN = {
+    "compare.md": text_start("the comparison", TITLE),
+    "head_backward_by_machine.csv": CSV,
+    "figures/head_backward_by_machine.png": PNG,
+}
+HEADLINES = (
+    "conv_over_linear_head_backward",
+    "conv_over_linear_backward",
+    "conv_as_linear_over_linear_head_backward",
+    "conv_as_linear_over_linear_backward",
+)
 
 
 def machine_name(env: dict, folder: Path) -> str:
@@ -40,7 +48,8 @@ def machine_name(env: dict, folder: Path) -> str:
 
 
 def per_head(trials: pd.DataFrame) -> pd.DataFrame:
-    """Median over the complete trials of each head, among the headline's settings (results.headline_scope), of
+    """Median over the complete trials of each head, among the headline's settings (results.headline_scope),
+    of
     the timed phases, in ms."""
     done = complete(trials)
     medians = done[headline_scope(done)].groupby("head")[PHASE_COLUMNS].median()
@@ -51,20 +60,35 @@ def compare(folders: list[Path], out: Path) -> str:
     runs = []
     for folder in folders:
         trials = read_table(folder / "trials.csv", NEEDED, "sweep")
-        runs.append((machine_name(read_env(folder / "env.json"), folder), trials, read_json(folder / "summary.json")))
+        runs.append(
+            (machine_name(read_env(folder / "env.json"), folder), trials, read_json(folder / "summary.json"))
+        )
     names = [name for name, _, _ in runs]
-    headline = pd.DataFrame({name: {"trials complete": f"{s.get('complete')} of {s.get('trials')}",
-                                    **{k.replace("_over_", " / ").replace("_", " "): ratio_text(s, k) for k in HEADLINES},
-                                    "fastest (ms per image)": round((fastest(trials) or {}).get("ms_per_image", float("nan")), 1)}
-                             for name, trials, s in runs})
+    headline = pd.DataFrame(
+        {
+            name: {
+                "trials complete": f"{s.get('complete')} of {s.get('trials')}",
+                **{k.replace("_over_", " / ").replace("_", " "): ratio_text(s, k) for k in HEADLINES},
+                "fastest (ms per image)": round((fastest(trials) or {}).get("ms_per_image", float("nan")), 1),
+            }
+            for name, trials, s in runs
+        }
+    )
     heads = {name: per_head(trials) for name, trials, _ in runs}
     base = names[0]
     scopes = "; ".join(f"{name}: {scope_text(complete(trials))}" for name, trials, _ in runs)
-    lines = [TITLE, "",
-             f"{len(runs)} result folders; ratios are against the first, {base}. Headline ratios and medians pool "
-             f"the complete trials of a head among the headline's settings ({scopes}), so they compare like with "
-             "like only where the grids match.", "",
-             "## Headline, per machine", "", headline.to_markdown(), ""]
+    lines = [
+        TITLE,
+        "",
+        f"{len(runs)} result folders; ratios are against the first, {base}. Headline ratios and medians pool "
+        f"the complete trials of a head among the headline's settings ({scopes}), so they compare like with "
+        "like only where the grids match.",
+        "",
+        "## Headline, per machine",
+        "",
+        headline.to_markdown(),
+        "",
+    ]
     for phase in ("head_backward_ms", "step_ms"):
         table = pd.DataFrame({name: h[phase] for name, h in heads.items()})
         for name in names[1:]:
@@ -81,15 +105,21 @@ def compare(folders: list[Path], out: Path) -> str:
     (out / "figures").mkdir(parents=True, exist_ok=True)
     fig.savefig(out / "figures" / "head_backward_by_machine.png", dpi=110)
     plt.close(fig)
-    write_atomic(out / "head_backward_by_machine.csv", data.rename_axis("head").reset_index().to_csv(index=False))
+    write_atomic(
+        out / "head_backward_by_machine.csv", data.rename_axis("head").reset_index().to_csv(index=False)
+    )
     lines += ["![box-head backward per machine](figures/head_backward_by_machine.png)", ""]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("folders", nargs="+", type=Path, help="results folders (trials.csv, summary.json, env.json)")
-    parser.add_argument("--out", type=Path, default=Path("reports/compare"), help="folder for compare.md, inside the project")
+    parser.add_argument(
+        "folders", nargs="+", type=Path, help="results folders (trials.csv, summary.json, env.json)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("reports/compare"), help="folder for compare.md, inside the project"
+    )
     args = parser.parse_args(argv)
     if len(args.folders) < 2:
         print("error: folders: give at least two results folders to compare", file=sys.stderr)

@@ -4,6 +4,7 @@
 a COCO-format folder imports its first ``num_images`` usable images resized to ``image_size``
 (crowd regions, boxes with no area and images left with no box are dropped, and counted).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,9 +17,9 @@ from pathlib import Path
 from PIL import Image
 
 from pipeline.common import run_stage, stage_parser
-from rcnn.outputs import check_writable, claim_folder, project_root, write_atomic
 from pipeline.params import DataParams, Params, ParamsError
 from rcnn.detector.data import CocoSet, Sample, describe_dropped, read_coco, synthetic_samples, to_coco
+from rcnn.outputs import check_writable, claim_folder, project_root, write_atomic
 
 # The files this stage writes (atomic writes leave a dot-file only while writing): the only ones it replaces.
 WRITTEN = re.compile(r"\d{6}\.png|annotations\.json|\.annotations\.json\..+")
@@ -26,8 +27,12 @@ WRITTEN = re.compile(r"\d{6}\.png|annotations\.json|\.annotations\.json\..+")
 
 def build_samples(params: DataParams) -> CocoSet:
     if params.source == "synthetic":
-        samples = synthetic_samples(num_images=params.num_images, image_size=params.image_size,
-                                    num_classes=params.num_classes, seed=params.seed)
+        samples = synthetic_samples(
+            num_images=params.num_images,
+            image_size=params.image_size,
+            num_classes=params.num_classes,
+            seed=params.seed,
+        )
         return CocoSet(samples=samples, num_classes=params.num_classes, dropped={})
     return read_coco(params.source, image_size=params.image_size, limit=params.num_images)
 
@@ -42,7 +47,9 @@ def stage(args: argparse.Namespace, params: Params) -> None:
     out = Path(args.out)
     earlier = claim_folder(out, WRITTEN, root=project_root(Path(args.params).parent), what="--out")
     if params.data.source != "synthetic" and Path(params.data.source).resolve() == out.resolve():
-        raise ParamsError(f"data.source: {params.data.source} is the output folder itself; allowed: another folder")
+        raise ParamsError(
+            f"data.source: {params.data.source} is the output folder itself; allowed: another folder"
+        )
     built = build_samples(params.data)
     check_writable(out / "annotations.json")
     samples, num_classes = built.samples, built.num_classes
@@ -61,7 +68,9 @@ def stage(args: argparse.Namespace, params: Params) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = stage_parser(__doc__)
-    parser.add_argument("--out", required=True, help="folder to write: absent, empty, or written by this stage before")
+    parser.add_argument(
+        "--out", required=True, help="folder to write: absent, empty, or written by this stage before"
+    )
     return run_stage(stage, parser, argv)
 
 

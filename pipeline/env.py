@@ -5,6 +5,7 @@ only (dvc.yaml lists it as a params key), so an unchanged machine re-measures no
 or library version runs the sweep again. ``ceilings``: the measured matmul FLOP/s per dtype and copy
 bandwidth, noisy by nature, for the roofline columns.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,11 +13,10 @@ import sys
 from pathlib import Path
 
 from pipeline.common import run_stage, stage_parser, write_json
-from rcnn.outputs import check_output, check_writable, json_object, project_root
 from pipeline.params import Params, keyed
 from rcnn.measure.device import resolve_device
 from rcnn.measure.machine import ceilings, fingerprint
-
+from rcnn.outputs import check_output, check_writable, json_object, project_root
 
 ENV_FILE = json_object("an env.json", "fingerprint", "ceilings", "device")  # "device": the older flat format
 
@@ -29,7 +29,9 @@ def stage(args: argparse.Namespace, params: Params) -> None:
     env = {"fingerprint": fingerprint(device), "ceilings": ceilings(device)}
     write_json(args.out, env)
     fp = env["fingerprint"]
-    print(f"{fp['device']}: {fp.get('gpu', fp['cpu_model'])}, torch {fp['torch']}; ceilings {env['ceilings']}")
+    print(
+        f"{fp['device']}: {fp.get('gpu', fp['cpu_model'])}, torch {fp['torch']}; ceilings {env['ceilings']}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

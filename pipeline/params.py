@@ -3,6 +3,7 @@
 Unknown keys, wrong types and out-of-range values raise ParamsError with the key's full path and what
 is allowed. Only this module reads params.yaml; everything downstream takes these dataclasses.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -11,33 +12,41 @@ import re
 import types
 import typing
 import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import yaml
 
 from rcnn.detector import schema
-from rcnn.measure import settings, stats
-from rcnn.rules import Rule, UserError, ValueNotAllowed, at_least
 from rcnn.detector.schema import KNOB_NAMES
+from rcnn.measure import settings, stats
 from rcnn.measure.stats import TimingPolicy
+from rcnn.rules import Rule, UserError, ValueNotAllowed, at_least
 
 
 class YamlLoader(yaml.SafeLoader):
-    """YAML 1.2's booleans and floats, as DVC reads and rewrites params.yaml (``dvc exp run -S``). In YAML 1.1,
-    PyYAML's default, ``off``, ``on``, ``yes`` and ``no`` are booleans too, so ``amp: off`` as DVC writes it
+    """YAML 1.2's booleans and floats, as DVC reads and rewrites params.yaml (``dvc exp run -S``). In YAML
+    1.1, PyYAML's default, ``off``, ``on``, ``yes`` and ``no`` are booleans too, so ``amp: off`` as DVC writes
+    it
     back would read False; and ``1e-3`` (no dot) would be a string."""
 
 
 _BOOL, _FLOAT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:float"
 YamlLoader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_BOOL, _FLOAT)]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
 YamlLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
-YamlLoader.add_implicit_resolver(_FLOAT, re.compile(  # a dot or an exponent: a plain integer stays an int
-    r"^(?:[-+]?(?:\.[0-9]+|[0-9]+\.[0-9]*|[0-9]+(?:\.[0-9]*)?[eE][-+]?[0-9]+)"
-    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
+YamlLoader.add_implicit_resolver(
+    _FLOAT,
+    re.compile(  # a dot or an exponent: a plain integer stays an int
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+\.[0-9]*|[0-9]+(?:\.[0-9]*)?[eE][-+]?[0-9]+)"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
 
 PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -48,7 +57,8 @@ class ParamsError(UserError, ValueError):
 
 @contextlib.contextmanager
 def keyed(prefix: str) -> Iterator[None]:
-    """Report the library's ValueNotAllowed (keyed as the library knows it: ``amp``) as a ParamsError naming the
+    """Report the library's ValueNotAllowed (keyed as the library knows it: ``amp``) as a ParamsError naming
+    the
     params.yaml key (``prefix`` + that key: ``sweep.space.amp``)."""
     try:
         yield
@@ -65,8 +75,8 @@ def _field(default: Any = dataclasses.MISSING, rule: Rule | None = None) -> Any:
 
 @dataclass(frozen=True)
 class DataParams:
-    name: str = "synthetic"           # the folder under data/ the data stage writes
-    source: str = "synthetic"         # 'synthetic', or a COCO-format folder to import at image_size
+    name: str = "synthetic"  # the folder under data/ the data stage writes
+    source: str = "synthetic"  # 'synthetic', or a COCO-format folder to import at image_size
     num_images: int = _field(32, schema.NUM_IMAGES)
     image_size: int = _field(256, schema.SOURCE_IMAGE_SIZE)
     num_classes: int = _field(4, schema.NUM_CLASSES)
@@ -75,8 +85,10 @@ class DataParams:
     def __post_init__(self) -> None:
         # dvc.yaml writes data/${data.name}: a path here could point the stage at any folder.
         if not PLAIN_NAME.fullmatch(self.name):
-            raise ParamsError(f"data.name: {self.name!r} is not a plain folder name; allowed: letters, digits, "
-                              "'.', '_' and '-', not starting with '.'")
+            raise ParamsError(
+                f"data.name: {self.name!r} is not a plain folder name; allowed: letters, digits, "
+                "'.', '_' and '-', not starting with '.'"
+            )
 
 
 @dataclass(frozen=True)
@@ -106,6 +118,7 @@ class SpaceParams:
 @dataclass(frozen=True)
 class ProfileAt:
     """A setting whose heads get a kernel profile; a knob left null takes its first swept value."""
+
     cudnn_benchmark: bool | None = None
     onednn: bool | None = None
     amp: str | None = _field(None, settings.AMP)
@@ -120,25 +133,39 @@ class ProfileAt:
 class SweepParams:
     device: str = _field("auto", settings.DEVICE)
     sampler: str = _field("grid", Rule(choices=("grid", "tpe")))
-    n_trials: int | None = _field(None, Rule(minimum=1))  # None: the whole applicable grid (grid sampler only)
+    n_trials: int | None = _field(
+        None, Rule(minimum=1)
+    )  # None: the whole applicable grid (grid sampler only)
     seed: int = _field(0, schema.SEED)
     timeout_s: float | None = _field(None, Rule(minimum=1))  # no new trial starts after this many seconds
-    trial_timeout_s: float | None = _field(None, Rule(minimum=1))  # a trial still running then stops: status timeout
+    trial_timeout_s: float | None = _field(
+        None, Rule(minimum=1)
+    )  # a trial still running then stops: status timeout
     fail_on_trial_error: bool = False  # exit 3 when a trial of this run failed or timed out
-    storage: str = "optuna.journal"   # a journal file path (one host), or postgresql://... (many machines)
-    workers: int = _field(1, Rule(minimum=1))  # processes on this host sharing the study (and its CPU threads or GPUs)
-    heartbeat_s: int = _field(60, Rule(minimum=1))  # RDB storage: a trial silent for 3x this is failed and queued again
-    cross_check: bool = True          # also time each head alone with torch.utils.benchmark, at profile_at
-    profile_steps: int = _field(3, Rule(minimum=0))  # torch.profiler steps per head at profile_at; 0: no kernel tables
-    profile_at: tuple[ProfileAt, ...] = (ProfileAt(),)  # these settings run first, so a time budget keeps them
+    storage: str = "optuna.journal"  # a journal file path (one host), or postgresql://... (many machines)
+    workers: int = _field(
+        1, Rule(minimum=1)
+    )  # processes on this host sharing the study (and its CPU threads or GPUs)
+    heartbeat_s: int = _field(
+        60, Rule(minimum=1)
+    )  # RDB storage: a trial silent for 3x this is failed and queued again
+    cross_check: bool = True  # also time each head alone with torch.utils.benchmark, at profile_at
+    profile_steps: int = _field(
+        3, Rule(minimum=0)
+    )  # torch.profiler steps per head at profile_at; 0: no kernel tables
+    profile_at: tuple[ProfileAt, ...] = (
+        ProfileAt(),
+    )  # these settings run first, so a time budget keeps them
     space: SpaceParams = field(default_factory=SpaceParams)
 
 
 @dataclass(frozen=True)
 class TimingParams:
-    """Warm-up and stopping (rcnn.measure.stats.TimingPolicy, whose defaults these are): at least ``warmup`` untimed
-    steps, more until step times settle; at least ``iterations`` timed steps, more until the backward medians'
+    """Warm-up and stopping (rcnn.measure.stats.TimingPolicy, whose defaults these are): at least ``warmup``
+    untimed steps, more until step times settle; at least ``iterations`` timed steps, more until the backward
+    medians'
     95% CI half-width is ``rel_precision`` of the median, ``max_iterations`` or ``max_seconds``."""
+
     warmup: int = _field(TimingPolicy.warmup, stats.WARMUP)
     max_warmup: int = _field(TimingPolicy.max_warmup, stats.MAX_WARMUP)
     iterations: int = _field(TimingPolicy.iterations, stats.ITERATIONS)
@@ -154,7 +181,8 @@ class TimingParams:
 class TrackingParams:
     mlflow_uri: str = "sqlite:///mlflow.db"
     experiment: str = "roi-head-backward"
-    # MLflow's system metrics (CPU, memory, GPU) on every run, sampled this often (s); null: none. A run shorter
+    # MLflow's system metrics (CPU, memory, GPU) on every run, sampled this often (s); null: none. A run
+    # shorter
     # than one interval gets none: keep it under a trial's length.
     system_metrics_s: float | None = _field(2.0, Rule(minimum=1))
 
@@ -208,8 +236,12 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         where = f"{prefix}." if prefix else ""
         raise ParamsError(f"{where}{unknown[0]}: unknown key; allowed: {', '.join(fields)}")
     hints = typing.get_type_hints(cls)
-    values = {name: _convert(raw[name], hints[name], f"{prefix}.{name}".lstrip("."),
-                             rule=fields[name].metadata.get("rule")) for name in raw}
+    values = {
+        name: _convert(
+            raw[name], hints[name], f"{prefix}.{name}".lstrip("."), rule=fields[name].metadata.get("rule")
+        )
+        for name in raw
+    }
     return cls(**values)
 
 
@@ -233,14 +265,20 @@ def _refuse_embedded_password(raw: Any) -> None:
         except ValueError:  # an unclosed [IPv6] host
             raise ParamsError(f"{section}.{name}: not a valid URL (an unclosed '[' in its host)") from None
         if url.password or any("password" in key.lower() for key in urllib.parse.parse_qs(url.query)):
-            source = _PASSWORD_SOURCES.get(url.scheme.split("+")[0],  # postgresql+psycopg: the driver's dialect
-                                           "the database driver's password file or environment variable")
-            raise ParamsError(f"{section}.{name}: the URL holds a password, and params values are recorded in "
-                              f"dvc.lock (and so in git); remove it from the URL and pass it in {source} instead")
+            source = _PASSWORD_SOURCES.get(
+                url.scheme.split("+")[0],  # postgresql+psycopg: the driver's dialect
+                "the database driver's password file or environment variable",
+            )
+            raise ParamsError(
+                f"{section}.{name}: the URL holds a password, and params values are recorded in "
+                f"dvc.lock (and so in git); remove it from the URL and pass it in {source} instead"
+            )
 
 
 # Keys that were replaced: what to write instead.
-REPLACED = {("sweep", "allow_tf32"): "the swept knob sweep.space.tf32 ([false], [true] or [false, true]; CUDA only)"}
+REPLACED = {
+    ("sweep", "allow_tf32"): "the swept knob sweep.space.tf32 ([false], [true] or [false, true]; CUDA only)"
+}
 
 
 def parse_params(raw: Any) -> Params:
@@ -251,7 +289,9 @@ def parse_params(raw: Any) -> Params:
             raise ParamsError(f"{section}.{key}: no longer a key; use {instead}")
     params = _build(Params, raw, "")
     if params.sweep.n_trials is None and params.sweep.sampler != "grid":
-        raise ParamsError("sweep.n_trials: null (whole grid) needs sampler: grid; allowed for tpe: an integer >= 1")
+        raise ParamsError(
+            "sweep.n_trials: null (whole grid) needs sampler: grid; allowed for tpe: an integer >= 1"
+        )
     timing = params.timing
     for high, low in stats.FLOORS.items():
         try:
@@ -268,7 +308,9 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     except FileNotFoundError:
         raise ParamsError(f"{path}: params file not found") from None
     except (OSError, UnicodeDecodeError) as err:  # a folder, no permission, not text
-        raise ParamsError(f"{path}: cannot read the params file ({getattr(err, 'strerror', None) or err})") from None
+        raise ParamsError(
+            f"{path}: cannot read the params file ({getattr(err, 'strerror', None) or err})"
+        ) from None
     except yaml.YAMLError as err:
         raise ParamsError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
     try:

@@ -1,9 +1,10 @@
 """The sweep's progress display: trial i of N, the configuration, elapsed and estimated time left."""
+
 from __future__ import annotations
 
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from tqdm import tqdm
 
@@ -15,9 +16,17 @@ class Progress:
     def __init__(self, total: int, label: str = "", count: Callable[[], int] | None = None) -> None:
         """``count``: trials finished so far by all workers together (they share the queue), for an honest
         i of N and time left; default: this process's own count."""
-        self.total, self.finished, self.started, self.label, self.count = total, 0, time.monotonic(), label, count
+        self.total, self.finished, self.started, self.label, self.count = (
+            total,
+            0,
+            time.monotonic(),
+            label,
+            count,
+        )
         # Several workers share one terminal: labelled plain lines, no bars.
-        self.bar = tqdm(total=total, unit="trial", disable=bool(label) or not sys.stdout.isatty() or not total)
+        self.bar = tqdm(
+            total=total, unit="trial", disable=bool(label) or not sys.stdout.isatty() or not total
+        )
 
     def line(self, text: str) -> None:
         if self.bar.disable:

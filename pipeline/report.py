@@ -1,9 +1,10 @@
 """Report stage: report.md and a self-contained report.html that answer the question with figures.
 
-Reads only results files (trials, comparisons, kernels, modules, summary, env). Each figure's data is also a CSV
-under plots/ that ``dvc plots show`` renders; the HTML embeds the figures. With --mlflow, the sweep's
+Reads only results files (trials, comparisons, kernels, modules, summary, env). Each figure's data is also a
+CSV under plots/ that ``dvc plots show`` renders; the HTML embeds the figures. With --mlflow, the sweep's
 parent run gets the report, the figures and the trials table as artifacts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -11,9 +12,9 @@ import base64
 import hashlib
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import matplotlib
 
@@ -24,23 +25,62 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from pipeline.analysis import (baseline_first, batch_scaling, head_order, knob_effects, pareto_front,
-                               reference_setting, roofline, time_split)
+from pipeline.analysis import (
+    baseline_first,
+    batch_scaling,
+    head_order,
+    knob_effects,
+    pareto_front,
+    reference_setting,
+    roofline,
+    time_split,
+)
 from pipeline.common import read_json, run_stage, stage_parser
-from rcnn.outputs import CSV, Kind, PNG, check_folder, check_writable, project_root, text_start, write_atomic
 from pipeline.params import Params
-from pipeline.results import (ALL_SETTINGS, complete, fastest, headline_compile, pooled_rows, read_env, read_table,
-                              read_trials, scope_text)
-from rcnn.detector.schema import COMPARISON_COLUMNS, COMPILE_COLUMNS, KERNEL_COLUMNS, MODULE_TABLE_COLUMNS, OTHER_KNOBS, ResultsError, SWEEP_WALL_PARTS
+from pipeline.results import (
+    ALL_SETTINGS,
+    complete,
+    fastest,
+    headline_compile,
+    pooled_rows,
+    read_env,
+    read_table,
+    read_trials,
+    scope_text,
+)
+from rcnn.detector.schema import (
+    COMPARISON_COLUMNS,
+    COMPILE_COLUMNS,
+    KERNEL_COLUMNS,
+    MODULE_TABLE_COLUMNS,
+    OTHER_KNOBS,
+    SWEEP_WALL_PARTS,
+    ResultsError,
+)
 from rcnn.doctor.columns import OUTSIDE
 from rcnn.measure.settings import peak_dtype
+from rcnn.outputs import CSV, PNG, Kind, check_folder, check_writable, project_root, text_start, write_atomic
 
 TITLE = "# Why the conv box head's backward is slow, and what fixes it"
 HTML_START = "<!doctype html><html><head><meta charset='utf-8'><title>RoI-head backward"
 HEAD_COLORS = {"linear": "tab:green", "conv": "tab:blue", "conv_as_linear": "tab:orange"}
-SHOWN = ["trial", "status", "head", *OTHER_KNOBS, "forward_ms", "backward_ms", "optimizer_ms", "step_ms",
-         "head_forward_ms", "head_backward_ms", "head_backward_ci_low_ms", "head_backward_ci_high_ms",
-         "peak_mem_mb", "iterations", "error"]
+SHOWN = [
+    "trial",
+    "status",
+    "head",
+    *OTHER_KNOBS,
+    "forward_ms",
+    "backward_ms",
+    "optimizer_ms",
+    "step_ms",
+    "head_forward_ms",
+    "head_backward_ms",
+    "head_backward_ci_low_ms",
+    "head_backward_ci_high_ms",
+    "peak_mem_mb",
+    "iterations",
+    "error",
+]
 
 
 @dataclass(frozen=True)
@@ -68,12 +108,19 @@ class Results:
         return reference_setting(self.trials, [profiled] if isinstance(profiled, dict) else profiled)
 
 
-def load_results(trials: str, comparisons: str, kernels: str, summary: str, env: str,
-                 modules: str | None = None) -> Results:
-    return Results(trials=read_trials(trials), comparisons=read_table(comparisons, COMPARISON_COLUMNS, "sweep"),
-                   kernels=read_table(kernels, KERNEL_COLUMNS, "sweep"), summary=read_json(summary),
-                   env=read_env(env), modules=read_table(modules, MODULE_TABLE_COLUMNS, "sweep") if modules
-                   else pd.DataFrame(columns=MODULE_TABLE_COLUMNS))
+def load_results(
+    trials: str, comparisons: str, kernels: str, summary: str, env: str, modules: str | None = None
+) -> Results:
+    return Results(
+        trials=read_trials(trials),
+        comparisons=read_table(comparisons, COMPARISON_COLUMNS, "sweep"),
+        kernels=read_table(kernels, KERNEL_COLUMNS, "sweep"),
+        summary=read_json(summary),
+        env=read_env(env),
+        modules=read_table(modules, MODULE_TABLE_COLUMNS, "sweep")
+        if modules
+        else pd.DataFrame(columns=MODULE_TABLE_COLUMNS),
+    )
 
 
 def setting_label(row: pd.Series | dict, skip: tuple[str, ...] = ()) -> str:
@@ -94,10 +141,16 @@ def setting_label(row: pd.Series | dict, skip: tuple[str, ...] = ()) -> str:
 
 # Figures: each writes its data (the CSV dvc plots reads) and draws it with a title, units and a legend.
 
+
 def head_backward_data(r: Results) -> pd.DataFrame:
     done = complete(r.trials)
-    return pd.DataFrame({"setting": done.apply(setting_label, axis=1), "head": done["head"],
-                         "head_backward_ms": done["head_backward_ms"].round(3)})
+    return pd.DataFrame(
+        {
+            "setting": done.apply(setting_label, axis=1),
+            "head": done["head"],
+            "head_backward_ms": done["head_backward_ms"].round(3),
+        }
+    )
 
 
 def draw_head_backward(data: pd.DataFrame, ax: plt.Axes, r: Results) -> None:
@@ -129,7 +182,9 @@ def batch_scaling_data(r: Results) -> pd.DataFrame:
 
 def draw_batch_scaling(data: pd.DataFrame, ax: plt.Axes, r: Results) -> None:
     for head, group in data.groupby("head"):
-        ax.plot(group["batch_size"], group["ms_per_image"], marker="o", label=head, color=HEAD_COLORS.get(head))
+        ax.plot(
+            group["batch_size"], group["ms_per_image"], marker="o", label=head, color=HEAD_COLORS.get(head)
+        )
     ax.set_xticks(sorted(data["batch_size"].unique()))
     ax.set_xlabel("batch size (images per step)")
     ax.set_ylabel("training step time per image (ms)")
@@ -140,15 +195,24 @@ def pareto_data(r: Results) -> pd.DataFrame:
     front = pareto_front(r.trials)
     # step_ms beside the ms_per_image drawn: the per-step time a reader checks the division against.
     return front.assign(setting=front.apply(setting_label, axis=1))[
-        ["head", "setting", "ms_per_image", "step_ms", "peak_mem_mb", "pareto"]].round(3)
+        ["head", "setting", "ms_per_image", "step_ms", "peak_mem_mb", "pareto"]
+    ].round(3)
 
 
 def draw_pareto(data: pd.DataFrame, ax: plt.Axes, r: Results) -> None:
     for head, group in data.groupby("head"):
-        ax.scatter(group["peak_mem_mb"], group["ms_per_image"], label=head, color=HEAD_COLORS.get(head), alpha=0.7)
+        ax.scatter(
+            group["peak_mem_mb"], group["ms_per_image"], label=head, color=HEAD_COLORS.get(head), alpha=0.7
+        )
     front = data[data["pareto"]].sort_values("peak_mem_mb")
-    ax.step(front["peak_mem_mb"], front["ms_per_image"], where="post", color="black", linewidth=1,
-            label="Pareto front")
+    ax.step(
+        front["peak_mem_mb"],
+        front["ms_per_image"],
+        where="post",
+        color="black",
+        linewidth=1,
+        label="Pareto front",
+    )
     ax.set_xlabel("peak memory per training step (MiB)")
     ax.set_ylabel("training step time per image (ms, median step / batch size)")
     ax.legend(title="head")
@@ -181,8 +245,13 @@ class Figure:
 
 
 FIGURES = [
-    Figure("head_backward", "Box-head backward by head and knob setting", head_backward_data, draw_head_backward,
-           lambda d: (9, 0.35 * d["setting"].nunique() * 1.3 + 1.8)),
+    Figure(
+        "head_backward",
+        "Box-head backward by head and knob setting",
+        head_backward_data,
+        draw_head_backward,
+        lambda d: (9, 0.35 * d["setting"].nunique() * 1.3 + 1.8),
+    ),
     Figure("time_split", "Where the training step's time goes", time_split_data, draw_time_split),
     Figure("batch_scaling", "Batch-size scaling", batch_scaling_data, draw_batch_scaling),
     Figure("pareto", "Speed against memory", pareto_data, draw_pareto),
@@ -209,22 +278,28 @@ def render_figure(figure: Figure, r: Results, out: Path) -> pd.DataFrame:
 
 # Text.
 
+
 def ratio_text(summary: dict, name: str) -> str:
     value = summary.get(name)
     if value is None:
         return "n/a"
     low, high = summary.get(f"{name}_ci_low"), summary.get(f"{name}_ci_high")
-    return f"{value:.2f}x (95% CI {low:.2f}-{high:.2f})" if low is not None and low == low else f"{value:.2f}x"
+    return (
+        f"{value:.2f}x (95% CI {low:.2f}-{high:.2f})" if low is not None and low == low else f"{value:.2f}x"
+    )
 
 
 def gap_lines(effects: pd.DataFrame) -> list[str]:
     """Which knobs shrink or widen the conv/linear gap, largest change first."""
-    rows = effects.dropna(subset=["gap_change"]).sort_values("gap_change", key=lambda s: -abs(s.apply(
-        lambda v: v if v >= 1 else 1 / v)))
-    return [f"    - {r.knob} {r['from']} -> {r.to}: gap {r.gap_from:.2f}x -> {r.gap_to:.2f}x "
-            f"({'widens' if r.gap_change > 1 else 'shrinks'} {max(r.gap_change, 1 / r.gap_change):.2f}x; "
-            f"{r.gap_pairs} paired setting{'s' if r.gap_pairs != 1 else ''})"
-            for _, r in rows.iterrows()]
+    rows = effects.dropna(subset=["gap_change"]).sort_values(
+        "gap_change", key=lambda s: -abs(s.apply(lambda v: v if v >= 1 else 1 / v))
+    )
+    return [
+        f"    - {r.knob} {r['from']} -> {r.to}: gap {r.gap_from:.2f}x -> {r.gap_to:.2f}x "
+        f"({'widens' if r.gap_change > 1 else 'shrinks'} {max(r.gap_change, 1 / r.gap_change):.2f}x; "
+        f"{r.gap_pairs} paired setting{'s' if r.gap_pairs != 1 else ''})"
+        for _, r in rows.iterrows()
+    ]
 
 
 def verdict(r: Results, effects: pd.DataFrame) -> list[str]:
@@ -232,27 +307,38 @@ def verdict(r: Results, effects: pd.DataFrame) -> list[str]:
     closes = s.get("conv_as_linear_over_linear_head_backward_ci_high")
     pooled = headline_compile(complete(r.trials))
     scope = "" if pooled == "off" else f" (no eager trial: these pool the settings with compile {pooled})"
-    lines = [f"- conv / linear, box-head backward: **{ratio_text(s, 'conv_over_linear_head_backward')}**; "
-             f"whole backward {ratio_text(s, 'conv_over_linear_backward')}; "
-             f"whole step {ratio_text(s, 'conv_over_linear_step')}{scope}.",
-             "- knobs and the gap (conv/linear box-head backward, geometric mean over the paired settings among "
-             f"the headline's, {scope_text(complete(r.trials))}; each knob's own line lets it vary):",
-             *(gap_lines(effects) or ["    - no knob varied with both heads complete"]),
-             f"- conv_as_linear / linear, box-head backward: **{ratio_text(s, 'conv_as_linear_over_linear_head_backward')}**"
-             f"; whole backward {ratio_text(s, 'conv_as_linear_over_linear_backward')}: "
-             + ("it closes the gap." if closes is not None and closes < CLOSES_GAP else "see the ratios per setting.")]
+    lines = [
+        f"- conv / linear, box-head backward: **{ratio_text(s, 'conv_over_linear_head_backward')}**; "
+        f"whole backward {ratio_text(s, 'conv_over_linear_backward')}; "
+        f"whole step {ratio_text(s, 'conv_over_linear_step')}{scope}.",
+        "- knobs and the gap (conv/linear box-head backward, geometric mean over the paired settings among "
+        f"the headline's, {scope_text(complete(r.trials))}; each knob's own line lets it vary):",
+        *(gap_lines(effects) or ["    - no knob varied with both heads complete"]),
+        "- conv_as_linear / linear, box-head backward: "
+        f"**{ratio_text(s, 'conv_as_linear_over_linear_head_backward')}**"
+        f"; whole backward {ratio_text(s, 'conv_as_linear_over_linear_backward')}: "
+        + (
+            "it closes the gap."
+            if closes is not None and closes < CLOSES_GAP
+            else "see the ratios per setting."
+        ),
+    ]
     if best := fastest(r.trials):  # by throughput: a bigger batch's longer step may still do more per second
         knobs = ", ".join(f"{k}={v}" for k, v in best.items() if k not in ("ms_per_image", "step_ms"))
-        lines.append(f"- fastest setting, by time per image (step time / batch size): {knobs} at "
-                     f"{best['ms_per_image']:.0f} ms per image ({best['step_ms']:.0f} ms per step of "
-                     f"{best['batch_size']} image{'s' if best['batch_size'] > 1 else ''}).")
+        lines.append(
+            f"- fastest setting, by time per image (step time / batch size): {knobs} at "
+            f"{best['ms_per_image']:.0f} ms per image ({best['step_ms']:.0f} ms per step of "
+            f"{best['batch_size']} image{'s' if best['batch_size'] > 1 else ''})."
+        )
     lines += linearize_lines(r.trials)
     lines += by_value_lines(r.comparisons, complete(r.trials))
     lines += drift_caution(s)
-    lines.append("- **the fix**, one line: replace `nn.Conv2d(C, 1024, 7)` by `Conv2dAsLinear(C, 1024, 7)` "
-                 "(`rcnn.fix`): same parameters and checkpoints, computed as "
-                 "`F.linear(x.flatten(1), weight.flatten(1), bias)`; or, for every such conv of a model, "
-                 "`rcnn.fix.linearize(model, example)`.")
+    lines.append(
+        "- **the fix**, one line: replace `nn.Conv2d(C, 1024, 7)` by `Conv2dAsLinear(C, 1024, 7)` "
+        "(`rcnn.fix`): same parameters and checkpoints, computed as "
+        "`F.linear(x.flatten(1), weight.flatten(1), bias)`; or, for every such conv of a model, "
+        "`rcnn.fix.linearize(model, example)`."
+    )
     return lines
 
 
@@ -266,39 +352,59 @@ def linearize_lines(trials: pd.DataFrame) -> list[str]:
     names = pd.Series([n for swapped in fixed["swapped"].fillna("") for n in str(swapped).split()])
     counts = ", ".join(f"`{n}` (in {c} of {len(fixed)} settings)" for n, c in names.value_counts().items())
     line = f"- conv with `linearize: true` (rcnn.fix, mode auto) swapped {counts or 'nothing'}"
-    paired = fixed.merge(reference, on=[k for k in OTHER_KNOBS if k != "linearize"], suffixes=("", "_reference"))
+    paired = fixed.merge(
+        reference, on=[k for k in OTHER_KNOBS if k != "linearize"], suffixes=("", "_reference")
+    )
     if len(paired):
-        ratio = float(np.exp(np.log(paired["head_backward_ms"] / paired["head_backward_ms_reference"]).mean()))
-        line += (f"; its box-head backward is {ratio:.2f}x conv_as_linear's (geometric mean over {len(paired)} "
-                 f"settings; {'within' if ratio <= 1.05 else 'beyond'} the 5% the fix aims for)")
+        ratio = float(
+            np.exp(np.log(paired["head_backward_ms"] / paired["head_backward_ms_reference"]).mean())
+        )
+        line += (
+            f"; its box-head backward is {ratio:.2f}x conv_as_linear's (geometric mean over {len(paired)} "
+            f"settings; {'within' if ratio <= 1.05 else 'beyond'} the 5% the fix aims for)"
+        )
     return [line + "."]
 
 
 CLOSES_GAP = 1.25  # a ratio to linear whose CI lies below this closes the gap (the conv head's is 3.5x-8x)
-BY_VALUE_QUESTIONS = {"compile": "does torch.compile close the conv/linear gap?",
-                      "tf32": "does TF32 close the conv/linear gap?"}
+BY_VALUE_QUESTIONS = {
+    "compile": "does torch.compile close the conv/linear gap?",
+    "tf32": "does TF32 close the conv/linear gap?",
+}
 
 
 def by_value_lines(comparisons: pd.DataFrame, done: pd.DataFrame) -> list[str]:
     """One line per BY_VALUE knob swept with two values or more: the conv/linear box-head backward gap at each
-    value (geometric mean over the paired settings among the headline's, 95% CI), and whether a value other than
+    value (geometric mean over the paired settings among the headline's, 95% CI), and whether a value other
+    than
     the default closes it. ``done``: the complete trials, to say which settings were pooled."""
     lines = []
     for knob, question in BY_VALUE_QUESTIONS.items():
         rows = pooled_rows(comparisons, knob)
-        rows = rows[(rows["numerator"] == "conv") & (rows["denominator"] == "linear")
-                    & (rows["phase"] == "head_backward")]
+        rows = rows[
+            (rows["numerator"] == "conv")
+            & (rows["denominator"] == "linear")
+            & (rows["phase"] == "head_backward")
+        ]
         if rows[knob].nunique() < 2:
             continue
-        rows = rows.set_index(rows[knob].astype(str)).loc[lambda t: baseline_first(knob, list(t.index))]
-        gaps = "; ".join(f"{knob} {value}: **{x.ratio:.2f}x** (95% CI {x.ci_low:.2f}-{x.ci_high:.2f}, "
-                         f"{x.settings} setting{'s' if x.settings > 1 else ''})" for value, x in rows.iterrows())
+        rows = rows.set_index(rows[knob].astype(str)).loc[baseline_first(knob, list(rows[knob].astype(str)))]
+        gaps = "; ".join(
+            f"{knob} {value}: **{x.ratio:.2f}x** (95% CI {x.ci_low:.2f}-{x.ci_high:.2f}, "
+            f"{x.settings} setting{'s' if x.settings > 1 else ''})"
+            for value, x in rows.iterrows()
+        )
         others = rows.iloc[1:]
         closed = others[others["ci_high"] < CLOSES_GAP]
-        answer = (f"yes, {knob} {', '.join(closed.index)} brings it under {CLOSES_GAP}x" if len(closed)
-                  else "no: the gap stays")
-        lines.append(f"- {question} {answer}. conv / linear box-head backward over {scope_text(done, free=knob)}, "
-                     f"{gaps}.")
+        answer = (
+            f"yes, {knob} {', '.join(closed.index)} brings it under {CLOSES_GAP}x"
+            if len(closed)
+            else "no: the gap stays"
+        )
+        lines.append(
+            f"- {question} {answer}. conv / linear box-head backward over {scope_text(done, free=knob)}, "
+            f"{gaps}."
+        )
     return lines
 
 
@@ -306,7 +412,9 @@ def comparison_table(comparisons: pd.DataFrame) -> pd.DataFrame:
     per_setting = (comparisons[list(OTHER_KNOBS)].astype(str) != ALL_SETTINGS).all(axis=1)
     rows = comparisons[(comparisons["phase"] == "head_backward") & per_setting].copy()
     rows["pair"] = rows["numerator"] + " / " + rows["denominator"]
-    rows["ratio [95% CI]"] = rows.apply(lambda x: f"{x['ratio']:.2f} [{x['ci_low']:.2f}, {x['ci_high']:.2f}]", axis=1)
+    rows["ratio [95% CI]"] = rows.apply(
+        lambda x: f"{x['ratio']:.2f} [{x['ci_low']:.2f}, {x['ci_high']:.2f}]", axis=1
+    )
     rows["p"] = rows["p_value"].map(lambda p: f"{p:.1g}")
     return rows[[*OTHER_KNOBS, "pair", "ratio [95% CI]", "p"]]
 
@@ -314,14 +422,23 @@ def comparison_table(comparisons: pd.DataFrame) -> pd.DataFrame:
 def effects_table(effects: pd.DataFrame) -> pd.DataFrame:
     if effects.empty:
         return effects
-    return pd.DataFrame({
-        "knob": effects["knob"], "change": effects["from"].astype(str) + " -> " + effects["to"].astype(str),
-        "step time ratio [95% CI]": effects.apply(
-            lambda x: f"{x.step_ratio:.2f} [{x.ci_low:.2f}, {x.ci_high:.2f}]" if x.ci_low == x.ci_low
-            else f"{x.step_ratio:.2f}", axis=1),
-        "paired settings": effects["pairs"],
-        "conv/linear gap": effects.apply(lambda x: f"{x.gap_from:.2f}x -> {x.gap_to:.2f}x", axis=1),
-        "gap settings": effects["gap_pairs"]})
+    return pd.DataFrame(
+        {
+            "knob": effects["knob"],
+            "change": effects["from"].astype(str) + " -> " + effects["to"].astype(str),
+            "step time ratio [95% CI]": effects.apply(
+                lambda x: (
+                    f"{x.step_ratio:.2f} [{x.ci_low:.2f}, {x.ci_high:.2f}]"
+                    if x.ci_low == x.ci_low
+                    else f"{x.step_ratio:.2f}"
+                ),
+                axis=1,
+            ),
+            "paired settings": effects["pairs"],
+            "conv/linear gap": effects.apply(lambda x: f"{x.gap_from:.2f}x -> {x.gap_to:.2f}x", axis=1),
+            "gap settings": effects["gap_pairs"],
+        }
+    )
 
 
 def kernel_section(kernels: pd.DataFrame) -> list[str]:
@@ -334,14 +451,30 @@ def kernel_section(kernels: pd.DataFrame) -> list[str]:
         kind = "kernel" if (group["kind"] == "kernel").any() else "op"
         rows = group[group["kind"] == kind]
         what = "device kernels" if kind == "kernel" else "operators (self time)"
-        out += [f"**{head}** ({label}): top {what} inside the box-head backward, per step", "",
-                rows[["name", "ms", "calls", "share"]].round(3).to_markdown(index=False), ""]
+        out += [
+            f"**{head}** ({label}): top {what} inside the box-head backward, per step",
+            "",
+            rows[["name", "ms", "calls", "share"]].round(3).to_markdown(index=False),
+            "",
+        ]
     return out
 
 
-MODULES_SHOWN = ["module", "type", "calls", "backward_ms", "backward_share", "backward_gflop", "backward_tflops",
-                 "peak_fraction", "flag"]
-FIRST_LAYER = {"conv": "roi_heads.box_head.0", "linear": "roi_heads.box_head.1"}  # the 7x7 conv, its nn.Linear
+MODULES_SHOWN = [
+    "module",
+    "type",
+    "calls",
+    "backward_ms",
+    "backward_share",
+    "backward_gflop",
+    "backward_tflops",
+    "peak_fraction",
+    "flag",
+]
+FIRST_LAYER = {
+    "conv": "roi_heads.box_head.0",
+    "linear": "roi_heads.box_head.1",
+}  # the 7x7 conv, its nn.Linear
 
 
 def module_section(modules: pd.DataFrame, top: int = 5) -> list[str]:
@@ -349,49 +482,90 @@ def module_section(modules: pd.DataFrame, top: int = 5) -> list[str]:
     the box head's flagged ones, and the conv head's 7x7 conv against the linear head's first nn.Linear."""
     if modules.empty:
         return ["No by-module table (sweep.profile_steps: 0, or the profiled setting did not run).", ""]
-    out = ["Each module's own backward (the autograd work its forward created), per step, with its FLOPs and the "
-           "fraction of the measured matmul peak it reaches (`python -m rcnn.doctor` gives this for any model).", ""]
+    out = [
+        "Each module's own backward (the autograd work its forward created), per step, with its FLOPs and "
+        "the "
+        "fraction of the measured matmul peak it reaches (`python -m rcnn.doctor` gives this for any model).",
+        "",
+    ]
     labels = modules.apply(setting_label, axis=1)
     for (label, head), group in modules.groupby([labels, "head"], sort=False):
         own = group[group["module"] != OUTSIDE]
-        shown = pd.concat([own.nlargest(top, "backward_ms"),
-                           own[own["module"].str.startswith("roi_heads.") & (own["flag"].fillna("") != "")]])
-        out += [f"**{head}** ({label}): top {top} modules by own backward, then the box head's flagged ones", "",
-                shown.drop_duplicates("module")[MODULES_SHOWN].round(3).to_markdown(index=False), ""]
-        first = {h: modules[(labels == label) & (modules["head"] == h) & (modules["module"] == m)]["backward_ms"]
-                 for h, m in FIRST_LAYER.items()}
+        shown = pd.concat(
+            [
+                own.nlargest(top, "backward_ms"),
+                own[own["module"].str.startswith("roi_heads.") & (own["flag"].fillna("") != "")],
+            ]
+        )
+        out += [
+            f"**{head}** ({label}): top {top} modules by own backward, then the box head's flagged ones",
+            "",
+            shown.drop_duplicates("module")[MODULES_SHOWN].round(3).to_markdown(index=False),
+            "",
+        ]
+        first = {
+            h: modules[(labels == label) & (modules["head"] == h) & (modules["module"] == m)]["backward_ms"]
+            for h, m in FIRST_LAYER.items()
+        }
         if head == "conv" and all(len(v) for v in first.values()):
             conv, linear = (float(first[h].iloc[0]) for h in ("conv", "linear"))
-            out += [f"The conv head's 7x7 conv ({FIRST_LAYER['conv']}) takes {conv:.1f} ms of backward of its own, "
-                    f"{conv / linear:.2f}x the linear head's first nn.Linear ({FIRST_LAYER['linear']}, "
-                    f"{linear:.1f} ms) at the same setting.", ""]
+            out += [
+                f"The conv head's 7x7 conv ({FIRST_LAYER['conv']}) takes {conv:.1f} ms of backward of its "
+                "own, "
+                f"{conv / linear:.2f}x the linear head's first nn.Linear ({FIRST_LAYER['linear']}, "
+                f"{linear:.1f} ms) at the same setting.",
+                "",
+            ]
     return out
 
 
 def compile_section(trials: pd.DataFrame) -> list[str]:
-    """Knob compile side by side with eager: per setting and head, box-head backward with its CI and step time at
+    """Knob compile side by side with eager: per setting and head, box-head backward with its CI and step time
+    at
     each compile value, and what compiling cost (kept out of the medians)."""
     done = complete(trials)
     values = list(dict.fromkeys(done["compile"].astype(str)))
     if values == ["off"]:
         return ["Not swept here (sweep.space.compile: [off]); `presets/compile-cpu.yaml` sweeps it.", ""]
-    table = done.assign(setting=done.apply(setting_label, axis=1, skip=("compile",)), compile_s=done["compile_ms"] / 1e3,
-                        head_backward=done.apply(lambda x: f"{x.head_backward_ms:.1f} [{x.head_backward_ci_low_ms:.1f}, "
-                                                           f"{x.head_backward_ci_high_ms:.1f}]", axis=1))
+    table = done.assign(
+        setting=done.apply(setting_label, axis=1, skip=("compile",)),
+        compile_s=done["compile_ms"] / 1e3,
+        head_backward=done.apply(
+            lambda x: (
+                f"{x.head_backward_ms:.1f} [{x.head_backward_ci_low_ms:.1f}, "
+                f"{x.head_backward_ci_high_ms:.1f}]"
+            ),
+            axis=1,
+        ),
+    )
     table = table.sort_values(["setting", "head", "compile"], key=lambda c: c.map(str))
-    shown = table[["setting", "head", "compile", "head_backward", "step_ms", *COMPILE_COLUMNS[1:], "compile_s"]]
-    return ["By its sources, Inductor rewrites only 1x1 convolutions into matmuls (`conv_1x1_as_mm`, off by "
-            "default; the environment below records it) and runs `aten.convolution_backward` as a fallback to the "
-            "eager kernel, so compiling is not expected to close the gap; the verdict says whether it did. "
-            "Compile time (the first steps, which compile, and any later step that recompiled) is kept out of the "
-            "medians, and includes Inductor's on-disk caches as earlier trials and runs on this machine left them (the "
-            "first trial to compile a graph pays the most). Graph breaks are the model's: those at the timing probe's "
-            "hooks (run eagerly) are left out, and listed with every reason in the trial's MLflow artifact "
-            "graph_breaks.txt.",
-            *([] if headline_compile(done) == "off"
-              else ["", "Every trial here was compiled: no eager trial to compare with."]), "",
-            shown.rename(columns={"head_backward": "box-head backward ms [95% CI]"}).round(2)
-            .to_markdown(index=False, missingval=""), ""]
+    shown = table[
+        ["setting", "head", "compile", "head_backward", "step_ms", *COMPILE_COLUMNS[1:], "compile_s"]
+    ]
+    return [
+        "By its sources, Inductor rewrites only 1x1 convolutions into matmuls (`conv_1x1_as_mm`, off by "
+        "default; the environment below records it) and runs `aten.convolution_backward` as a fallback to "
+        "the "
+        "eager kernel, so compiling is not expected to close the gap; the verdict says whether it did. "
+        "Compile time (the first steps, which compile, and any later step that recompiled) is kept out of "
+        "the "
+        "medians, and includes Inductor's on-disk caches as earlier trials and runs on this machine left "
+        "them (the "
+        "first trial to compile a graph pays the most). Graph breaks are the model's: those at the timing "
+        "probe's "
+        "hooks (run eagerly) are left out, and listed with every reason in the trial's MLflow artifact "
+        "graph_breaks.txt.",
+        *(
+            []
+            if headline_compile(done) == "off"
+            else ["", "Every trial here was compiled: no eager trial to compare with."]
+        ),
+        "",
+        shown.rename(columns={"head_backward": "box-head backward ms [95% CI]"})
+        .round(2)
+        .to_markdown(index=False, missingval=""),
+        "",
+    ]
 
 
 def wall_section(summary: dict) -> list[str]:
@@ -400,14 +574,21 @@ def wall_section(summary: dict) -> list[str]:
     if not wall or not wall.get("total_s"):
         return ["Not recorded: the sweep's last run measured nothing new, or predates the accounting.", ""]
     parts = pd.Series(wall["parts_s"], name="seconds").reindex(SWEEP_WALL_PARTS).dropna()
-    table = pd.DataFrame({"part": parts.index, "seconds": parts.values,
-                          "share": (parts.values / wall["total_s"]).round(3)})
-    return [f"The sweep stage's last run: {wall['total_s']:.0f} s of worker time; timed steps "
-            f"**{wall['measure_share']:.0%}** of it. Parts, summed over the trials and the two drift baselines: "
-            "building the detector (and knob linearize's timings), compile (knob compile's first steps), warm-up, "
-            "measured steps, profiling and the by-module table (profile_at only), the isolated-head cross-check "
-            "(profile_at only), MLflow logging; then the failed trials, and the rest (setup, Optuna, writing "
-            "tables).", "", table.to_markdown(index=False), ""]
+    table = pd.DataFrame(
+        {"part": parts.index, "seconds": parts.values, "share": (parts.values / wall["total_s"]).round(3)}
+    )
+    return [
+        f"The sweep stage's last run: {wall['total_s']:.0f} s of worker time; timed steps "
+        f"**{wall['measure_share']:.0%}** of it. Parts, summed over the trials and the two drift baselines: "
+        "building the detector (and knob linearize's timings), compile (knob compile's first steps), "
+        "warm-up, "
+        "measured steps, profiling and the by-module table (profile_at only), the isolated-head cross-check "
+        "(profile_at only), MLflow logging; then the failed trials, and the rest (setup, Optuna, writing "
+        "tables).",
+        "",
+        table.to_markdown(index=False),
+        "",
+    ]
 
 
 def drift_line(summary: dict) -> str:
@@ -415,8 +596,11 @@ def drift_line(summary: dict) -> str:
     if not drift:
         return "No baseline drift measured (nothing new was measured in the last run)."
     point = setting_label({k: "n/a" if v is None else v for k, v in drift["point"].items()})
-    return (f"Baseline ({drift['point']['head']} head, {point}) step time {drift['start']['step_ms']:.1f} ms at the "
-            f"start of the sweep, {drift['end']['step_ms']:.1f} ms at the end: drift {drift['step_drift']:+.1%}.")
+    return (
+        f"Baseline ({drift['point']['head']} head, {point}) step time {drift['start']['step_ms']:.1f} ms at "
+        "the "
+        f"start of the sweep, {drift['end']['step_ms']:.1f} ms at the end: drift {drift['step_drift']:+.1%}."
+    )
 
 
 DRIFT_CAUTION = 0.10  # a baseline step that moved more than this between the sweep's start and end
@@ -428,10 +612,14 @@ def drift_caution(summary: dict) -> list[str]:
     drift = summary.get("drift")
     if not drift or abs(drift["step_drift"]) <= DRIFT_CAUTION:
         return []
-    return [f"- **caution**: the baseline step moved {drift['step_drift']:+.1%} between the sweep's start and end "
-            f"({drift['start']['step_ms']:.0f} -> {drift['end']['step_ms']:.0f} ms; over {DRIFT_CAUTION:.0%}): "
-            "the machine's speed changed under the sweep (another load, heat), and the ratios above may carry it. "
-            "Measure again on a quiet machine before quoting them."]
+    return [
+        f"- **caution**: the baseline step moved {drift['step_drift']:+.1%} between the sweep's start and "
+        "end "
+        f"({drift['start']['step_ms']:.0f} -> {drift['end']['step_ms']:.0f} ms; over {DRIFT_CAUTION:.0%}): "
+        "the machine's speed changed under the sweep (another load, heat), and the ratios above may carry "
+        "it. "
+        "Measure again on a quiet machine before quoting them."
+    ]
 
 
 def inputs_hash(lock: Path | None) -> str:
@@ -449,15 +637,22 @@ def environment_section(r: Results, lock: Path | None) -> list[str]:
     fp = r.env["fingerprint"]
     rows = pd.DataFrame({"key": list(fp), "value": [str(v) for v in fp.values()]})
     ceilings = r.ceilings
-    return [rows.to_markdown(index=False), "",
-            f"Measured ceilings: matmul {ceilings.get('matmul_tflops')} TFLOP/s, copy {ceilings.get('copy_gbps')} GB/s.",
-            "", f"- git commit: `{r.summary.get('git_commit', 'unknown')}`",
-            f"- Optuna study: `{r.summary.get('study')}`; MLflow parent run: `{r.summary.get('mlflow_parent_run_id')}`",
-            f"- sweep inputs (dvc.lock deps and params): `{inputs_hash(lock)}`", "",
-            "Reproduce: `make repro` (fresh `.venv`, then `dvc repro`); a variant: "
-            "`.venv/bin/dvc exp run -S sweep.space.batch_size='[4]'`; without DVC: "
-            "`python -m pipeline.run --params params.yaml --workdir run/`; compare machines: "
-            "`python -m pipeline.compare results reports/h200`."]
+    return [
+        rows.to_markdown(index=False),
+        "",
+        f"Measured ceilings: matmul {ceilings.get('matmul_tflops')} TFLOP/s, copy "
+        f"{ceilings.get('copy_gbps')} GB/s.",
+        "",
+        f"- git commit: `{r.summary.get('git_commit', 'unknown')}`",
+        f"- Optuna study: `{r.summary.get('study')}`; MLflow parent run: "
+        f"`{r.summary.get('mlflow_parent_run_id')}`",
+        f"- sweep inputs (dvc.lock deps and params): `{inputs_hash(lock)}`",
+        "",
+        "Reproduce: `make repro` (fresh `.venv`, then `dvc repro`); a variant: "
+        "`.venv/bin/dvc exp run -S sweep.space.batch_size='[4]'`; without DVC: "
+        "`python -m pipeline.run --params params.yaml --workdir run/`; compare machines: "
+        "`python -m pipeline.compare results reports/h200`.",
+    ]
 
 
 def render(r: Results, lock: Path | None) -> str:
@@ -468,43 +663,106 @@ def render(r: Results, lock: Path | None) -> str:
     figure = lambda name, caption: f"![{caption}](figures/{name}.png)"  # noqa: E731
     done = complete(r.trials)
     out = [
-        TITLE, "",
+        TITLE,
+        "",
         f"{r.env['fingerprint'].get('device')} ({r.device}); torch {r.env['fingerprint'].get('torch')}; "
-        f"{s['complete']} of {s['trials']} trials complete" + (f" (partial sweep: {', '.join(notes)})" if notes else "")
-        + ". Ratios are geometric means over knob settings with 95% CIs from a bootstrap that resamples every "
-        "trial's step times.", "",
-        "## Verdict", "", *verdict(r, effects), "",
-        "## Knob effects", "",
-        "Switching one knob from PyTorch's default (batch size: the smallest), all else equal (factorial grid): "
+        f"{s['complete']} of {s['trials']} trials complete"
+        + (f" (partial sweep: {', '.join(notes)})" if notes else "")
+        + ". Ratios are geometric means over knob settings with 95% CIs from a bootstrap that resamples "
+        "every trial's step times.",
+        "",
+        "## Verdict",
+        "",
+        *verdict(r, effects),
+        "",
+        "## Knob effects",
+        "",
+        "Switching one knob from PyTorch's default (batch size: the smallest), all else equal (factorial "
+        "grid): "
         "the step-time ratio with a bootstrap 95% CI over the paired settings, and the conv/linear box-head "
         "backward gap before and after (the head x knob interaction), pooled over the headline's settings "
-        f"({scope_text(done)}; the knob itself free).", "",
-        effects_table(effects).to_markdown(index=False) if not effects.empty else "No knob had two values.", "",
-        "Knobs not swept on this device:", "",
-        *([f"- {x['knob']}={x['value']}: {x['reason']}" for x in s.get("skipped", [])] or ["- none"]), "",
-        "Per setting, box-head backward ratios with bootstrap 95% CIs and Mann-Whitney p-values:", "",
-        comparison_table(r.comparisons).to_markdown(index=False) if len(r.comparisons)
-        else "None: no setting has two heads with per-step samples.", "",
-        figure("head_backward", "box-head backward by head and setting"), "",
-        "## Where the time goes", "", f"At {setting}.", "", figure("time_split", "time split per head"), "",
-        "## Batch-size scaling", "", f"At {setting_label(r.setting, skip=('batch_size',))}.", "",
-        figure("batch_scaling", "ms per image against batch size"), "",
-        "## Speed vs memory", "", "Every complete trial: time per image (step time / batch size, so that batch "
-        "sizes compare by throughput) against peak memory; the line is the Pareto front.", "",
-        figure("pareto", "time per image against peak memory"), "",
-        "## Against the limit", "", f"At {setting}; FLOPs counted by torch's FlopCounterMode.", "",
-        figure("roofline", "achieved FLOP/s against the peak"), "",
-        done.reindex(columns=["head", *OTHER_KNOBS, "head_backward_ms", "isolated_head_backward_ms",
-                              "head_backward_gflop", "head_backward_tflops", "head_backward_peak_fraction"])
-        .round(3).to_markdown(index=False), "",
-        "`isolated_head_backward_ms` times the head alone with torch.utils.benchmark (a cross-check of the hooks).", "",
-        "## Why", "", *kernel_section(r.kernels),
-        "## Backward by module", "", *module_section(r.modules),
-        "## torch.compile", "", *compile_section(r.trials),
-        "## Environment and reproduction", "", drift_line(s), "", *environment_section(r, lock), "",
-        "## Where the sweep's time went", "", *wall_section(s),
-        "## Trials", "", "Times are medians per training step, in ms.", "",
-        r.trials.reindex(columns=SHOWN).round(2).to_markdown(index=False), "",
+        f"({scope_text(done)}; the knob itself free).",
+        "",
+        effects_table(effects).to_markdown(index=False) if not effects.empty else "No knob had two values.",
+        "",
+        "Knobs not swept on this device:",
+        "",
+        *([f"- {x['knob']}={x['value']}: {x['reason']}" for x in s.get("skipped", [])] or ["- none"]),
+        "",
+        "Per setting, box-head backward ratios with bootstrap 95% CIs and Mann-Whitney p-values:",
+        "",
+        comparison_table(r.comparisons).to_markdown(index=False)
+        if len(r.comparisons)
+        else "None: no setting has two heads with per-step samples.",
+        "",
+        figure("head_backward", "box-head backward by head and setting"),
+        "",
+        "## Where the time goes",
+        "",
+        f"At {setting}.",
+        "",
+        figure("time_split", "time split per head"),
+        "",
+        "## Batch-size scaling",
+        "",
+        f"At {setting_label(r.setting, skip=('batch_size',))}.",
+        "",
+        figure("batch_scaling", "ms per image against batch size"),
+        "",
+        "## Speed vs memory",
+        "",
+        "Every complete trial: time per image (step time / batch size, so that batch "
+        "sizes compare by throughput) against peak memory; the line is the Pareto front.",
+        "",
+        figure("pareto", "time per image against peak memory"),
+        "",
+        "## Against the limit",
+        "",
+        f"At {setting}; FLOPs counted by torch's FlopCounterMode.",
+        "",
+        figure("roofline", "achieved FLOP/s against the peak"),
+        "",
+        done.reindex(
+            columns=[
+                "head",
+                *OTHER_KNOBS,
+                "head_backward_ms",
+                "isolated_head_backward_ms",
+                "head_backward_gflop",
+                "head_backward_tflops",
+                "head_backward_peak_fraction",
+            ]
+        )
+        .round(3)
+        .to_markdown(index=False),
+        "",
+        "`isolated_head_backward_ms` times the head alone with torch.utils.benchmark (a cross-check of the "
+        "hooks).",
+        "",
+        "## Why",
+        "",
+        *kernel_section(r.kernels),
+        "## Backward by module",
+        "",
+        *module_section(r.modules),
+        "## torch.compile",
+        "",
+        *compile_section(r.trials),
+        "## Environment and reproduction",
+        "",
+        drift_line(s),
+        "",
+        *environment_section(r, lock),
+        "",
+        "## Where the sweep's time went",
+        "",
+        *wall_section(s),
+        "## Trials",
+        "",
+        "Times are medians per training step, in ms.",
+        "",
+        r.trials.reindex(columns=SHOWN).round(2).to_markdown(index=False),
+        "",
     ]
     return "\n".join(out)
 
@@ -518,11 +776,13 @@ def to_html(text: str, out: Path, device: str) -> str:
         return f'src="data:image/png;base64,{data}"'
 
     body = re.sub(r'src="(figures/[\w.-]+\.png)"', embed, body)
-    style = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;line-height:1.45}"
-             "table{border-collapse:collapse;font-size:.85em;margin:1em 0}td,th{border:1px solid #ccc;padding:.2em .5em}"
-             "th{background:#f3f3f3}img{max-width:100%}code{background:#f6f6f6;padding:0 .2em}")
-    return (f"{HTML_START}: {device}</title><style>{style}</style>"
-            f"</head><body>{body}</body></html>\n")
+    style = (
+        "body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;"
+        "line-height:1.45}table{border-collapse:collapse;font-size:.85em;margin:1em 0}"
+        "td,th{border:1px solid #ccc;padding:.2em .5em}"
+        "th{background:#f3f3f3}img{max-width:100%}code{background:#f6f6f6;padding:0 .2em}"
+    )
+    return f"{HTML_START}: {device}</title><style>{style}</style></head><body>{body}</body></html>\n"
 
 
 def log_to_mlflow(r: Results, out: Path, uri: str, trials_path: str) -> None:
@@ -543,8 +803,12 @@ def log_to_mlflow(r: Results, out: Path, uri: str, trials_path: str) -> None:
 
 def written_files() -> dict[str, Kind]:
     """Every file the report stage writes under its folder, and how an earlier one is recognised."""
-    return {"report.md": text_start("the report", TITLE), "report.html": text_start("the report", HTML_START),
-            **{f"figures/{f.name}.png": PNG for f in FIGURES}, **{f"plots/{f.name}.csv": CSV for f in FIGURES}}
+    return {
+        "report.md": text_start("the report", TITLE),
+        "report.html": text_start("the report", HTML_START),
+        **{f"figures/{f.name}.png": PNG for f in FIGURES},
+        **{f"plots/{f.name}.csv": CSV for f in FIGURES},
+    }
 
 
 def stage(args: argparse.Namespace, params: Params) -> None:
@@ -552,7 +816,9 @@ def stage(args: argparse.Namespace, params: Params) -> None:
     check_writable(Path(args.out) / "report.md")
     r = load_results(args.trials, args.comparisons, args.kernels, args.summary, args.env, args.modules)
     if complete(r.trials).empty:
-        raise ResultsError(f"{args.trials}: no complete trial to report; run the sweep stage until one completes")
+        raise ResultsError(
+            f"{args.trials}: no complete trial to report; run the sweep stage until one completes"
+        )
     out = Path(args.out)
     for figure in FIGURES:
         render_figure(figure, r, out)
@@ -569,12 +835,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", required=True, help="trials table from the sweep (CSV)")
     parser.add_argument("--comparisons", required=True, help="head comparisons from the sweep (CSV)")
     parser.add_argument("--kernels", required=True, help="kernel tables from the sweep (CSV)")
-    parser.add_argument("--modules", help="by-module tables from the sweep (CSV); without it, no such section")
+    parser.add_argument(
+        "--modules", help="by-module tables from the sweep (CSV); without it, no such section"
+    )
     parser.add_argument("--summary", required=True, help="summary.json from the sweep")
     parser.add_argument("--env", required=True, help="env.json from the env stage")
     parser.add_argument("--out", required=True, help="report folder")
     parser.add_argument("--lock", help="dvc.lock, for the hash of the sweep's inputs")
-    parser.add_argument("--mlflow", action="store_true", help="attach the report to the sweep's MLflow parent run")
+    parser.add_argument(
+        "--mlflow", action="store_true", help="attach the report to the sweep's MLflow parent run"
+    )
     return run_stage(stage, parser, argv)
 
 

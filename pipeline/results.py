@@ -1,9 +1,10 @@
-"""The result files: one trial's row, the tables read and written (their columns are rcnn.detector.schema's), env.json,
-and the head comparisons and headline metrics computed from the trials. No torch here.
+"""The result files: one trial's row, the tables read and written (their columns are rcnn.detector.schema's),
+env.json, and the head comparisons and headline metrics computed from the trials. No torch here.
 
 Times are per training step, in ms; ``cudnn_benchmark`` and ``onednn`` are ``n/a`` where that backend is not
 used.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,9 +13,20 @@ import numpy as np
 import pandas as pd
 
 from pipeline.common import read_json
-from rcnn.outputs import csv_with, json_object, write_atomic
-from rcnn.detector.schema import ADDED_COLUMNS, COMPARISON_COLUMNS, HEAD_NAMES, KNOB_NAMES, MEASURED_COLUMNS, OTHER_KNOBS, RECORD_COLUMNS, ResultsError, SETUP_COLUMNS, TRIAL_COLUMNS
+from rcnn.detector.schema import (
+    ADDED_COLUMNS,
+    COMPARISON_COLUMNS,
+    HEAD_NAMES,
+    KNOB_NAMES,
+    MEASURED_COLUMNS,
+    OTHER_KNOBS,
+    RECORD_COLUMNS,
+    SETUP_COLUMNS,
+    TRIAL_COLUMNS,
+    ResultsError,
+)
 from rcnn.measure.stats import compare, geomean_ratio
+from rcnn.outputs import csv_with, json_object, write_atomic
 
 
 def head_order(present) -> list[str]:
@@ -28,8 +40,9 @@ PAIRS = (("conv", "linear"), ("conv_as_linear", "linear"))  # the summary's head
 
 
 def head_pairs(heads, reference: str | None = None) -> list[tuple[str, str]]:
-    """(numerator, denominator) of each head comparison among ``heads``: every head against linear or, where
-    linear was not swept, against ``reference`` (the sweep's first head; by default the first in head order)."""
+    """(numerator, denominator) of each head comparison among ``heads``: every head against linear or,
+    where linear was not swept, against ``reference`` (the sweep's first head; by default the first in head
+    order)."""
     ordered = head_order(heads)
     if "linear" in ordered or reference not in ordered:
         reference = "linear" if "linear" in ordered else ordered[0] if ordered else None
@@ -39,11 +52,13 @@ def head_pairs(heads, reference: str | None = None) -> list[tuple[str, str]]:
 COMPARED_PHASES = ("head_backward", "backward", "step")
 ALL_SETTINGS = "all"  # knob value of the rows that pool every setting (geometric mean of the ratios)
 # How an earlier file of each is recognised, so the sweep replaces only its own (rcnn.outputs).
-WRITTEN = {"trials": csv_with("trial", "status", "mlflow_run_id"),
-           "comparisons": csv_with("numerator", "denominator", "phase", "ratio"),
-           "kernels": csv_with("trial", "kind", "name", "ms"),
-           "modules": csv_with("trial", "module", "backward_ms", "flag"),
-           "summary": json_object("a summary", "trials", "complete")}
+WRITTEN = {
+    "trials": csv_with("trial", "status", "mlflow_run_id"),
+    "comparisons": csv_with("numerator", "denominator", "phase", "ratio"),
+    "kernels": csv_with("trial", "kind", "name", "ms"),
+    "modules": csv_with("trial", "module", "backward_ms", "flag"),
+    "summary": json_object("a summary", "trials", "complete"),
+}
 
 
 def trial_row(measured: dict | None = None, **columns: object) -> dict:
@@ -52,11 +67,15 @@ def trial_row(measured: dict | None = None, **columns: object) -> dict:
     A key missing, misplaced or outside the documented columns raises ValueError: a misspelt name is a bug to
     fix, never an empty column."""
     measured = dict.fromkeys(MEASURED_COLUMNS, float("nan")) if measured is None else measured
-    for part, given, expected in (("measured", measured, MEASURED_COLUMNS),
-                                  ("setup and record", columns, SETUP_COLUMNS + RECORD_COLUMNS)):
+    for part, given, expected in (
+        ("measured", measured, MEASURED_COLUMNS),
+        ("setup and record", columns, SETUP_COLUMNS + RECORD_COLUMNS),
+    ):
         if set(given) != set(expected):
-            raise ValueError(f"trial row, {part} columns: unknown {sorted(set(given) - set(expected))}, "
-                             f"missing {sorted(set(expected) - set(given))}")
+            raise ValueError(
+                f"trial row, {part} columns: unknown {sorted(set(given) - set(expected))}, "
+                f"missing {sorted(set(expected) - set(given))}"
+            )
     row = columns | measured
     return {name: row[name] for name in TRIAL_COLUMNS}
 
@@ -88,7 +107,9 @@ def read_table(path: str | Path, columns: tuple[str, ...], stage: str) -> pd.Dat
             table[column] = value(table) if callable(value) else value
     missing = [c for c in columns if c not in table.columns]
     if missing:
-        raise ResultsError(f"{path}: missing columns {', '.join(missing)}; run the {stage} stage to rewrite it")
+        raise ResultsError(
+            f"{path}: missing columns {', '.join(missing)}; run the {stage} stage to rewrite it"
+        )
     return table
 
 
@@ -135,17 +156,24 @@ def scope_text(done: pd.DataFrame, free: str | None = None) -> str:
     return f"the settings with {', '.join(conditions)}" if conditions else "every setting"
 
 
-def comparisons_table(trials: pd.DataFrame, samples: dict[int, dict[str, list[float]] | None],
-                      seed: int = 0, reference: str | None = None) -> pd.DataFrame:
-    """Per setting of the other knobs, each head pair's ratio of medians per phase (head_pairs) with a bootstrap
-    CI and the Mann-Whitney p-value. Then pooled rows (geometric mean over settings, knobs 'all') over the
-    headline's settings (headline_scope): one per pair and phase, and one per value of each BY_VALUE knob swept
+def comparisons_table(
+    trials: pd.DataFrame,
+    samples: dict[int, dict[str, list[float]] | None],
+    seed: int = 0,
+    reference: str | None = None,
+) -> pd.DataFrame:
+    """Per setting of the other knobs, each head pair's ratio of medians per phase (head_pairs) with a
+    bootstrap CI and the Mann-Whitney p-value. Then pooled rows (geometric mean over settings, knobs 'all')
+    over the headline's settings (headline_scope): one per pair and phase, and one per value of each BY_VALUE
+    knob swept
     (that knob keeps its value and is free of the scope's condition)."""
     done = complete(trials)
     done = done[done["trial"].isin([t for t, kept in samples.items() if kept])]
     rows, pooled = [], {}
     pairs = head_pairs(done["head"].unique(), reference)
-    by_value = [k for k in BY_VALUE if done[k].astype(str).replace("n/a", np.nan).nunique() > 1]  # the swept ones
+    by_value = [
+        k for k in BY_VALUE if done[k].astype(str).replace("n/a", np.nan).nunique() > 1
+    ]  # the swept ones
     in_scope = {free: set(done["trial"][headline_scope(done, free)]) for free in (None, *by_value)}
     for setting, group in done.groupby(list(OTHER_KNOBS), dropna=False, sort=True):
         knobs = dict(zip(OTHER_KNOBS, setting))
@@ -156,9 +184,19 @@ def comparisons_table(trials: pd.DataFrame, samples: dict[int, dict[str, list[fl
             for phase in COMPARED_PHASES:
                 a, b = samples[trial_of[num]][phase], samples[trial_of[den]][phase]
                 c = compare(a, b, seed=seed)
-                rows.append(knobs | {
-                    "numerator": num, "denominator": den, "phase": phase, "ratio": c.ratio, "ci_low": c.ci_low,
-                    "ci_high": c.ci_high, "p_value": c.p_value, "settings": 1})
+                rows.append(
+                    knobs
+                    | {
+                        "numerator": num,
+                        "denominator": den,
+                        "phase": phase,
+                        "ratio": c.ratio,
+                        "ci_low": c.ci_low,
+                        "ci_high": c.ci_high,
+                        "p_value": c.p_value,
+                        "settings": 1,
+                    }
+                )
                 for free, trials_in_scope in in_scope.items():
                     if trial_of[num] not in trials_in_scope:
                         continue
@@ -168,14 +206,26 @@ def comparisons_table(trials: pd.DataFrame, samples: dict[int, dict[str, list[fl
                         pooled.setdefault((((free, knobs[free]),), num, den, phase), []).append((a, b))
     for (kept, num, den, phase), pairs in pooled.items():
         ratio, low, high = geomean_ratio(pairs, seed=seed)
-        rows.append({k: ALL_SETTINGS for k in OTHER_KNOBS} | dict(kept) | {
-            "numerator": num, "denominator": den, "phase": phase, "ratio": ratio, "ci_low": low, "ci_high": high,
-            "p_value": np.nan, "settings": len(pairs)})
+        rows.append(
+            dict.fromkeys(OTHER_KNOBS, ALL_SETTINGS)
+            | dict(kept)
+            | {
+                "numerator": num,
+                "denominator": den,
+                "phase": phase,
+                "ratio": ratio,
+                "ci_low": low,
+                "ci_high": high,
+                "p_value": np.nan,
+                "settings": len(pairs),
+            }
+        )
     return pd.DataFrame(rows, columns=COMPARISON_COLUMNS)
 
 
 def pooled_rows(comparisons: pd.DataFrame, knob: str | None = None) -> pd.DataFrame:
-    """The pooled comparisons: over the headline's settings (``knob`` None), or per value of a BY_VALUE knob."""
+    """The pooled comparisons: over the headline's settings (``knob`` None), or per value of a BY_VALUE
+    knob."""
     others = [k for k in OTHER_KNOBS if k != knob]
     mask = (comparisons[others].astype(str) == ALL_SETTINGS).all(axis=1)
     if knob is not None:
@@ -184,13 +234,15 @@ def pooled_rows(comparisons: pd.DataFrame, knob: str | None = None) -> pd.DataFr
 
 
 def ms_per_image(trials: pd.DataFrame) -> pd.Series:
-    """Training step time per image (step_ms / batch_size): the throughput that settings of different batch sizes
+    """Training step time per image (step_ms / batch_size): the throughput that settings of different batch
+    sizes
     are ranked by. A step of 2 images in 327 ms beats a step of 1 in 385 ms, though the step is shorter."""
     return trials["step_ms"] / trials["batch_size"]
 
 
 def fastest(trials: pd.DataFrame) -> dict | None:
-    """The complete trial with the least time per image (ties: the first in the table): its knobs, ms per image
+    """The complete trial with the least time per image (ties: the first in the table): its knobs, ms per
+    image
     and ms per step; None when no trial completed."""
     done = complete(trials).dropna(subset=["step_ms"])
     if done.empty:
@@ -205,18 +257,28 @@ def summarize_trials(trials: pd.DataFrame, comparisons: pd.DataFrame) -> dict:
     least time per image."""
     done = complete(trials)
     status = trials["status"]
-    summary: dict = {"trials": len(trials), "complete": len(done), "failed": int((status == "failed").sum()),
-                     "timeout": int((status == "timeout").sum()),
-                     "not_run": int(status.isin(["not run", "running"]).sum())}
+    summary: dict = {
+        "trials": len(trials),
+        "complete": len(done),
+        "failed": int((status == "failed").sum()),
+        "timeout": int((status == "timeout").sum()),
+        "not_run": int(status.isin(["not run", "running"]).sum()),
+    }
     pooled = pooled_rows(comparisons)
     compared = list(zip(pooled["numerator"], pooled["denominator"]))
     for num, den in dict.fromkeys([*PAIRS, *compared]):
         for phase in COMPARED_PHASES:
-            match = pooled[(pooled["numerator"] == num) & (pooled["denominator"] == den) & (pooled["phase"] == phase)]
-            # A metric name (MLflow, DVC) has no ':': a user's head package.module:factory reads package.module.factory.
+            match = pooled[
+                (pooled["numerator"] == num) & (pooled["denominator"] == den) & (pooled["phase"] == phase)
+            ]
+            # A metric name (MLflow, DVC) has no ':': a user's head package.module:factory reads
+            # package.module.factory.
             name = f"{num}_over_{den}_{phase}".replace(":", ".")
             for suffix, column in (("", "ratio"), ("_ci_low", "ci_low"), ("_ci_high", "ci_high")):
                 summary[name + suffix] = round(float(match[column].iloc[0]), 3) if len(match) else None
     if best := fastest(trials):
-        summary["best"] = best | {"step_ms": round(best["step_ms"], 1), "ms_per_image": round(best["ms_per_image"], 1)}
+        summary["best"] = best | {
+            "step_ms": round(best["step_ms"], 1),
+            "ms_per_image": round(best["ms_per_image"], 1),
+        }
     return summary

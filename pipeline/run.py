@@ -5,6 +5,7 @@
 so every relative path of dvc.yaml and params (results, data, reports, mlflow.db, the Optuna
 journal) lands inside the work folder. Stops at the first stage that fails, with its exit code.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,15 +34,19 @@ def lookup(raw: dict, dotted: str):
 
 def stage_commands(dvc_yaml: dict, raw_params: dict) -> list[tuple[str, str]]:
     """(name, command) of every stage in file order, with ``${key.path}`` filled from the params."""
+
     def fill(cmd: str) -> str:
         return re.sub(r"\$\{([\w.]+)\}", lambda m: str(lookup(raw_params, m.group(1))), " ".join(cmd.split()))
+
     return [(name, fill(stage["cmd"])) for name, stage in dvc_yaml["stages"].items()]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", required=True, help="params file to run with")
-    parser.add_argument("--workdir", required=True, help="folder for every output: new, empty, or an earlier run's")
+    parser.add_argument(
+        "--workdir", required=True, help="folder for every output: new, empty, or an earlier run's"
+    )
     parser.add_argument("--python", default=sys.executable, help="interpreter for the stages")
     args = parser.parse_args(argv)
     try:
@@ -51,14 +56,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     workdir = Path(args.workdir)
     if workdir.exists() and any(workdir.iterdir()) and not (workdir / MARKER).is_file():
-        print(f"error: --workdir: {workdir} is not empty and was not made by pipeline.run (no {MARKER}); allowed: "
-              "a new or empty folder, or an earlier run's work folder", file=sys.stderr)
+        print(
+            f"error: --workdir: {workdir} is not empty and was not made by pipeline.run (no {MARKER}); "
+            "allowed: "
+            "a new or empty folder, or an earlier run's work folder",
+            file=sys.stderr,
+        )
         return 2
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / MARKER).write_text("a work folder of python -m pipeline.run: its params.yaml and outputs are replaced\n")
+    (workdir / MARKER).write_text(
+        "a work folder of python -m pipeline.run: its params.yaml and outputs are replaced\n"
+    )
     shutil.copyfile(args.params, workdir / "params.yaml")
     raw = yaml.load((workdir / "params.yaml").read_text(), Loader=YamlLoader) or {}  # as load_params reads it
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))
+    }
     for name, cmd in stage_commands(yaml.safe_load((ROOT / "dvc.yaml").read_text()), raw):
         cmd = re.sub(r"^python\b", args.python, cmd)
         print(f"== stage {name}: {cmd}", flush=True)

@@ -2,11 +2,12 @@
 
 Both work through signals, so both act in the main thread of a process, between Python operations.
 """
+
 from __future__ import annotations
 
 import contextlib
 import signal
-from typing import Iterator
+from collections.abc import Iterator
 
 
 class TrialTimeout(Exception):
@@ -90,7 +91,8 @@ interrupts = Interrupts()  # one per process, as its SIGINT handler is
 
 @contextlib.contextmanager
 def sigint_blocked() -> Iterator[None]:
-    """Hold SIGINT back in this thread and in the processes it starts meanwhile (they inherit the signal mask):
+    """Hold SIGINT back in this thread and in the processes it starts meanwhile (they inherit the signal
+    mask):
     it stays pending until unblocked, then arrives."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:

@@ -4,6 +4,7 @@ trials claimed by any number of workers, and the trials of a dead worker failed 
 A journal file serves one host (its workers share it through file locks); a database URL such as
 postgresql://user@host/db serves many machines, with heartbeats telling a dead worker's trial from a live one.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,8 +15,8 @@ import random
 import socket
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import mlflow
 import optuna
@@ -25,16 +26,21 @@ from optuna.storages import JournalStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from rcnn.rules import first_line
 from pipeline.params import Params, ParamsError, SweepParams
 from pipeline.results import trial_row
 from rcnn.detector.knobs import Skipped, why_not_together
 from rcnn.detector.model import DetectorConfig
-from rcnn.outputs import Kind, first_line_of, is_ours, parse_json
 from rcnn.detector.schema import DEVICE_KNOBS, KERNEL_COLUMNS, KNOB_NAMES, MODULE_TABLE_COLUMNS, TRIAL_COLUMNS
+from rcnn.outputs import Kind, first_line_of, is_ours, parse_json
+from rcnn.rules import first_line
 
-STATUS = {TrialState.COMPLETE: "complete", TrialState.FAIL: "failed", TrialState.RUNNING: "running",
-          TrialState.PRUNED: "pruned", TrialState.WAITING: "not run"}  # queued, but the time budget ran out first
+STATUS = {
+    TrialState.COMPLETE: "complete",
+    TrialState.FAIL: "failed",
+    TrialState.RUNNING: "running",
+    TrialState.PRUNED: "pruned",
+    TrialState.WAITING: "not run",
+}  # queued, but the time budget ran out first
 INTERRUPTED = "interrupted: the process running this trial ended"
 CTRL_C = "interrupted (Ctrl-C)"
 
@@ -45,12 +51,19 @@ def owner_of(journal: str | Path) -> Path:
 
 
 # The lock file a sweep stage holds beside its journal (hold_journal): who holds it.
-OWNER = Kind("a journal's lock file", lambda path: path.stat().st_size == 0 or first_line_of(path).startswith("pid "))
+OWNER = Kind(
+    "a journal's lock file", lambda path: path.stat().st_size == 0 or first_line_of(path).startswith("pid ")
+)
 # Optuna's JournalFileBackend writes one JSON record per line, each with an op_code; it creates the file
 # empty when opened, so a run stopped before its study was created leaves an empty one, always beside the
 # lock file the stage took first (an empty source file such as a package's __init__.py has none).
-JOURNAL = Kind("an Optuna journal", lambda path: (path.stat().st_size == 0 and is_ours(owner_of(path), OWNER))
-               or (isinstance(record := parse_json(first_line_of(path)), dict) and "op_code" in record))
+JOURNAL = Kind(
+    "an Optuna journal",
+    lambda path: (
+        (path.stat().st_size == 0 and is_ours(owner_of(path), OWNER))
+        or (isinstance(record := parse_json(first_line_of(path)), dict) and "op_code" in record)
+    ),
+)
 
 
 def is_rdb(spec: str) -> bool:
@@ -67,13 +80,20 @@ def open_storage(sweep: SweepParams) -> optuna.storages.BaseStorage:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats: stable since 2.9
         try:
-            return RDBStorage(sweep.storage, heartbeat_interval=sweep.heartbeat_s, grace_period=3 * sweep.heartbeat_s,
-                              heartbeat_stale_trial_callback=WorkQueue.requeue_stale)
+            return RDBStorage(
+                sweep.storage,
+                heartbeat_interval=sweep.heartbeat_s,
+                grace_period=3 * sweep.heartbeat_s,
+                heartbeat_stale_trial_callback=WorkQueue.requeue_stale,
+            )
         except Exception as err:  # SQLAlchemy's: no driver, host unreachable, authentication failed
             import sqlalchemy.engine
+
             url = sqlalchemy.engine.make_url(sweep.storage).render_as_string(hide_password=True)
-            raise ParamsError(f"sweep.storage: cannot open {url} ({first_line(err)}); allowed: a journal file "
-                              "path or a reachable database URL such as postgresql://user@host/db") from None
+            raise ParamsError(
+                f"sweep.storage: cannot open {url} ({first_line(err)}); allowed: a journal file "
+                "path or a reachable database URL such as postgresql://user@host/db"
+            ) from None
 
 
 @contextlib.contextmanager
@@ -88,10 +108,14 @@ def hold_journal(journal: str | Path) -> Iterator[None]:
         except BlockingIOError:
             owner.seek(0)
             holder = owner.read().strip() or "another process"
-            raise ParamsError(f"sweep.storage: {journal} is in use by a running sweep stage ({holder}); let it finish "
-                              "or stop it first (sweep.workers runs several workers on one journal)") from None
+            raise ParamsError(
+                f"sweep.storage: {journal} is in use by a running sweep stage ({holder}); let it finish "
+                "or stop it first (sweep.workers runs several workers on one journal)"
+            ) from None
         owner.truncate(0)
-        owner.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        owner.write(
+            f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+        )
         owner.flush()
         yield
 
@@ -104,8 +128,9 @@ def make_sampler(params: Params) -> optuna.samplers.BaseSampler:
     return optuna.samplers.TPESampler(seed=params.sweep.seed)
 
 
-def grid_points(grid: dict, device: torch.device, seed: int,
-                first: list[dict] = ()) -> tuple[list[dict], list[Skipped]]:
+def grid_points(
+    grid: dict, device: torch.device, seed: int, first: list[dict] = ()
+) -> tuple[list[dict], list[Skipped]]:
     """Every applicable grid point in run order: the ``first`` settings (the profiled ones, which a time
     budget must not cut), then the other settings shuffled (seeded); the heads of one setting side by side
     in a shuffled order, so drift spreads evenly and a sweep cut short still holds complete head
@@ -120,7 +145,9 @@ def grid_points(grid: dict, device: torch.device, seed: int,
     for setting in settings:
         point = dict(zip(others, setting))
         if reason := why_not_together(point, device):
-            skipped.append(Skipped("+".join(reason[0]), "+".join(str(point[k]) for k in reason[0]), reason[1]))
+            skipped.append(
+                Skipped("+".join(reason[0]), "+".join(str(point[k]) for k in reason[0]), reason[1])
+            )
             continue
         points += [point | {"head": head} for head in rng.sample(grid["head"], len(grid["head"]))]
     return points, list({(s.knob, s.reason): s for s in skipped}.values())
@@ -176,19 +203,24 @@ class WorkQueue:
         """Whether the storage keeps heartbeats (a database opened with a heartbeat interval; a journal never
         does), so that a dead worker's trial is failed and its point queued again while the sweep runs."""
         from optuna.storages._heartbeat import is_heartbeat_enabled  # private: kept inside this class
+
         return is_heartbeat_enabled(self._storage)
 
     def heartbeat(self, trial: optuna.Trial) -> contextlib.AbstractContextManager:
-        """While inside, a thread records ``trial``'s heartbeat, as ``study.optimize`` does for its own trials;
+        """While inside, a thread records ``trial``'s heartbeat, as ``study.optimize`` does for its own
+        trials;
         a no-op without heartbeats."""
         from optuna.storages._heartbeat import get_heartbeat_thread  # private: kept inside this class
+
         return get_heartbeat_thread(trial._trial_id, self._storage)
 
     def fail_stale(self) -> None:
         """Fail the trials whose heartbeat went stale (their worker died); the storage's callback
         (requeue_stale) queues their points again. Nothing without heartbeats."""
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats: stable since 2.9
+            warnings.simplefilter(
+                "ignore", optuna.exceptions.ExperimentalWarning
+            )  # heartbeats: stable since 2.9
             optuna.storages.fail_stale_trials(self.study)
 
     def may_refill(self) -> bool:
@@ -201,7 +233,8 @@ class WorkQueue:
         self.study.tell(trial, value)
 
     def fail(self, trial: optuna.Trial | int) -> optuna.trial.FrozenTrial:
-        """Mark a running trial (or the one of that number) failed; its error, if any, is on its user attrs."""
+        """Mark a running trial (or the one of that number) failed; its error, if any, is on its user
+        attrs."""
         return self.study.tell(trial, state=TrialState.FAIL)
 
     def requeue(self, trial: optuna.trial.FrozenTrial) -> None:
@@ -209,19 +242,26 @@ class WorkQueue:
         itself is already failed: by recover_interrupted, or by Optuna when its heartbeat went stale). The run
         is found by its tags, since the process may have died before recording the run's id on the trial."""
         self.study.enqueue_trial(self.point(trial), skip_if_exists=False)
-        running = mlflow.search_runs(search_all_experiments=True, output_format="list", filter_string=(
-            f"tags.study = '{self.study.study_name}' and tags.trial = '{trial.number}' "
-            "and attributes.status = 'RUNNING'"))
+        running = mlflow.search_runs(
+            search_all_experiments=True,
+            output_format="list",
+            filter_string=(
+                f"tags.study = '{self.study.study_name}' and tags.trial = '{trial.number}' "
+                "and attributes.status = 'RUNNING'"
+            ),
+        )
         for run in running:
             mlflow.MlflowClient().set_terminated(run.info.run_id, status="FAILED")
 
     @classmethod
     def requeue_stale(cls, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-        """The database storage's heartbeat_stale_trial_callback: Optuna failed ``trial``; queue its point again."""
+        """The database storage's heartbeat_stale_trial_callback: Optuna failed ``trial``; queue its point
+        again."""
         cls(study).requeue(trial)
 
     def fail_interrupted(self, trial: optuna.Trial) -> None:
-        """Ctrl-C stopped ``trial``: fail it as interrupted and queue its point again now, so a rerun measures it
+        """Ctrl-C stopped ``trial``: fail it as interrupted and queue its point again now, so a rerun measures
+        it
         whatever the storage (recover_interrupted, at the next start, covers a journal only)."""
         trial.set_user_attr("error", CTRL_C)
         self.requeue(self.fail(trial))
@@ -249,8 +289,9 @@ def next_trial(queue: WorkQueue, params: Params) -> optuna.Trial | None:
     """The next trial this worker runs, or None when the sweep has nothing left for it: none once the study
     holds ``n_trials`` started ones (workers finishing at once may overshoot by one each); else grid, the
     queue; tpe, a new sampled trial."""
-    started = queue.study.get_trials(deepcopy=False,
-                                     states=(TrialState.RUNNING, TrialState.COMPLETE, TrialState.FAIL))
+    started = queue.study.get_trials(
+        deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE, TrialState.FAIL)
+    )
     if params.sweep.n_trials is not None and len(started) >= params.sweep.n_trials:
         return None
     return queue.claim() if params.sweep.sampler == "grid" else queue.study.ask()
@@ -273,35 +314,54 @@ def knob_values(trial: optuna.trial.FrozenTrial) -> dict:
 
 
 def trials_table(study: optuna.Study, config: DetectorConfig, device: torch.device) -> pd.DataFrame:
-    rows = [trial_row(t.user_attrs.get("result"), trial=t.number,
-                      status=t.user_attrs.get("status", STATUS[t.state]), device=device.type,
-                      backbone=config.backbone, image_size=config.image_size,
-                      rois_per_image=config.rois_per_image, **knob_values(t),
-                      mlflow_run_id=t.user_attrs.get("mlflow_run_id"), worker=t.user_attrs.get("worker"),
-                      # A failed trial without an error was failed for its dead process (recovery, heartbeat).
-                      error=t.user_attrs.get("error") or (INTERRUPTED if t.state == TrialState.FAIL else None))
-            for t in study.get_trials(deepcopy=False)]
+    rows = [
+        trial_row(
+            t.user_attrs.get("result"),
+            trial=t.number,
+            status=t.user_attrs.get("status", STATUS[t.state]),
+            device=device.type,
+            backbone=config.backbone,
+            image_size=config.image_size,
+            rois_per_image=config.rois_per_image,
+            **knob_values(t),
+            mlflow_run_id=t.user_attrs.get("mlflow_run_id"),
+            worker=t.user_attrs.get("worker"),
+            # A failed trial without an error was failed for its dead process (recovery, heartbeat).
+            error=t.user_attrs.get("error") or (INTERRUPTED if t.state == TrialState.FAIL else None),
+        )
+        for t in study.get_trials(deepcopy=False)
+    ]
     return pd.DataFrame(rows, columns=TRIAL_COLUMNS)
 
 
 def kernels_table(study: optuna.Study) -> pd.DataFrame:
-    rows = [{"trial": t.number, **knob_values(t), **row}
-            for t in study.get_trials(deepcopy=False) for row in t.user_attrs.get("kernels", [])]
+    rows = [
+        {"trial": t.number, **knob_values(t), **row}
+        for t in study.get_trials(deepcopy=False)
+        for row in t.user_attrs.get("kernels", [])
+    ]
     return pd.DataFrame(rows, columns=KERNEL_COLUMNS)
 
 
 def modules_table(study: optuna.Study) -> pd.DataFrame:
     """The by-module tables of the profiled trials (rcnn.doctor), one row per module and trial."""
-    rows = [{"trial": t.number, **knob_values(t), **row}
-            for t in study.get_trials(deepcopy=False) for row in t.user_attrs.get("modules", [])]
+    rows = [
+        {"trial": t.number, **knob_values(t), **row}
+        for t in study.get_trials(deepcopy=False)
+        for row in t.user_attrs.get("modules", [])
+    ]
     return pd.DataFrame(rows, columns=MODULE_TABLE_COLUMNS)
 
 
 def finished_count(study: optuna.Study) -> int:
-    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)))
+    return len(
+        study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED))
+    )
 
 
-def wait_for_study(storage: optuna.storages.BaseStorage, params: Params, name: str, wait_s: float) -> optuna.Study:
+def wait_for_study(
+    storage: optuna.storages.BaseStorage, params: Params, name: str, wait_s: float
+) -> optuna.Study:
     """The study the sweep stage created and queued, once it is there (machines may start in any order)."""
     give_up = time.time() + wait_s
     while True:
@@ -311,7 +371,10 @@ def wait_for_study(storage: optuna.storages.BaseStorage, params: Params, name: s
                 return study
         if time.time() >= give_up:
             raise ParamsError(
-                f"--join: no study {name} ready in sweep.storage after {wait_s:g} s; start the sweep stage on one "
-                "machine first, with the same params, data and code (another kind of machine or library version "
-                "makes another study: env.json's fingerprint is part of its name)")
+                f"--join: no study {name} ready in sweep.storage after {wait_s:g} s; start the sweep stage "
+                "on one "
+                "machine first, with the same params, data and code (another kind of machine or library "
+                "version "
+                "makes another study: env.json's fingerprint is part of its name)"
+            )
         time.sleep(2)

@@ -1,7 +1,8 @@
 """Backward time by module for any PyTorch model, and the fix for convolutions that are matrix products in
 disguise. Rooms, each importing only those below it:
 
-- ``rcnn.detector``: the detector study (model, heads, COCO reader, knobs, one trial); ``python -m rcnn.bench``.
+- ``rcnn.detector``: the detector study (model, heads, COCO reader, knobs, one trial); ``python -m
+  rcnn.bench``.
 - ``rcnn.doctor``: backward time by module for any model, flags and why; ``python -m rcnn.doctor``.
 - ``rcnn.fix``: ``linearize(model, example)`` and ``Conv2dAsLinear`` (``rcnn.disguise`` tells which convs).
 - ``rcnn.measure``: the clock, the training step, statistics, the machine's fingerprint and peaks.

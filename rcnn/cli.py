@@ -1,4 +1,5 @@
 """The argument parser every command uses (rcnn's tools and the pipeline's stages): one-line errors."""
+
 from __future__ import annotations
 
 import argparse

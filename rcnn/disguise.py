@@ -8,6 +8,7 @@ A convolution with one group, no padding and no dilation is one GEMM when it reu
   patches.
 Convolution kernels are tuned for reused pixels; run as GEMMs these get the matmul kernels of nn.Linear.
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -27,7 +28,7 @@ def gemm_kind(conv: nn.Module, input_shape: tuple[int, ...]) -> tuple[str, str] 
     kernel, stride = tuple(conv.kernel_size), tuple(conv.stride)
     if len(input_shape) != len(kernel) + 2:  # an unbatched input: the conv adds the batch, a GEMM would not
         return None
-    spatial = tuple(input_shape[-len(kernel):])
+    spatial = tuple(input_shape[-len(kernel) :])
     plain = conv.groups == 1 and not any(conv.padding) and all(d == 1 for d in conv.dilation)
     if not plain:
         return None
@@ -36,6 +37,9 @@ def gemm_kind(conv: nn.Module, input_shape: tuple[int, ...]) -> tuple[str, str] 
     if all(k == 1 for k in kernel) and all(s == 1 for s in stride):
         return "pointwise", f"kernel {_shape(kernel)} at stride 1 on a {_shape(spatial)} input"
     if stride == kernel:
-        return "patches", f"kernel {_shape(kernel)} at stride {_shape(stride)}: non-overlapping patches of a " \
-                          f"{_shape(spatial)} input"
+        return (
+            "patches",
+            f"kernel {_shape(kernel)} at stride {_shape(stride)}: non-overlapping patches of a "
+            f"{_shape(spatial)} input",
+        )
     return None

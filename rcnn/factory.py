@@ -1,10 +1,12 @@
 """A user's code named ``package.module:factory``: imported, with one-line errors naming what went wrong."""
+
 from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rcnn.rules import ValueNotAllowed, first_line
 
@@ -15,15 +17,23 @@ def import_factory(spec: str, key: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # not found, or the module itself fails: a SyntaxError, a NameError, ...
-        raise ValueNotAllowed(key, f"cannot import {module_name!r} ({first_line(err)}); allowed: an importable "
-                                   "package.module:factory (on PYTHONPATH, or installed)") from None
+        raise ValueNotAllowed(
+            key,
+            f"cannot import {module_name!r} ({first_line(err)}); allowed: an importable "
+            "package.module:factory (on PYTHONPATH, or installed)",
+        ) from None
     factory = getattr(module, attribute, None)
     if factory is None:
-        raise ValueNotAllowed(key, f"{module_name} has no {attribute!r}; allowed: package.module:factory naming a "
-                                   "function there")
+        raise ValueNotAllowed(
+            key,
+            f"{module_name} has no {attribute!r}; allowed: package.module:factory naming a function there",
+        )
     if not callable(factory):
-        raise ValueNotAllowed(key, f"{spec} is a {type(factory).__name__}, not a function; allowed: "
-                                   "package.module:factory naming a function")
+        raise ValueNotAllowed(
+            key,
+            f"{spec} is a {type(factory).__name__}, not a function; allowed: "
+            "package.module:factory naming a function",
+        )
     return factory
 
 

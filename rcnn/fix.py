@@ -10,23 +10,25 @@ cudnn.benchmark picks algorithms, but per module);
 ``mode="always"`` swaps every eligible one.
 
 A swapped module changes class only: to a subclass of its own (``nn.Conv2d`` -> ``Conv2dAsLinear``), so it is
-still an ``nn.Conv2d``, keeps its Parameter objects (an optimizer built before keeps working) and its state_dict
-(checkpoints load both ways). On every call it checks its input and takes the convolution path where the input
-is no longer of the kind it was swapped for.
+still an ``nn.Conv2d``, keeps its Parameter objects (an optimizer built before keeps working) and its
+state_dict (checkpoints load both ways). On every call it checks its input and takes the convolution path
+where the input is no longer of the kind it was swapped for.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rcnn.measure.inputs import Seen, channels_last, example_input
 from rcnn.disguise import gemm_kind
 from rcnn.measure.clock import Clock, median_ms
+from rcnn.measure.inputs import Seen, channels_last, example_input
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 MODES = ("auto", "always")
@@ -57,25 +59,33 @@ def _patches(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     x = x[(..., *[slice(0, o * k) for o, k in zip(sizes, kernel)])]  # the remainder a conv drops
     x = x.reshape(n, c, *[v for o, k in zip(sizes, kernel) for v in (o, k)])  # (N, C, o1, k1, o2, k2, ...)
     d = len(kernel)
-    rows = x.permute(0, *range(2, 2 + 2 * d, 2), 1, *range(3, 3 + 2 * d, 2))  # (N, o1, o2, ..., C, k1, k2, ...)
+    rows = x.permute(
+        0, *range(2, 2 + 2 * d, 2), 1, *range(3, 3 + 2 * d, 2)
+    )  # (N, o1, o2, ..., C, k1, k2, ...)
     out = F.linear(rows.reshape(n * math.prod(sizes), c * math.prod(kernel)), weight.flatten(1), bias)
     out = out.view(n, *sizes, -1).movedim(-1, 1)  # channels-last memory
     return out if channels_last(given) else out.contiguous()  # the conv's layout: as its input's
 
 
 GEMMS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]] = {
-    "covers-input": _covers_input, "pointwise": _pointwise, "patches": _patches}
+    "covers-input": _covers_input,
+    "pointwise": _pointwise,
+    "patches": _patches,
+}
 
 
 class AsLinear:
     """Mixin for a convolution class: runs as one matrix product while its input is of the kind ``gemm``
     names (rcnn.disguise), as the convolution otherwise. ``gemm = None`` is the convolution always."""
+
     gemm: str | None = "covers-input"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.gemm:
             return super().forward(x)
-        shapes = self.__dict__.setdefault("_gemm_at", {})  # input shape -> GEMM or not: decided once per shape
+        shapes = self.__dict__.setdefault(
+            "_gemm_at", {}
+        )  # input shape -> GEMM or not: decided once per shape
         key = (tuple(x.shape), self.gemm)
         if key not in shapes:
             found = gemm_kind(self, key[0])
@@ -96,7 +106,11 @@ class Conv3dAsLinear(AsLinear, nn.Conv3d):
     """An nn.Conv3d computed as one matrix product where its input allows (AsLinear)."""
 
 
-_AS_LINEAR: dict[type, type] = {nn.Conv1d: Conv1dAsLinear, nn.Conv2d: Conv2dAsLinear, nn.Conv3d: Conv3dAsLinear}
+_AS_LINEAR: dict[type, type] = {
+    nn.Conv1d: Conv1dAsLinear,
+    nn.Conv2d: Conv2dAsLinear,
+    nn.Conv3d: Conv3dAsLinear,
+}
 
 
 def as_linear_class(cls: type) -> type | None:
@@ -107,10 +121,13 @@ def as_linear_class(cls: type) -> type | None:
     if cls not in _AS_LINEAR:
         base = next((c for c in cls.__mro__ if c in CONVS), None)
         own = {"forward", "_conv_forward"}  # what the GEMM path would bypass
-        if base is None or any(own & set(vars(k)) for k in cls.__mro__[:cls.__mro__.index(base)]):
+        if base is None or any(own & set(vars(k)) for k in cls.__mro__[: cls.__mro__.index(base)]):
             return None
-        made = type(f"{cls.__name__}AsLinear", (AsLinear, cls), {"__module__": __name__,
-                                                                "__doc__": f"{cls.__name__}, with AsLinear."})
+        made = type(
+            f"{cls.__name__}AsLinear",
+            (AsLinear, cls),
+            {"__module__": __name__, "__doc__": f"{cls.__name__}, with AsLinear."},
+        )
         globals()[made.__name__] = made
         _AS_LINEAR[cls] = made
     return _AS_LINEAR[cls]
@@ -120,6 +137,7 @@ def as_linear_class(cls: type) -> type | None:
 class Swap:
     """One eligible convolution: its name, kind and the input it saw, whether it was swapped, and in mode auto
     the forward + backward ms of either path at that input."""
+
     module: str
     kind: str
     input_shape: tuple[int, ...]
@@ -154,7 +172,8 @@ def _time_paths(module: nn.Module, seen: Seen, device: torch.device, repeats: in
 
 
 def _seen_by_module(model: nn.Module, forward: Callable[[], Any]) -> dict[str, Seen]:
-    """What each convolution of ``model`` saw in ``forward()`` (its first call), leaving buffers as they were."""
+    """What each convolution of ``model`` saw in ``forward()`` (its first call), leaving buffers as they
+    were."""
     seen: dict[str, Seen] = {}
     convs = {module: name for name, module in model.named_modules() if isinstance(module, CONVS)}
 
@@ -169,9 +188,11 @@ def _seen_by_module(model: nn.Module, forward: Callable[[], Any]) -> dict[str, S
         with torch.random.fork_rng(devices=devices):  # nor the random streams (RoI sampling, dropout)
             forward()
     except Exception as err:
-        raise ValueError(f"linearize: the model's forward failed on the example ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0] if str(err) else ''}); give inputs the model takes, as "
-                         "linearize(model, images) or linearize(model, images, targets)") from None
+        raise ValueError(
+            f"linearize: the model's forward failed on the example ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}); give inputs the model takes, as "
+            "linearize(model, images) or linearize(model, images, targets)"
+        ) from None
     finally:
         for handle in handles:
             handle.remove()
@@ -186,14 +207,26 @@ def _timing_key(module: nn.Module, seen: Seen) -> tuple:
     layout, what it saw, and the backends' switches."""
     weight = module.weight
     conv = tuple(getattr(module, k) for k in ("stride", "padding", "dilation", "groups", "padding_mode"))
-    return (type(module).__name__, module.gemm, conv, module.bias is not None, tuple(weight.shape), weight.dtype,
-            weight.device, weight.is_contiguous(memory_format=torch.channels_last) if weight.dim() == 4 else False,
-            seen, torch.backends.mkldnn.enabled, torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32,
-            torch.backends.cuda.matmul.allow_tf32)
+    return (
+        type(module).__name__,
+        module.gemm,
+        conv,
+        module.bias is not None,
+        tuple(weight.shape),
+        weight.dtype,
+        weight.device,
+        weight.is_contiguous(memory_format=torch.channels_last) if weight.dim() == 4 else False,
+        seen,
+        torch.backends.mkldnn.enabled,
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cuda.matmul.allow_tf32,
+    )
 
 
-def linearize_with(model: nn.Module, forward: Callable[[], Any], *, mode: str = "auto",
-                   timings: dict | None = None) -> list[Swap]:
+def linearize_with(
+    model: nn.Module, forward: Callable[[], Any], *, mode: str = "auto", timings: dict | None = None
+) -> list[Swap]:
     """``linearize`` with the example forward as a function (a detector's, with its targets and loss).
 
     ``timings``: a dict the caller keeps to reuse mode auto's timings of identical convolutions at identical
@@ -237,10 +270,12 @@ def linearize_with(model: nn.Module, forward: Callable[[], Any], *, mode: str = 
 def linearize(model: nn.Module, *example_args: Any, mode: str = "auto", **example_kwargs: Any) -> list[Swap]:
     """Swap, in place, each convolution of ``model`` that is a GEMM in disguise at the shape it sees in
     ``model(*example_args, **example_kwargs)`` for the same convolution computed as one matrix product; in
-    ``mode="auto"`` only where that is faster, timed at that shape, dtype, layout and device. Call it where the
-    model trains (after ``.to(device)``, inside autocast if you train with it). Returns a Swap per eligible
+    ``mode="auto"`` only where that is faster, timed at that shape, dtype, layout and device. Call it where
+    the model trains (after ``.to(device)``, inside autocast if you train with it). Returns a Swap per
+    eligible
     module. Raises ValueError, swapping nothing, when there is no example or the forward fails on it."""
     if not example_args and not example_kwargs:
-        raise ValueError("linearize needs an example input to see each convolution's input shape: "
-                         "linearize(model, images)")
+        raise ValueError(
+            "linearize needs an example input to see each convolution's input shape: linearize(model, images)"
+        )
     return linearize_with(model, lambda: model(*example_args, **example_kwargs), mode=mode)

@@ -7,15 +7,16 @@ report's title), so a mistyped path cannot overwrite params.yaml, dvc.yaml or
 a source file; a folder is emptied only when every file in it is one the command writes. Each check runs
 before anything is measured or written, and raises OutputError naming the path.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from rcnn.rules import UserError
 
@@ -27,6 +28,7 @@ class OutputError(UserError):
 @dataclass(frozen=True)
 class Kind:
     """What a command writes at a path, recognised in an existing file by its layout."""
+
     name: str  # with its article: "an Optuna journal"
     recognises: Callable[[Path], bool]
 
@@ -54,8 +56,13 @@ def csv_with(*columns: str) -> Kind:
 
 def json_object(name: str, *keys: str) -> Kind:
     """A JSON object holding any of ``keys``."""
-    return Kind(name, lambda path: isinstance(data := parse_json(path.read_text(errors="replace")), dict)
-                and any(k in data for k in keys))
+    return Kind(
+        name,
+        lambda path: (
+            isinstance(data := parse_json(path.read_text(errors="replace")), dict)
+            and any(k in data for k in keys)
+        ),
+    )
 
 
 def text_start(name: str, prefix: str) -> Kind:
@@ -65,7 +72,9 @@ def text_start(name: str, prefix: str) -> Kind:
 CSV = Kind("a CSV table", lambda path: "," in first_line_of(path) and b"\0" not in _head(path))
 PNG = Kind("a PNG image", lambda path: _head(path, 8) == b"\x89PNG\r\n\x1a\n")
 # SQLite creates a database file empty and writes its header with the first table.
-SQLITE = Kind("an SQLite database", lambda path: path.stat().st_size == 0 or _head(path, 16) == b"SQLite format 3\0")
+SQLITE = Kind(
+    "an SQLite database", lambda path: path.stat().st_size == 0 or _head(path, 16) == b"SQLite format 3\0"
+)
 
 
 def project_root(start: str | Path) -> Path:
@@ -95,8 +104,10 @@ def check_output(path: str | Path, kind: Kind, *, root: Path, what: str) -> Path
     if resolved.is_dir():
         raise OutputError(f"{what}: {path} is a folder; allowed: a file path")
     if resolved.exists() and not is_ours(resolved, kind):
-        raise OutputError(f"{what}: {path} exists and is not {kind.name} this command wrote; allowed: a new "
-                          f"path or one it wrote before (nothing was changed)")
+        raise OutputError(
+            f"{what}: {path} exists and is not {kind.name} this command wrote; allowed: a new "
+            f"path or one it wrote before (nothing was changed)"
+        )
     return resolved
 
 
@@ -127,11 +138,15 @@ def claim_folder(folder: str | Path, owned: re.Pattern, *, root: Path, what: str
     if not resolved.is_dir():
         raise OutputError(f"{what}: {folder} is a file; allowed: an absent or empty folder, or one it wrote")
     entries = list(resolved.iterdir())
-    foreign = sorted(e.name for e in entries if e.is_symlink() or not e.is_file() or not owned.fullmatch(e.name))
+    foreign = sorted(
+        e.name for e in entries if e.is_symlink() or not e.is_file() or not owned.fullmatch(e.name)
+    )
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise OutputError(f"{what}: {folder} holds files this command did not write ({shown}); allowed: an absent "
-                          "or empty folder, or one it wrote (nothing was deleted)")
+        raise OutputError(
+            f"{what}: {folder} holds files this command did not write ({shown}); allowed: an absent "
+            "or empty folder, or one it wrote (nothing was deleted)"
+        )
     return entries
 
 

@@ -2,16 +2,18 @@
 the errors of values and files a user gives.
 
 The rules themselves live beside the names they constrain (rcnn.detector.schema, rcnn.measure.settings);
-pipeline/params.py puts the same object in its field metadata and the commands pass it to argparse (``type=IMAGE_SIZE.arg(int)``), so a bad
-value reads the same wherever it is given. The caller names the key (``model.image_size``,
-``--image-size``): the library knows no params.yaml keys. No torch here.
+pipeline/params.py puts the same object in its field metadata and the commands pass it to argparse
+(``type=IMAGE_SIZE.arg(int)``), so a bad value reads the same wherever it is given. The caller names the key
+(``model.image_size``, ``--image-size``): the library knows no params.yaml keys. No torch here.
 """
+
 from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -36,6 +38,7 @@ class Rule:
     """Allowed values: one of ``choices`` (any iterable: a lookup's keys) or, with ``other``, a text matching
     its pattern (``other = (regex, what it is called)``); at least ``minimum``; a multiple of ``multiple_of``.
     None leaves that check out."""
+
     choices: Iterable | None = None
     minimum: float | None = None
     multiple_of: int | None = None
@@ -66,15 +69,18 @@ class Rule:
 
     def arg(self, convert: Callable[[str], T] = str) -> Callable[[str], T]:
         """An argparse ``type=``: converts the text, then checks it; argparse adds the option's name."""
+
         def parse(text: str) -> T:
             try:
                 value = convert(text)
             except ValueError:
                 raise argparse.ArgumentTypeError(
-                    f"expected {getattr(convert, '__name__', convert)}, got {text!r}") from None
+                    f"expected {getattr(convert, '__name__', convert)}, got {text!r}"
+                ) from None
             if problem := self.problem(value):
                 raise argparse.ArgumentTypeError(problem)
             return value
+
         return parse
 
     @property

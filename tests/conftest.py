@@ -1,4 +1,5 @@
 """Shared fixtures: the real params shrunk to a tiny detector, outputs under tmp_path."""
+
 from __future__ import annotations
 
 import shutil
@@ -19,14 +20,29 @@ ROOT = Path(__file__).resolve().parents[1]
 
 TINY_PARAMS = {
     "data": {"num_images": 4, "image_size": 64, "num_classes": 2, "seed": 0},
-    "model": {"backbone": "mobilenet_v3_fpn", "image_size": 64, "rois_per_image": 8, "representation_size": 32},
-    "sweep": {"device": "cpu", "profile_steps": 1,
-              "space": {"head": ["linear", "conv"], "onednn": [True], "amp": ["off"], "channels_last": [False],
-                        "batch_size": [2], "linearize": [False]}},
+    "model": {
+        "backbone": "mobilenet_v3_fpn",
+        "image_size": 64,
+        "rois_per_image": 8,
+        "representation_size": 32,
+    },
+    "sweep": {
+        "device": "cpu",
+        "profile_steps": 1,
+        "space": {
+            "head": ["linear", "conv"],
+            "onednn": [True],
+            "amp": ["off"],
+            "channels_last": [False],
+            "batch_size": [2],
+            "linearize": [False],
+        },
+    },
     "timing": {"warmup": 1, "max_warmup": 2, "iterations": 2, "max_iterations": 3, "max_seconds": 5},
 }
-TINY_CONFIG = DetectorConfig(backbone="mobilenet_v3_fpn", image_size=64, rois_per_image=8,
-                             representation_size=32, num_classes=2)
+TINY_CONFIG = DetectorConfig(
+    backbone="mobilenet_v3_fpn", image_size=64, rois_per_image=8, representation_size=32, num_classes=2
+)
 
 
 def merged(base: dict, override: dict) -> dict:
@@ -37,10 +53,19 @@ def merged(base: dict, override: dict) -> dict:
 
 
 def copy_project(dest: Path) -> Path:
-    """The project's files as a new user's clone holds them (tracked or new, not ignored; no .git) in ``dest``,
+    """The project's files as a new user's clone holds them (tracked or new, not ignored; no .git) in
+    ``dest``,
     with the tiny params merged into its params.yaml."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, check=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, listed):
         if (ROOT / name).is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
@@ -53,8 +78,13 @@ def copy_project(dest: Path) -> Path:
 def write_tiny_params(folder: Path, override: dict | None = None) -> Path:
     """The repo's params.yaml shrunk to TINY_PARAMS, stores under ``folder``, plus ``override``: its path."""
     raw = merged(yaml.safe_load((ROOT / "params.yaml").read_text()), TINY_PARAMS)
-    raw = merged(raw, {"sweep": {"storage": str(folder / "optuna.journal")},
-                       "tracking": {"mlflow_uri": f"sqlite:///{folder / 'mlflow.db'}", "experiment": "test"}})
+    raw = merged(
+        raw,
+        {
+            "sweep": {"storage": str(folder / "optuna.journal")},
+            "tracking": {"mlflow_uri": f"sqlite:///{folder / 'mlflow.db'}", "experiment": "test"},
+        },
+    )
     raw = merged(raw, override or {})
     path = folder / "params.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -62,7 +92,8 @@ def write_tiny_params(folder: Path, override: dict | None = None) -> Path:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Tests marked gpu run where torch sees a CUDA GPU (``pytest -m gpu`` on such a machine); elsewhere skip."""
+    """Tests marked gpu run where torch sees a CUDA GPU (``pytest -m gpu`` on such a machine); elsewhere
+    skip."""
     if item.get_closest_marker("gpu") and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
 
@@ -73,7 +104,11 @@ def tiny_params(tmp_path: Path):
     return lambda override=None: write_tiny_params(tmp_path, override)
 
 
-FAKE_HEADS = {"linear": (10.0, 100.0), "conv": (40.0, 130.0), "conv_as_linear": (11.0, 101.0)}  # head bwd, bwd
+FAKE_HEADS = {
+    "linear": (10.0, 100.0),
+    "conv": (40.0, 130.0),
+    "conv_as_linear": (11.0, 101.0),
+}  # head bwd, bwd
 
 
 def fake_trials(scale: float = 1.0, batch_2_cost: float = 2.0) -> tuple[pd.DataFrame, dict]:
@@ -87,19 +122,56 @@ def fake_trials(scale: float = 1.0, batch_2_cost: float = 2.0) -> tuple[pd.DataF
     for bs, factor in ((1, 1.0), (2, batch_2_cost)):
         for head, (head_bwd, bwd) in FAKE_HEADS.items():
             n, f = len(rows), factor * scale
-            samples[n] = {"head_backward": list(head_bwd * f * rng.uniform(0.99, 1.01, 15)),
-                          "backward": list(bwd * f * rng.uniform(0.99, 1.01, 15)),
-                          "step": list(2 * bwd * f * rng.uniform(0.99, 1.01, 15))}
+            samples[n] = {
+                "head_backward": list(head_bwd * f * rng.uniform(0.99, 1.01, 15)),
+                "backward": list(bwd * f * rng.uniform(0.99, 1.01, 15)),
+                "step": list(2 * bwd * f * rng.uniform(0.99, 1.01, 15)),
+            }
             medians = {f"{p}_ms": float(np.median(v)) for p, v in samples[n].items()}
-            rows.append({"trial": n, "status": "complete", "device": "cpu", "head": head, "cudnn_benchmark": "n/a",
-                         "onednn": True, "amp": "off", "channels_last": False, "batch_size": bs, "linearize": False,
-                         "tf32": "n/a", "compile": "off", **medians, "swapped": "",
-                         "forward_ms": 0.5 * bwd * f, "optimizer_ms": 5.0 * f, "head_forward_ms": head_bwd * f / 2,
-                         "peak_mem_mb": 1000.0 + 100 * bs + (50 if head == "conv" else 0),
-                         "head_forward_tflops": 0.2, "head_backward_tflops": 0.4 / (head_bwd / 10),
-                         "head_forward_peak_fraction": 0.5, "head_backward_peak_fraction": 1.0 / (head_bwd / 10),
-                         "head_backward_gflop": 4.0, "isolated_head_backward_ms": head_bwd * f, "iterations": 15})
-    rows.append({"trial": len(rows), "status": "failed", "device": "cpu", "head": "conv", "cudnn_benchmark": "n/a",
-                 "onednn": True, "amp": "off", "channels_last": True, "batch_size": 1, "linearize": False,
-                 "tf32": "n/a", "compile": "off", "error": "RuntimeError: boom"})
+            rows.append(
+                {
+                    "trial": n,
+                    "status": "complete",
+                    "device": "cpu",
+                    "head": head,
+                    "cudnn_benchmark": "n/a",
+                    "onednn": True,
+                    "amp": "off",
+                    "channels_last": False,
+                    "batch_size": bs,
+                    "linearize": False,
+                    "tf32": "n/a",
+                    "compile": "off",
+                    **medians,
+                    "swapped": "",
+                    "forward_ms": 0.5 * bwd * f,
+                    "optimizer_ms": 5.0 * f,
+                    "head_forward_ms": head_bwd * f / 2,
+                    "peak_mem_mb": 1000.0 + 100 * bs + (50 if head == "conv" else 0),
+                    "head_forward_tflops": 0.2,
+                    "head_backward_tflops": 0.4 / (head_bwd / 10),
+                    "head_forward_peak_fraction": 0.5,
+                    "head_backward_peak_fraction": 1.0 / (head_bwd / 10),
+                    "head_backward_gflop": 4.0,
+                    "isolated_head_backward_ms": head_bwd * f,
+                    "iterations": 15,
+                }
+            )
+    rows.append(
+        {
+            "trial": len(rows),
+            "status": "failed",
+            "device": "cpu",
+            "head": "conv",
+            "cudnn_benchmark": "n/a",
+            "onednn": True,
+            "amp": "off",
+            "channels_last": True,
+            "batch_size": 1,
+            "linearize": False,
+            "tf32": "n/a",
+            "compile": "off",
+            "error": "RuntimeError: boom",
+        }
+    )
     return pd.DataFrame(rows).reindex(columns=TRIAL_COLUMNS), samples

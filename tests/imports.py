@@ -1,5 +1,6 @@
 """What a module of this project imports, read from its source (ast): for dvc.yaml's deps and the library's
 import directions."""
+
 from __future__ import annotations
 
 import ast
@@ -9,7 +10,8 @@ from tests.conftest import ROOT
 
 
 def module_file(name: str) -> Path | None:
-    """The file of module ``name`` in this project (a package's ``__init__.py``), or None if it is not ours."""
+    """The file of module ``name`` in this project (a package's ``__init__.py``), or None if it is not
+    ours."""
     path = ROOT.joinpath(*name.split("."))
     for candidate in (path.with_suffix(".py"), path / "__init__.py"):
         if candidate.is_file():
@@ -27,7 +29,7 @@ def imported_names(path: Path, name: str) -> set[str]:
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: level 1 is this package, each more level one package up
-                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(parts + ([node.module] if node.module else []))
             else:
                 base = node.module
@@ -38,7 +40,8 @@ def imported_names(path: Path, name: str) -> set[str]:
 
 
 def import_closure(module: str) -> set[str]:
-    """The project files ``python -m module`` runs: its module, its packages, and all they import, transitively."""
+    """The project files ``python -m module`` runs: its module, its packages, and all they import,
+    transitively."""
     todo = [".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 2)]
     seen: dict[str, Path] = {}
     while todo:

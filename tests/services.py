@@ -5,6 +5,7 @@ Their secrets live in private folders outside pytest's tmp_path; clients get the
 `.ci/run` installs PostgreSQL (scripts/install-test-services.sh); elsewhere a machine without it skips those
 tests, but CI (CI=true) fails them, so a missing install step cannot pass unseen.
 """
+
 from __future__ import annotations
 
 import base64
@@ -21,9 +22,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -64,6 +65,7 @@ def _secret_home(prefix: str, owner: str | None = None) -> Path:
 class Postgres:
     """A running cluster: a URL per database, without a password, and the role's password, which clients
     read from PGPASSWORD (``env``), as the README tells every machine to."""
+
     urls: dict[str, str]
     password: str
     log: Path  # the server's log
@@ -93,19 +95,44 @@ def postgres(databases: tuple[str, ...]) -> Iterator[Postgres]:
         pwfile.write_text(password + "\n")
         if as_user:
             shutil.chown(pwfile, "postgres")
-        run(str(binaries / "initdb"), "-D", str(data), "-U", USER, "--auth-local=trust",
-            "--auth-host=scram-sha-256", f"--pwfile={pwfile}")
+        run(
+            str(binaries / "initdb"),
+            "-D",
+            str(data),
+            "-U",
+            USER,
+            "--auth-local=trust",
+            "--auth-host=scram-sha-256",
+            f"--pwfile={pwfile}",
+        )
         pwfile.unlink()
-        run(str(binaries / "pg_ctl"), "-D", str(data), "-l", str(home / "log"), "-w", "-t", "60", "start",
-            "-o", f"-p {port} -k {home} -c listen_addresses=127.0.0.1")
+        run(
+            str(binaries / "pg_ctl"),
+            "-D",
+            str(data),
+            "-l",
+            str(home / "log"),
+            "-w",
+            "-t",
+            "60",
+            "start",
+            "-o",
+            f"-p {port} -k {home} -c listen_addresses=127.0.0.1",
+        )
         for name in databases:
             run(str(binaries / "createdb"), "-h", str(home), "-p", str(port), "-U", USER, name)
-        yield Postgres(urls={name: f"postgresql://{USER}@127.0.0.1:{port}/{name}" for name in databases},
-                       password=password, log=home / "log")
+        yield Postgres(
+            urls={name: f"postgresql://{USER}@127.0.0.1:{port}/{name}" for name in databases},
+            password=password,
+            log=home / "log",
+        )
     finally:
         if (data / "postmaster.pid").exists():
-            subprocess.run([*as_user, str(binaries / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
-                           capture_output=True, timeout=60)
+            subprocess.run(
+                [*as_user, str(binaries / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
+                capture_output=True,
+                timeout=60,
+            )
         shutil.rmtree(home, ignore_errors=True)
 
 
@@ -113,6 +140,7 @@ def postgres(databases: tuple[str, ...]) -> Iterator[Postgres]:
 class MlflowServer:
     """A running ``mlflow server --app-name basic-auth`` and a service user the sweeps log as (not the
     admin); clients read the user's credentials from the environment (``env``)."""
+
     uri: str
     username: str
     password: str
@@ -129,8 +157,9 @@ def _basic_auth(username: str, password: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def mlflow_server(backend_uri: str, artifacts: Path, env: dict[str, str] | None = None,
-                  username: str = "sweep") -> Iterator[MlflowServer]:
+def mlflow_server(
+    backend_uri: str, artifacts: Path, env: dict[str, str] | None = None, username: str = "sweep"
+) -> Iterator[MlflowServer]:
     """`mlflow server` with MLflow's basic authentication on 127.0.0.1, its runs in ``backend_uri`` (``env``:
     what the server needs to reach it, such as PGPASSWORD) and its log beside ``artifacts``. Its admin
     password (random: MLflow ships none) and the auth database live in a private folder outside tmp_path;
@@ -139,19 +168,46 @@ def mlflow_server(backend_uri: str, artifacts: Path, env: dict[str, str] | None 
     admin_password = secrets.token_hex(16)
     (home / "auth.ini").write_text(
         "[mlflow]\ndefault_permission = READ\n"
-        f"database_uri = sqlite:///{home / 'auth.db'}\nadmin_username = admin\nadmin_password = {admin_password}\n"
+        f"database_uri = sqlite:///{home / 'auth.db'}\nadmin_username = admin\nadmin_password = "
+        f"{admin_password}\n"
         "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
-        "auth_cache_ttl_seconds = 60\n")  # else every request hashes the password (scrypt, ~0.1 s of CPU)
+        "auth_cache_ttl_seconds = 60\n"
+    )  # else every request hashes the password (scrypt, ~0.1 s of CPU)
     port = free_port()
     uri = f"http://127.0.0.1:{port}"
-    log = open(artifacts.parent / "mlflow-server.log", "w")
-    server_env = os.environ | (env or {}) | {"MLFLOW_AUTH_CONFIG_PATH": str(home / "auth.ini"),
-                                             "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16)}  # CSRF
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth",
-                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-                             "--backend-store-uri", backend_uri, "--artifacts-destination", str(artifacts)],
-                            stdout=log, stderr=subprocess.STDOUT, env=server_env,
-                            start_new_session=True)  # its own process group: the server's children stop with it
+    log = open(artifacts.parent / "mlflow-server.log", "w")  # noqa: SIM115 (the server writes it until it stops)
+    server_env = (
+        os.environ
+        | (env or {})
+        | {
+            "MLFLOW_AUTH_CONFIG_PATH": str(home / "auth.ini"),
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16),
+        }
+    )  # CSRF
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--app-name",
+            "basic-auth",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            backend_uri,
+            "--artifacts-destination",
+            str(artifacts),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=server_env,
+        start_new_session=True,
+    )  # its own process group: the server's children stop with it
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -160,16 +216,19 @@ def mlflow_server(backend_uri: str, artifacts: Path, env: dict[str, str] | None 
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"mlflow server did not start; see {log.name}")
+                    raise RuntimeError(f"mlflow server did not start; see {log.name}") from None
                 time.sleep(1)
         password = secrets.token_hex(16)
         create = urllib.request.Request(
-            f"{uri}/api/2.0/mlflow/users/create", method="POST",
+            f"{uri}/api/2.0/mlflow/users/create",
+            method="POST",
             data=json.dumps({"username": username, "password": password}).encode(),
-            headers={"Content-Type": "application/json"} | _basic_auth("admin", admin_password))
+            headers={"Content-Type": "application/json"} | _basic_auth("admin", admin_password),
+        )
         urllib.request.urlopen(create, timeout=30).close()
-        yield MlflowServer(uri=uri, username=username, password=password, admin_password=admin_password,
-                           log=Path(log.name))
+        yield MlflowServer(
+            uri=uri, username=username, password=password, admin_password=admin_password, log=Path(log.name)
+        )
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:

@@ -1,5 +1,6 @@
 """dvc.yaml: each stage depends on every file of this project its command imports, computed from the code, so
 DVC reruns a stage whenever code it runs changes."""
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,10 @@ def test_a_stage_depends_on_every_file_its_command_imports(stage):
     closure = import_closure(module)
     assert module_file(module) is not None, f"stage {stage}: {module} is not a module of this project"
     missing = sorted(path for path in closure if not covered(path, dep_paths(STAGES[stage])))
-    assert not missing, (f"stage {stage} (python -m {module}) imports files its deps in dvc.yaml do not cover: "
-                         + ", ".join(missing))
+    assert not missing, (
+        f"stage {stage} (python -m {module}) imports files its deps in dvc.yaml do not cover: "
+        + ", ".join(missing)
+    )
 
 
 @pytest.mark.parametrize("stage", sorted(STAGES))
@@ -53,10 +56,18 @@ def test_a_stage_lists_no_source_file_it_does_not_import(stage):
 
 def test_the_closure_follows_every_import_form(tmp_path, monkeypatch):
     (tmp_path / "pkg" / "sub").mkdir(parents=True)
-    files = {"pkg/__init__.py": "", "pkg/main.py": "import pkg.a\nfrom pkg import b\nfrom . import c\n"
-             "def f():\n    from .sub.d import x\n", "pkg/a.py": "import os\n", "pkg/b.py": "from .sub import e\n",
-             "pkg/c.py": "", "pkg/sub/__init__.py": "", "pkg/sub/d.py": "x = 1\n", "pkg/sub/e.py": "",
-             "pkg/unused.py": ""}
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/main.py": "import pkg.a\nfrom pkg import b\nfrom . import c\n"
+        "def f():\n    from .sub.d import x\n",
+        "pkg/a.py": "import os\n",
+        "pkg/b.py": "from .sub import e\n",
+        "pkg/c.py": "",
+        "pkg/sub/__init__.py": "",
+        "pkg/sub/d.py": "x = 1\n",
+        "pkg/sub/e.py": "",
+        "pkg/unused.py": "",
+    }
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     monkeypatch.setattr("tests.imports.ROOT", tmp_path)
@@ -64,25 +75,39 @@ def test_the_closure_follows_every_import_form(tmp_path, monkeypatch):
 
 
 def scratch_project(folder: Path) -> Path:
-    """A copy of the project's files (tracked or new, not ignored) as a new git repository with one commit, the
+    """A copy of the project's files (tracked or new, not ignored) as a new git repository with one commit,
+    the
     tiny params and the .venv linked in."""
     copy_project(folder)
     (folder / ".venv").symlink_to(ROOT / ".venv")
-    for argv in (["init", "-q"], ["config", "user.name", "test"], ["config", "user.email", "test@example.com"],
-                 ["add", "-A"], ["commit", "-q", "-m", "tiny params"]):
+    for argv in (
+        ["init", "-q"],
+        ["config", "user.name", "test"],
+        ["config", "user.email", "test@example.com"],
+        ["add", "-A"],
+        ["commit", "-q", "-m", "tiny params"],
+    ):
         subprocess.run(["git", *argv], cwd=folder, check=True)
-    (folder / ".git" / "info" / "exclude").write_text(".venv\n")  # a link: .gitignore's /.venv/ names a folder
+    (folder / ".git" / "info" / "exclude").write_text(
+        ".venv\n"
+    )  # a link: .gitignore's /.venv/ names a folder
     return folder
 
 
 def experiments(shown: list[dict]) -> list[dict]:
     """The experiments' data in ``dvc exp show --json``: under each baseline commit, not the workspace."""
-    return [rev["data"] for commit in shown if commit.get("rev") != "workspace"
-            for exp in commit.get("experiments") or [] for rev in exp["revs"]]
+    return [
+        rev["data"]
+        for commit in shown
+        if commit.get("rev") != "workspace"
+        for exp in commit.get("experiments") or []
+        for rev in exp["revs"]
+    ]
 
 
 def scalars(value: dict, prefix: str = "") -> dict:
-    """A metrics file as dvc shows it: its numbers, strings and booleans by key path (nulls and lists left out)."""
+    """A metrics file as dvc shows it: its numbers, strings and booleans by key path (nulls and lists left
+    out)."""
     flat = {}
     for key, item in value.items():
         if isinstance(item, dict):
@@ -94,7 +119,9 @@ def scalars(value: dict, prefix: str = "") -> dict:
 
 @pytest.mark.slow
 def test_the_readme_experiment_command_runs_one_that_dvc_exp_show_lists(tmp_path):
-    line = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("make exp "))
+    line = next(
+        line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("make exp ")
+    )
     target, args = shlex.split(line, comments=True)[1:]
     assert target == "exp" and args.startswith("ARGS=-S "), line
     project = scratch_project(tmp_path / "project")
@@ -103,8 +130,9 @@ def test_the_readme_experiment_command_runs_one_that_dvc_exp_show_lists(tmp_path
     result = subprocess.run(argv, cwd=project, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
-    shown = subprocess.run([".venv/bin/dvc", "exp", "show", "--json"], cwd=project, capture_output=True, text=True,
-                           check=True)
+    shown = subprocess.run(
+        [".venv/bin/dvc", "exp", "show", "--json"], cwd=project, capture_output=True, text=True, check=True
+    )
     summary = json.loads((project / "results" / "summary.json").read_text())
     runs = experiments(json.loads(shown.stdout))
     assert len(runs) == 1, shown.stdout

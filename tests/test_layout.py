@@ -1,5 +1,7 @@
-"""The library's rooms import one way: detector -> doctor -> fix -> measure -> the shared plumbing, never back,
+"""The library's rooms import one way: detector -> doctor -> fix -> measure -> the shared plumbing, never
+back,
 and none of them imports the pipeline or its tools."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,14 +11,28 @@ from tests.imports import imported_names
 
 # Each room may import its own modules and those of the rooms below it.
 ROOMS = ["plumbing", "measure", "fix", "doctor", "detector", "aliases"]
-ROOM_OF = {"rcnn.measure": "measure", "rcnn.fix": "fix", "rcnn.disguise": "fix", "rcnn.doctor": "doctor",
-           "rcnn.detector": "detector", "rcnn.bench": "aliases", "rcnn.heads": "aliases"}
-TOOLS = ("pipeline", "optuna", "mlflow", "dvc")  # the sweep's; the doctor's --mlflow imports mlflow on its own
+ROOM_OF = {
+    "rcnn.measure": "measure",
+    "rcnn.fix": "fix",
+    "rcnn.disguise": "fix",
+    "rcnn.doctor": "doctor",
+    "rcnn.detector": "detector",
+    "rcnn.bench": "aliases",
+    "rcnn.heads": "aliases",
+}
+TOOLS = (
+    "pipeline",
+    "optuna",
+    "mlflow",
+    "dvc",
+)  # the sweep's; the doctor's --mlflow imports mlflow on its own
 
 
 def room(module: str) -> str:
-    return next((r for prefix, r in ROOM_OF.items() if module == prefix or module.startswith(prefix + ".")),
-                "plumbing")
+    return next(
+        (r for prefix, r in ROOM_OF.items() if module == prefix or module.startswith(prefix + ".")),
+        "plumbing",
+    )
 
 
 def library_modules() -> dict[str, object]:

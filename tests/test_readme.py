@@ -1,5 +1,7 @@
-"""The README's commands name modules, flags, make targets, stages, params keys and scripts that exist: each runs
+"""The README's commands name modules, flags, make targets, stages, params keys and scripts that exist: each
+runs
 in a dry form (``--help``, ``make -n``), so a rename that leaves the README behind fails here."""
+
 from __future__ import annotations
 
 import functools
@@ -67,7 +69,9 @@ def commands(line: str) -> list[list[str]]:
 
 
 def is_project_command(argv: list[str]) -> bool:
-    if re.search(r"<\w[^>]*>|\.\.\.|\$\(", " ".join(argv)):  # a placeholder: pipeline.<stage>, -S ..., $(ARGS)
+    if re.search(
+        r"<\w[^>]*>|\.\.\.|\$\(", " ".join(argv)
+    ):  # a placeholder: pipeline.<stage>, -S ..., $(ARGS)
         return False
     if argv[0] in PYTHONS:
         return len(argv) > 1  # not the word `python` in a sentence
@@ -100,15 +104,23 @@ def subcommand(argv: list[str]) -> list[str]:
 
 @functools.cache
 def run(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=os.environ | {"NO_COLOR": "1", "COLUMNS": "200"})
+    return subprocess.run(
+        argv,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ | {"NO_COLOR": "1", "COLUMNS": "200"},
+    )
 
 
 def check_help(argv: list[str], passed: list[str]) -> None:
     """The help ``argv`` prints (exit 0) names every option in ``passed``."""
     result = run(*argv)
     assert result.returncode == 0, f"{shlex.join(argv)}: exit {result.returncode}\n{result.stderr[-2000:]}"
-    missing = [flag for flag in passed if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", result.stdout)]
+    missing = [
+        flag for flag in passed if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", result.stdout)
+    ]
     assert not missing, f"{shlex.join(argv)} does not list {', '.join(missing)}"
 
 
@@ -141,7 +153,7 @@ def check_paths(args: list[str]) -> None:
 def check_python(argv: list[str]) -> None:
     if argv[1] == "-m":
         words = subcommand(argv[2:])
-        check_help([sys.executable, "-m", *words, "--help"], options(argv[2 + len(words):]))
+        check_help([sys.executable, "-m", *words, "--help"], options(argv[2 + len(words) :]))
         check_paths(argv[3:])
     else:
         assert argv[1].endswith(".py") and (ROOT / argv[1]).is_file(), f"{argv[1]}: no such script"
@@ -159,7 +171,7 @@ def check_make(argv: list[str]) -> None:
 
 def check_dvc(argv: list[str]) -> None:
     words = subcommand(argv[1:])
-    check_help([str(BIN / "dvc"), *words, "--help"], options(argv[1 + len(words):]))
+    check_help([str(BIN / "dvc"), *words, "--help"], options(argv[1 + len(words) :]))
     if words[0] == "repro":  # its targets: stages of dvc.yaml (a dry repro would take the repository's lock)
         stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
         unknown = set(words[1:]) - set(stages)
@@ -169,7 +181,7 @@ def check_dvc(argv: list[str]) -> None:
 
 def check_mlflow(argv: list[str]) -> None:
     words = subcommand(argv[1:])
-    check_help([str(BIN / "mlflow"), *words, "--help"], options(argv[1 + len(words):]))
+    check_help([str(BIN / "mlflow"), *words, "--help"], options(argv[1 + len(words) :]))
 
 
 def check_script(argv: list[str]) -> None:
@@ -203,8 +215,18 @@ def test_a_readme_command_names_what_exists(argv):
 def test_the_readme_commands_are_found():
     """The extraction itself: each kind of command the README shows is among those checked."""
     starts = {shlex.join(argv[:2]) for argv in COMMANDS}
-    assert {"make repro", "make test", "make test-fast", "make exp", ".venv/bin/dvc exp", ".venv/bin/dvc repro",
-            ".venv/bin/python -m", "python3 -m", "mlflow server", "scripts/device-check.sh presets/h200.yaml"} <= starts
+    assert {
+        "make repro",
+        "make test",
+        "make test-fast",
+        "make exp",
+        ".venv/bin/dvc exp",
+        ".venv/bin/dvc repro",
+        ".venv/bin/python -m",
+        "python3 -m",
+        "mlflow server",
+        "scripts/device-check.sh presets/h200.yaml",
+    } <= starts
 
 
 def test_a_renamed_flag_module_target_or_param_fails():
@@ -227,7 +249,9 @@ def test_a_renamed_flag_module_target_or_param_fails():
 def test_the_readme_python_snippets_import_what_exists():
     """Each import in the README's python blocks names a module and attribute that exist."""
     blocks = re.findall(r"^```python\n(.*?)^```", README, flags=re.S | re.M)
-    imports = [line for block in blocks for line in block.splitlines() if re.match(r"(from \S+ )?import ", line)]
+    imports = [
+        line for block in blocks for line in block.splitlines() if re.match(r"(from \S+ )?import ", line)
+    ]
     assert imports
     result = run(sys.executable, "-c", "\n".join(imports))
     assert result.returncode == 0, result.stderr[-2000:]

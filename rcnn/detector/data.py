@@ -1,4 +1,5 @@
 """Detection samples: a seeded synthetic scene generator, a COCO-format reader, fixed-shape device batches."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,8 @@ from rcnn.rules import UserError
 
 @dataclass(frozen=True)
 class Sample:
-    image: torch.Tensor   # (3, H, W) uint8
-    boxes: torch.Tensor   # (K, 4) float32, x1 y1 x2 y2 in pixels
+    image: torch.Tensor  # (3, H, W) uint8
+    boxes: torch.Tensor  # (K, 4) float32, x1 y1 x2 y2 in pixels
     labels: torch.Tensor  # (K,) int64 in 1..num_classes (0 is background)
 
 
@@ -25,8 +26,9 @@ class DataError(UserError):
     """A dataset folder or file that cannot be used; the message names it."""
 
 
-def synthetic_samples(*, num_images: int, image_size: int, num_classes: int, seed: int,
-                      max_objects: int = 4) -> list[Sample]:
+def synthetic_samples(
+    *, num_images: int, image_size: int, num_classes: int, seed: int, max_objects: int = 4
+) -> list[Sample]:
     """Noisy backgrounds with 1..max_objects filled shapes; class k has its own colour and shape.
 
     Deterministic for the same arguments (numpy's PCG64), so files written from it are byte-identical.
@@ -51,11 +53,13 @@ def synthetic_samples(*, num_images: int, image_size: int, num_classes: int, see
             image[mask] = palette[label - 1]
             boxes.append([x1, y1, x2, y2])
             labels.append(label)
-        samples.append(Sample(
-            image=torch.from_numpy(image).permute(2, 0, 1).contiguous(),
-            boxes=torch.tensor(boxes, dtype=torch.float32),
-            labels=torch.tensor(labels, dtype=torch.int64),
-        ))
+        samples.append(
+            Sample(
+                image=torch.from_numpy(image).permute(2, 0, 1).contiguous(),
+                boxes=torch.tensor(boxes, dtype=torch.float32),
+                labels=torch.tensor(labels, dtype=torch.int64),
+            )
+        )
     return samples
 
 
@@ -67,9 +71,16 @@ def to_coco(samples: list[Sample], file_names: list[str], num_classes: int) -> d
         images.append({"id": image_id, "file_name": name, "width": width, "height": height})
         for box, label in zip(sample.boxes.tolist(), sample.labels.tolist()):
             x1, y1, x2, y2 = box
-            annotations.append({"id": len(annotations) + 1, "image_id": image_id, "category_id": label,
-                                "bbox": [x1, y1, x2 - x1, y2 - y1], "area": (x2 - x1) * (y2 - y1),
-                                "iscrowd": 0})
+            annotations.append(
+                {
+                    "id": len(annotations) + 1,
+                    "image_id": image_id,
+                    "category_id": label,
+                    "bbox": [x1, y1, x2 - x1, y2 - y1],
+                    "area": (x2 - x1) * (y2 - y1),
+                    "iscrowd": 0,
+                }
+            )
     categories = [{"id": k, "name": f"class_{k}"} for k in range(1, num_classes + 1)]
     return {"images": images, "annotations": annotations, "categories": categories}
 
@@ -91,6 +102,7 @@ class CocoSet:
     ``dropped`` counts only the images looked at (up to ``limit`` usable ones) and their annotations; its
     "box clipped to the image" entry counts boxes that were kept after clipping, for information.
     """
+
     samples: list[Sample]
     num_classes: int
     dropped: dict[str, int]
@@ -102,13 +114,18 @@ def describe_dropped(dropped: dict[str, int]) -> str:
 
 
 def _is_bbox(bbox: object) -> bool:
-    return (isinstance(bbox, list) and len(bbox) == 4
-            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in bbox))
+    return (
+        isinstance(bbox, list)
+        and len(bbox) == 4
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in bbox)
+    )
 
 
-def _usable_boxes(anns: list[dict], *, width: int, height: int, class_of: dict[int, int],
-                  counts: Counter) -> tuple[list[list[float]], list[int]]:
-    """The training boxes (x1 y1 x2 y2, clipped to the image's own pixels) and labels of one image's annotations.
+def _usable_boxes(
+    anns: list[dict], *, width: int, height: int, class_of: dict[int, int], counts: Counter
+) -> tuple[list[list[float]], list[int]]:
+    """The training boxes (x1 y1 x2 y2, clipped to the image's own pixels) and labels of one image's
+    annotations.
 
     As torchvision's detection references (ConvertCocoPolysToMask): crowd regions are left out, boxes are
     clipped to the image and those left with no area dropped, since the detector's loss rejects them.
@@ -123,8 +140,12 @@ def _usable_boxes(anns: list[dict], *, width: int, height: int, class_of: dict[i
             counts["unknown category"] += 1
         else:
             x, y, w, h = ann["bbox"]
-            box = [min(max(x, 0), width), min(max(y, 0), height),
-                   min(max(x + w, 0), width), min(max(y + h, 0), height)]
+            box = [
+                min(max(x, 0), width),
+                min(max(y, 0), height),
+                min(max(x + w, 0), width),
+                min(max(y + h, 0), height),
+            ]
             if box[2] <= box[0] or box[3] <= box[1]:
                 counts["box with no area after clipping to the image"] += 1
                 continue
@@ -156,7 +177,9 @@ def _inside(folder: Path, file_name: object, ann_path: Path) -> Path:
         raise DataError(f"{ann_path}: file_name {file_name!r} is not a string")
     path = folder / file_name
     if not path.resolve().is_relative_to(folder.resolve()):
-        raise DataError(f"{ann_path}: file_name {file_name!r} leaves {folder}; allowed: a path inside the folder")
+        raise DataError(
+            f"{ann_path}: file_name {file_name!r} leaves {folder}; allowed: a path inside the folder"
+        )
     return path
 
 
@@ -183,8 +206,10 @@ def read_coco(folder: str | Path, *, image_size: int, limit: int | None = None) 
     except FileNotFoundError:
         raise DataError(f"{ann_path}: missing; a COCO-format folder needs annotations.json") from None
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
-        raise DataError(f"{ann_path}: not COCO format ({type(err).__name__}: {err}); "
-                        "needs images, annotations and categories") from None
+        raise DataError(
+            f"{ann_path}: not COCO format ({type(err).__name__}: {err}); "
+            "needs images, annotations and categories"
+        ) from None
     if not images or not categories:
         raise DataError(f"{ann_path}: no images or no categories")
     class_of = {cat_id: k for k, cat_id in enumerate(categories, start=1)}
@@ -197,8 +222,10 @@ def read_coco(folder: str | Path, *, image_size: int, limit: int | None = None) 
             width, height = int(info["width"]), int(info["height"])
             anns = by_image.get(info["id"], [])
         except (KeyError, TypeError, ValueError) as err:
-            raise DataError(f"{ann_path}: image entry {info!r:.80} needs id, width and height "
-                            f"({type(err).__name__}: {err})") from None
+            raise DataError(
+                f"{ann_path}: image entry {info!r:.80} needs id, width and height "
+                f"({type(err).__name__}: {err})"
+            ) from None
         boxes, labels = _usable_boxes(anns, width=width, height=height, class_of=class_of, counts=counts)
         if boxes:
             kept.append((info, boxes, labels))
@@ -213,16 +240,23 @@ def read_coco(folder: str | Path, *, image_size: int, limit: int | None = None) 
         try:
             with Image.open(path) as im:
                 if (im.width, im.height) != (info["width"], info["height"]):
-                    raise DataError(f"{path}: image is {im.width}x{im.height}, {ann_path.name} says "
-                                    f"{info['width']}x{info['height']} (its boxes are in those pixels)")
+                    raise DataError(
+                        f"{path}: image is {im.width}x{im.height}, {ann_path.name} says "
+                        f"{info['width']}x{info['height']} (its boxes are in those pixels)"
+                    )
                 scale_x, scale_y = image_size / im.width, image_size / im.height
                 im = _to_rgb(im).resize((image_size, image_size), Image.BILINEAR)
                 pixels = torch.from_numpy(np.asarray(im).copy()).permute(2, 0, 1).contiguous()
         except (OSError, UnidentifiedImageError) as err:
             raise DataError(f"{path}: cannot read image ({err})") from None
         scaled = [[x1 * scale_x, y1 * scale_y, x2 * scale_x, y2 * scale_y] for x1, y1, x2, y2 in boxes]
-        samples.append(Sample(image=pixels, boxes=torch.tensor(scaled, dtype=torch.float32),
-                              labels=torch.tensor(labels, dtype=torch.int64)))
+        samples.append(
+            Sample(
+                image=pixels,
+                boxes=torch.tensor(scaled, dtype=torch.float32),
+                labels=torch.tensor(labels, dtype=torch.int64),
+            )
+        )
     return CocoSet(samples=samples, num_classes=len(categories), dropped=dropped)
 
 
@@ -232,10 +266,12 @@ Batch = tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]
 def device_batches(samples: list[Sample], *, batch_size: int, device: torch.device) -> list[Batch]:
     """Full batches only (every batch has one shape), images as float in [0, 1], already on ``device``."""
     if len(samples) < batch_size:
-        raise DataError(f"batch size {batch_size} needs at least that many images, the data has {len(samples)}")
+        raise DataError(
+            f"batch size {batch_size} needs at least that many images, the data has {len(samples)}"
+        )
     batches = []
     for start in range(0, len(samples) - batch_size + 1, batch_size):
-        chunk = samples[start:start + batch_size]
+        chunk = samples[start : start + batch_size]
         images = [s.image.to(device=device, dtype=torch.float32) / 255 for s in chunk]
         targets = [{"boxes": s.boxes.to(device), "labels": s.labels.to(device)} for s in chunk]
         batches.append((images, targets))

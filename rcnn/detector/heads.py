@@ -8,17 +8,18 @@
   loads unchanged), but every conv whose kernel covers its whole input runs as one GEMM (``F.linear``):
   rcnn.fix.Conv2dAsLinear, what rcnn.fix.linearize swaps such a conv for.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from rcnn.detector.schema import HEAD
 from rcnn.factory import call_factory
 from rcnn.fix import Conv2dAsLinear
 from rcnn.rules import ValueNotAllowed
-from rcnn.detector.schema import HEAD
 
 
 def _init_like_question(module: nn.Module) -> None:
@@ -54,8 +55,9 @@ class ConvPredictor(nn.Module):
         return self.label_head(x).flatten(1), self.bbox_head(x).flatten(1)
 
 
-def linear_head(*, in_channels: int, resolution: int, representation_size: int, num_classes: int
-                ) -> tuple[nn.Module, nn.Module]:
+def linear_head(
+    *, in_channels: int, resolution: int, representation_size: int, num_classes: int
+) -> tuple[nn.Module, nn.Module]:
     head = nn.Sequential(
         nn.Flatten(start_dim=1),
         nn.Linear(in_channels * resolution * resolution, representation_size),
@@ -67,8 +69,9 @@ def linear_head(*, in_channels: int, resolution: int, representation_size: int, 
     return head, LinearPredictor(representation_size, num_classes)
 
 
-def _conv_head(conv: type[nn.Conv2d], *, in_channels: int, resolution: int, representation_size: int,
-               num_classes: int) -> tuple[nn.Module, nn.Module]:
+def _conv_head(
+    conv: type[nn.Conv2d], *, in_channels: int, resolution: int, representation_size: int, num_classes: int
+) -> tuple[nn.Module, nn.Module]:
     head = nn.Sequential(
         conv(in_channels, representation_size, kernel_size=resolution),
         nn.ReLU(inplace=True),
@@ -110,16 +113,24 @@ def users_head(spec: str, **sizes: int) -> tuple[nn.Module, nn.Module]:
         return made, Passthrough()
     if isinstance(made, tuple) and len(made) == 2 and all(isinstance(m, nn.Module) for m in made):
         return made
-    raise ValueNotAllowed("head", f"{spec}() returned {type(made).__name__}; allowed: (box_head, box_predictor) "
-                                  "or one nn.Module returning (class_logits, box_regression)")
+    raise ValueNotAllowed(
+        "head",
+        f"{spec}() returned {type(made).__name__}; allowed: (box_head, box_predictor) "
+        "or one nn.Module returning (class_logits, box_regression)",
+    )
 
 
-def build_box_head(name: str, *, in_channels: int, resolution: int, representation_size: int,
-                   num_classes: int) -> tuple[nn.Module, nn.Module]:
+def build_box_head(
+    name: str, *, in_channels: int, resolution: int, representation_size: int, num_classes: int
+) -> tuple[nn.Module, nn.Module]:
     """Return (box_head, box_predictor) for a head name in ``HEADS`` or a user's ``package.module:factory``
     (``users_head``); ``num_classes`` excludes background."""
-    sizes = dict(in_channels=in_channels, resolution=resolution, representation_size=representation_size,
-                 num_classes=num_classes)
+    sizes = {
+        "in_channels": in_channels,
+        "resolution": resolution,
+        "representation_size": representation_size,
+        "num_classes": num_classes,
+    }
     if HEAD.check(name, "head") in HEADS:
         return HEADS[name](**sizes)
     return users_head(name, **sizes)

@@ -1,9 +1,11 @@
 """The swept knobs: which settings apply on a device (with the reason when one does not) and applying them."""
+
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,13 +19,13 @@ from rcnn.rules import ValueNotAllowed
 class Knobs:
     head: str = "linear"
     cudnn_benchmark: bool | None = None  # None: not applicable on this device
-    onednn: bool | None = None           # CPU convolutions through oneDNN (torch.backends.mkldnn)
+    onednn: bool | None = None  # CPU convolutions through oneDNN (torch.backends.mkldnn)
     amp: str = "off"
     channels_last: bool = False
     batch_size: int = 2
-    linearize: bool = False              # rcnn.fix.linearize, mode auto, after the detector is built
-    tf32: bool | None = None             # CUDA: TF32 for matmul and cuDNN alike
-    compile: str = "off"                 # torch.compile of: off | head (box head and predictor) | model
+    linearize: bool = False  # rcnn.fix.linearize, mode auto, after the detector is built
+    tf32: bool | None = None  # CUDA: TF32 for matmul and cuDNN alike
+    compile: str = "off"  # torch.compile of: off | head (box head and predictor) | model
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,10 @@ def why_not(knob: str, value: Any, device: torch.device) -> str | None:
 def why_not_together(point: dict[str, Any], device: torch.device) -> tuple[tuple[str, ...], str] | None:
     """Knob combinations that do not apply although each value does: (the knobs involved, reason), or None."""
     if device.type == "cpu" and point.get("amp") == "bf16" and point.get("onednn") is False:
-        return ("amp", "onednn"), "bf16 convolutions without oneDNN run a reference path (a step takes minutes)"
+        return (
+            "amp",
+            "onednn",
+        ), "bf16 convolutions without oneDNN run a reference path (a step takes minutes)"
     return None
 
 
@@ -86,11 +91,12 @@ def backend_flags(knobs: Knobs) -> Iterator[None]:
 
 
 def compile_modules(model: nn.Module, target: str) -> list[nn.Module]:
-    """Knob compile: torch.compile the forward of the detector's box head and predictor (``head``) or of the whole
-    detector (``model``); returns the modules compiled. Their hooks stay outside the compiled code, so the
-    head's probe times it as it times the eager head.
+    """Knob compile: torch.compile the forward of the detector's box head and predictor (``head``) or of the
+    whole detector (``model``); returns the modules compiled. Their hooks stay outside the compiled code, so
+    the head's probe times it as it times the eager head.
 
-    Resets dynamo first: its cache, keyed by code, would otherwise count an earlier trial's modules towards its
+    Resets dynamo first: its cache, keyed by code, would otherwise count an earlier trial's modules towards
+    its
     recompile limit and fall back to eager. Compiling happens on the first calls."""
     if target == "off":
         return []

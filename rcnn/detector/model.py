@@ -1,4 +1,5 @@
 """Faster R-CNN from torchvision with our box head passed in, sized for fixed-shape batches."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,16 +28,24 @@ class DetectorConfig:
 
 def _resnet_fpn(depth: int) -> tuple[nn.Module, AnchorGenerator | None, MultiScaleRoIAlign]:
     # Untrained like torchvision's weights=None builders: all layers trainable, plain BatchNorm.
-    backbone = resnet_fpn_backbone(backbone_name=f"resnet{depth}", weights=None,
-                                   norm_layer=nn.BatchNorm2d, trainable_layers=5)
-    pool = MultiScaleRoIAlign(featmap_names=["0", "1", "2", "3"], output_size=ROI_RESOLUTION, sampling_ratio=2)
+    backbone = resnet_fpn_backbone(
+        backbone_name=f"resnet{depth}", weights=None, norm_layer=nn.BatchNorm2d, trainable_layers=5
+    )
+    pool = MultiScaleRoIAlign(
+        featmap_names=["0", "1", "2", "3"], output_size=ROI_RESOLUTION, sampling_ratio=2
+    )
     return backbone, None, pool
 
 
 def _mobilenet_v3_fpn() -> tuple[nn.Module, AnchorGenerator | None, MultiScaleRoIAlign]:
     # As torchvision's fasterrcnn_mobilenet_v3_large_fpn: two feature maps plus the pool level.
-    backbone = mobilenet_backbone(backbone_name="mobilenet_v3_large", weights=None, fpn=True,
-                                  norm_layer=nn.BatchNorm2d, trainable_layers=6)
+    backbone = mobilenet_backbone(
+        backbone_name="mobilenet_v3_large",
+        weights=None,
+        fpn=True,
+        norm_layer=nn.BatchNorm2d,
+        trainable_layers=6,
+    )
     anchors = AnchorGenerator(sizes=((32, 64, 128, 256, 512),) * 3, aspect_ratios=((0.5, 1.0, 2.0),) * 3)
     pool = MultiScaleRoIAlign(featmap_names=["0", "1"], output_size=ROI_RESOLUTION, sampling_ratio=2)
     return backbone, anchors, pool
@@ -53,8 +62,12 @@ def build_detector(config: DetectorConfig, head: str) -> FasterRCNN:
     """An untrained detector whose transform keeps every image at ``image_size`` x ``image_size``."""
     backbone, anchors, pool = BACKBONES[BACKBONE.check(config.backbone, "backbone")]()
     box_head, box_predictor = build_box_head(
-        head, in_channels=backbone.out_channels, resolution=ROI_RESOLUTION,
-        representation_size=config.representation_size, num_classes=config.num_classes)
+        head,
+        in_channels=backbone.out_channels,
+        resolution=ROI_RESOLUTION,
+        representation_size=config.representation_size,
+        num_classes=config.num_classes,
+    )
     return FasterRCNN(
         backbone,
         num_classes=None,  # the predictor we pass in fixes it

@@ -2,6 +2,7 @@
 
 ``python -m rcnn.bench --head conv --batch-size 2`` runs one trial on synthetic in-memory data.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,40 +13,73 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from rcnn.doctor.attribution import ModuleTimer
 from rcnn.cli import Parser
 from rcnn.detector.data import Sample, device_batches, read_coco, synthetic_samples
-from rcnn.doctor.diagnosis import diagnose
-from rcnn.fix import linearize_with
 from rcnn.detector.heads import build_box_head
-from rcnn.detector.knobs import Knobs, backend_flags, compile_modules, memory_format, why_not, why_not_together
+from rcnn.detector.knobs import (
+    Knobs,
+    backend_flags,
+    compile_modules,
+    memory_format,
+    why_not,
+    why_not_together,
+)
+from rcnn.detector.model import BACKBONE_CHANNELS, ROI_RESOLUTION, DetectorConfig, build_detector
+from rcnn.detector.schema import (
+    BACKBONE,
+    BATCH_SIZE,
+    COMPILE,
+    COMPILE_COLUMNS,
+    HEAD,
+    IMAGE_SIZE,
+    NUM_IMAGES,
+    OTHER_KNOBS,
+    PHASES,
+    REPRESENTATION_SIZE,
+    ROIS_PER_IMAGE,
+    STAT_COLUMNS,
+    WATCHED,
+)
+from rcnn.doctor.attribution import ModuleTimer
+from rcnn.doctor.diagnosis import diagnose
+from rcnn.doctor.workloads import Workload, detection_loss
+from rcnn.fix import linearize_with
+from rcnn.measure.clock import BACKWARD_RANGE, Clock, ModuleSpanProbe, PeakMemory, Stopwatch
 from rcnn.measure.device import autocast, compile_forward, grad_scaler, resolve_device
 from rcnn.measure.profiler import capture, range_table
-from rcnn.detector.model import BACKBONE_CHANNELS, DetectorConfig, ROI_RESOLUTION, build_detector
-from rcnn.rules import UserError, ValueNotAllowed, at_least
 from rcnn.measure.settings import AMP, DEVICE
-from rcnn.detector.schema import BACKBONE, BATCH_SIZE, COMPILE, COMPILE_COLUMNS, HEAD, IMAGE_SIZE, NUM_IMAGES, OTHER_KNOBS, PHASES, REPRESENTATION_SIZE, ROIS_PER_IMAGE, STAT_COLUMNS, WATCHED
-from rcnn.measure.stats import ITERATIONS, MAX_ITERATIONS, MAX_SECONDS, REL_PRECISION, WARMUP
-from rcnn.measure.stats import Stats, TimingPolicy, median_precision, summarize
-from rcnn.measure.clock import BACKWARD_RANGE, Clock, ModuleSpanProbe, PeakMemory, Stopwatch
-from rcnn.doctor.workloads import Workload, detection_loss
+from rcnn.measure.stats import (
+    ITERATIONS,
+    MAX_ITERATIONS,
+    MAX_SECONDS,
+    REL_PRECISION,
+    WARMUP,
+    Stats,
+    TimingPolicy,
+    median_precision,
+    summarize,
+)
+from rcnn.rules import UserError, ValueNotAllowed, at_least
 
 
 @dataclass(frozen=True)
 class TrialResult:
     """Per-step times of one trial (ms) with their statistics, and how the measurement went."""
+
     samples: dict[str, list[float]]  # phase -> one time per measured step
     stats: dict[str, Stats]
     peak_mem_mb: float
     warmup_iterations: int
     iterations: int
-    precision: float       # worst relative half-width of the 95% CI of a watched median
+    precision: float  # worst relative half-width of the 95% CI of a watched median
     precision_met: bool
-    rois: int              # box-head input rows per step (batch_size * rois_per_image given enough proposals)
-    swapped: str = ""      # the modules knob linearize swapped (rcnn.fix), space-separated
+    rois: int  # box-head input rows per step (batch_size * rois_per_image given enough proposals)
+    swapped: str = ""  # the modules knob linearize swapped (rcnn.fix), space-separated
     compiled: Compiled | None = None  # knob compile: what compiling cost (None: off)
     wall_s: dict[str, float] = field(default_factory=dict)  # seconds per part (build, compile, warmup, ...)
-    kernels: list[dict] = field(default_factory=list)  # rcnn.measure.profiler table when the trial was profiled
+    kernels: list[dict] = field(
+        default_factory=list
+    )  # rcnn.measure.profiler table when the trial was profiled
     modules: list[dict] = field(default_factory=list)  # rcnn.doctor's table (MODULE_COLUMNS rows), idem
 
     def median(self, phase: str) -> float:
@@ -57,19 +91,32 @@ class TrialResult:
         for phase, stats in self.stats.items():
             out |= {pattern.format(phase): getattr(stats, name) for name, pattern in STAT_COLUMNS.items()}
         compiled = {c: getattr(self.compiled, c) if self.compiled else float("nan") for c in COMPILE_COLUMNS}
-        return out | compiled | {f"wall_{part}_s": s for part, s in self.wall_s.items()} | {
-            "peak_mem_mb": self.peak_mem_mb, "warmup_iterations": self.warmup_iterations,
-            "iterations": self.iterations, "precision": self.precision, "precision_met": self.precision_met,
-            "rois": self.rois, "swapped": self.swapped}
+        return (
+            out
+            | compiled
+            | {f"wall_{part}_s": s for part, s in self.wall_s.items()}
+            | {
+                "peak_mem_mb": self.peak_mem_mb,
+                "warmup_iterations": self.warmup_iterations,
+                "iterations": self.iterations,
+                "precision": self.precision,
+                "precision_met": self.precision_met,
+                "rois": self.rois,
+                "swapped": self.swapped,
+            }
+        )
 
 
 @dataclass(frozen=True)
 class Compiled:
     """Knob compile's cost before the steady state (rcnn.detector.schema.COMPILE_COLUMNS)."""
-    compile_ms: float      # the steps that compiled (the first ones, and any recompiling one), their own run included
+
+    compile_ms: (
+        float  # the steps that compiled (the first ones, and any recompiling one), their own run included
+    )
     compile_steps: int
-    compiled_graphs: int   # graphs dynamo compiled over the whole trial
-    graph_breaks: int      # the model's graph breaks over the whole trial (the timing probe's own left out)
+    compiled_graphs: int  # graphs dynamo compiled over the whole trial
+    graph_breaks: int  # the model's graph breaks over the whole trial (the timing probe's own left out)
     break_reasons: str = ""  # one line per reason: count, then the reason's first line
 
 
@@ -93,20 +140,31 @@ class DynamoCounters:
 
     def compiled(self, compile_ms: float, compile_steps: int) -> Compiled:
         """What compiling cost since this was made, the steps that compiled given. The breaks at the timing
-        probe's hooks (kept eager under compile: model; dynamo's reason names the hook) are listed, not counted:
+        probe's hooks (kept eager under compile: model; dynamo's reason names the hook) are listed, not
+        counted:
         they are the measurement's, not the model's."""
         breaks = {reason: n - self.start_breaks.get(reason, 0) for reason, n in self.breaks().items()}
         breaks = {reason: n for reason, n in sorted(breaks.items(), key=lambda item: -item[1]) if n}
         probes = {reason for reason in breaks if ModuleSpanProbe.__name__ in reason}
-        reasons = "".join(f"{n} x {(reason.splitlines() or [''])[0]}"
-                          f"{' (the timing probe, not counted)' if reason in probes else ''}\n"
-                          for reason, n in breaks.items())
-        return Compiled(compile_ms, compile_steps, self.graphs() - self.start_graphs,
-                        sum(n for reason, n in breaks.items() if reason not in probes), reasons)
+        reasons = "".join(
+            f"{n} x {(reason.splitlines() or [''])[0]}"
+            f"{' (the timing probe, not counted)' if reason in probes else ''}\n"
+            for reason, n in breaks.items()
+        )
+        return Compiled(
+            compile_ms,
+            compile_steps,
+            self.graphs() - self.start_graphs,
+            sum(n for reason, n in breaks.items() if reason not in probes),
+            reasons,
+        )
 
 
-HEAD_LABEL = "box_head"  # the probe's name for the box head and predictor: its profiler range is box_head.backward
-# Knob linearize's timings of each convolution, kept for the trials that follow in this process: the heads of a
+HEAD_LABEL = (
+    "box_head"  # the probe's name for the box head and predictor: its profiler range is box_head.backward
+)
+# Knob linearize's timings of each convolution, kept for the trials that follow in this process: the heads of
+# a
 # setting share the backbone, RPN and FPN, whose convolutions are then timed once (rcnn.fix.linearize_with).
 LINEARIZE_TIMINGS: dict = {}
 
@@ -119,14 +177,24 @@ class Trainer:
     Raises ValueNotAllowed for a knob setting that does not apply on ``device``.
     """
 
-    def __init__(self, config: DetectorConfig, knobs: Knobs, samples: list[Sample], *, device: torch.device,
-                 seed: int = 0, probe: bool = True) -> None:
+    def __init__(
+        self,
+        config: DetectorConfig,
+        knobs: Knobs,
+        samples: list[Sample],
+        *,
+        device: torch.device,
+        seed: int = 0,
+        probe: bool = True,
+    ) -> None:
         for knob in OTHER_KNOBS:
             value = getattr(knobs, knob)
             if value is not None and (reason := why_not(knob, value, device)):
                 raise ValueNotAllowed(knob, f"{value} does not apply on {device.type}: {reason}")
         if together := why_not_together(asdict(knobs), device):
-            raise ValueNotAllowed(" with ".join(together[0]), f"as set, does not apply on {device.type}: {together[1]}")
+            raise ValueNotAllowed(
+                " with ".join(together[0]), f"as set, does not apply on {device.type}: {together[1]}"
+            )
         torch.manual_seed(seed)
         self.knobs, self.device, self.probe = knobs, device, probe
         self.clock = Clock(device)
@@ -135,28 +203,40 @@ class Trainer:
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
         self.scaler = grad_scaler(knobs.amp, device)
         self.batches = device_batches(samples, batch_size=knobs.batch_size, device=device)
-        self.swaps = (linearize_with(self.model, self._forward, mode="auto", timings=LINEARIZE_TIMINGS)
-                      if knobs.linearize else [])
+        self.swaps = (
+            linearize_with(self.model, self._forward, mode="auto", timings=LINEARIZE_TIMINGS)
+            if knobs.linearize
+            else []
+        )
         self.compiled = compile_modules(self.model, knobs.compile)  # compiles on the first steps
         # Compiling the whole detector would trace the probe's hooks: they stay eager (a graph break each).
-        self.head = ModuleSpanProbe(self.model.roi_heads.box_head, self.model.roi_heads.box_predictor, self.clock,
-                                    label=HEAD_LABEL, eager_hooks=knobs.compile == "model")
+        self.head = ModuleSpanProbe(
+            self.model.roi_heads.box_head,
+            self.model.roi_heads.box_predictor,
+            self.clock,
+            label=HEAD_LABEL,
+            eager_hooks=knobs.compile == "model",
+        )
         if not probe:
             self.head.remove()
 
     def _forward(self) -> torch.Tensor:
-        """The loss of the first batch: what linearize sees each convolution's input in (shape, dtype, layout)."""
+        """The loss of the first batch: what linearize sees each convolution's input in (shape, dtype,
+        layout)."""
         images, targets = self.batches[0]
         with autocast(self.knobs.amp, self.device):
             return sum(self.model(images, targets).values())
 
     def step(self, number: int, modules: ModuleTimer | None = None) -> dict[str, float]:
-        """Train on batch ``number`` (cycling); raises FloatingPointError on a non-finite loss. With ``modules``
+        """Train on batch ``number`` (cycling); raises FloatingPointError on a non-finite loss. With
+        ``modules``
         (a ModuleTimer on this model), every module is timed too: read it with ``modules.step_table()``."""
         clock, knobs = self.clock, self.knobs
         images, targets = self.batches[number % len(self.batches)]
         self.head.reset()
-        forward, backward = (modules.forward(), modules.backward()) if modules else (nullcontext(), nullcontext())
+        forward, backward = (
+            (modules.forward(), modules.backward()) if modules else (nullcontext(), nullcontext())
+        )
         start = clock.mark()
         with forward, autocast(knobs.amp, self.device):
             loss = sum(self.model(images, targets).values())
@@ -172,8 +252,19 @@ class Trainer:
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss {loss.item()} at step {number}")
         head_forward, head_backward = self.head.spans_ms() if self.probe else (float("nan"), float("nan"))
-        return dict(zip(PHASES, (clock.ms(start, forward_end), clock.ms(forward_end, backward_end),
-                                 clock.ms(backward_end, end), clock.ms(start, end), head_forward, head_backward)))
+        return dict(
+            zip(
+                PHASES,
+                (
+                    clock.ms(start, forward_end),
+                    clock.ms(forward_end, backward_end),
+                    clock.ms(backward_end, end),
+                    clock.ms(start, end),
+                    head_forward,
+                    head_backward,
+                ),
+            )
+        )
 
     @property
     def rois(self) -> int:
@@ -187,17 +278,26 @@ class Trainer:
 MAX_COMPILE_STEPS = 20  # a step that still compiles after this many: the setting recompiles without end
 
 
-def run_trial(config: DetectorConfig, knobs: Knobs, samples: list[Sample], *, device: torch.device,
-              policy: TimingPolicy, seed: int = 0, profile_steps: int = 0, probe: bool = True,
-              peak_tflops: float | None = None) -> TrialResult:
+def run_trial(
+    config: DetectorConfig,
+    knobs: Knobs,
+    samples: list[Sample],
+    *,
+    device: torch.device,
+    policy: TimingPolicy,
+    seed: int = 0,
+    profile_steps: int = 0,
+    probe: bool = True,
+    peak_tflops: float | None = None,
+) -> TrialResult:
     """Warm up until step times settle, then time training steps until ``policy`` says stop; with
     ``profile_steps``, then profile that many more steps and keep the head-backward kernel table, and time
     that many with every module instrumented (rcnn.doctor, against the matmul peak ``peak_tflops``; eager
     settings only: its modes and hooks would change what dynamo compiles).
 
     With knob compile, the steps that compile (the first, and any that recompile) are timed on their own
-    (``compiled``), never as warm-up or measured steps. Batches are on the device before the first step, so data
-    loading is never timed. Raises ValueNotAllowed for a knob setting that does not apply on ``device``,
+    (``compiled``), never as warm-up or measured steps. Batches are on the device before the first step, so
+    data loading is never timed. Raises ValueNotAllowed for a knob setting that does not apply on ``device``,
     FloatingPointError on a non-finite loss and RuntimeError for a setting that keeps recompiling.
     """
     watched = WATCHED if probe else ("backward",)
@@ -222,7 +322,9 @@ def run_trial(config: DetectorConfig, knobs: Knobs, samples: list[Sample], *, de
                     timed.name = "compile"
                 compiling.append(ms["step"])
                 if len(compiling) > MAX_COMPILE_STEPS:
-                    raise RuntimeError(f"compile={knobs.compile}: still recompiling after {MAX_COMPILE_STEPS} steps")
+                    raise RuntimeError(
+                        f"compile={knobs.compile}: still recompiling after {MAX_COMPILE_STEPS} steps"
+                    )
                 return None
 
             while not policy.warmed_up(warm):  # burn-in: compiling, allocator, kernel choice, autotuning
@@ -236,29 +338,52 @@ def run_trial(config: DetectorConfig, knobs: Knobs, samples: list[Sample], *, de
             compiled = dynamo.compiled(sum(compiling), len(compiling)) if knobs.compile != "off" else None
             kernels, modules = [], []
             with wall("profile"):
-                if profile_steps:  # after measuring: the profiler's and the doctor's overhead never reach the numbers
+                if (
+                    profile_steps
+                ):  # after measuring: the profiler's and the doctor's overhead never reach the numbers
                     events = capture(lambda: trainer.step(0), device, profile_steps)
                     kernels = range_table(events, BACKWARD_RANGE.format(label=HEAD_LABEL), profile_steps)
                 if profile_steps and knobs.compile == "off":
-                    by_module = TimingPolicy(warmup=1, max_warmup=1, iterations=profile_steps,
-                                             max_iterations=profile_steps, max_seconds=float("inf"))
-                    workload = Workload(f"detector:{knobs.head}", trainer.model, trainer.batches[0], detection_loss)
-                    modules = diagnose(workload, device=device, amp=knobs.amp, policy=by_module,
-                                       peak_tflops=peak_tflops, explain=False).modules.to_dict("records")
+                    by_module = TimingPolicy(
+                        warmup=1,
+                        max_warmup=1,
+                        iterations=profile_steps,
+                        max_iterations=profile_steps,
+                        max_seconds=float("inf"),
+                    )
+                    workload = Workload(
+                        f"detector:{knobs.head}", trainer.model, trainer.batches[0], detection_loss
+                    )
+                    modules = diagnose(
+                        workload,
+                        device=device,
+                        amp=knobs.amp,
+                        policy=by_module,
+                        peak_tflops=peak_tflops,
+                        explain=False,
+                    ).modules.to_dict("records")
         finally:
             trainer.close()
     return TrialResult(
-        samples=times, stats={phase: summarize(values, seed=seed) for phase, values in times.items()},
-        peak_mem_mb=memory.peak_mb(), warmup_iterations=len(warm), iterations=len(times["step"]),
+        samples=times,
+        stats={phase: summarize(values, seed=seed) for phase, values in times.items()},
+        peak_mem_mb=memory.peak_mb(),
+        warmup_iterations=len(warm),
+        iterations=len(times["step"]),
         precision=max(median_precision(times[p]) for p in watched),
         precision_met=policy.precision_met([times[p] for p in watched]),
-        rois=trainer.rois, swapped=" ".join(s.module for s in trainer.swaps if s.swapped), compiled=compiled,
-        wall_s=wall.seconds, kernels=kernels, modules=modules,
+        rois=trainer.rois,
+        swapped=" ".join(s.module for s in trainer.swaps if s.swapped),
+        compiled=compiled,
+        wall_s=wall.seconds,
+        kernels=kernels,
+        modules=modules,
     )
 
 
-def isolated_head_ms(config: DetectorConfig, knobs: Knobs, *, rois: int, device: torch.device,
-                     min_run_time: float = 0.5) -> tuple[float, float]:
+def isolated_head_ms(
+    config: DetectorConfig, knobs: Knobs, *, rois: int, device: torch.device, min_run_time: float = 0.5
+) -> tuple[float, float]:
     """Forward and backward medians (ms) of the box head alone at the detector's shapes, dtype and layout.
 
     A cross-check of the in-detector hooks with an independent timer (torch.utils.benchmark): forward,
@@ -268,14 +393,20 @@ def isolated_head_ms(config: DetectorConfig, knobs: Knobs, *, rois: int, device:
     # Imported here: torch.utils.benchmark loads cpp_extension, which warns on stderr on GPU-less machines.
     from torch.utils.benchmark import Timer
 
-    box_head, predictor = build_box_head(knobs.head, in_channels=BACKBONE_CHANNELS, resolution=ROI_RESOLUTION,
-                                         representation_size=config.representation_size,
-                                         num_classes=config.num_classes)
+    box_head, predictor = build_box_head(
+        knobs.head,
+        in_channels=BACKBONE_CHANNELS,
+        resolution=ROI_RESOLUTION,
+        representation_size=config.representation_size,
+        num_classes=config.num_classes,
+    )
     modules = torch.nn.ModuleList([box_head, predictor]).to(device=device, memory_format=memory_format(knobs))
     if knobs.compile != "off":
         compile_forward(box_head, predictor)
     # RoIAlign writes contiguous (N, C, 7, 7) features whatever the backbone's layout.
-    x = torch.randn(rois, BACKBONE_CHANNELS, ROI_RESOLUTION, ROI_RESOLUTION, device=device, requires_grad=True)
+    x = torch.randn(
+        rois, BACKBONE_CHANNELS, ROI_RESOLUTION, ROI_RESOLUTION, device=device, requires_grad=True
+    )
 
     def forward():
         with autocast(knobs.amp, device):
@@ -290,46 +421,106 @@ def isolated_head_ms(config: DetectorConfig, knobs: Knobs, *, rois: int, device:
     with backend_flags(knobs):
         forward_backward()  # compiles, if compiled
         # Timer defaults to one thread; the detector runs with all of torch's threads.
-        timings = [Timer(stmt="f()", globals={"f": f}, num_threads=torch.get_num_threads())
-                   .blocked_autorange(min_run_time=min_run_time).median * 1e3 for f in (forward, forward_backward)]
+        timings = [
+            Timer(stmt="f()", globals={"f": f}, num_threads=torch.get_num_threads())
+            .blocked_autorange(min_run_time=min_run_time)
+            .median
+            * 1e3
+            for f in (forward, forward_backward)
+        ]
     return timings[0], timings[1] - timings[0]
 
 
 def _parser() -> argparse.ArgumentParser:
-    # Each value is checked by the library's Rule for it, the one params.yaml's key uses: same limits, same words.
-    p = Parser(prog="python -m rcnn.bench", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # Each value is checked by the library's Rule for it, the one params.yaml's key uses: same limits, same
+    # words.
+    p = Parser(
+        prog="python -m rcnn.bench",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--head", type=HEAD.arg(), metavar=HEAD.metavar, default="conv", help="box head to time")
     p.add_argument("--batch-size", type=BATCH_SIZE.arg(int), default=2, help="images per training step")
-    p.add_argument("--amp", type=AMP.arg(), metavar=AMP.metavar, default="off",
-                   help="autocast dtype (fp16 adds GradScaler)")
+    p.add_argument(
+        "--amp",
+        type=AMP.arg(),
+        metavar=AMP.metavar,
+        default="off",
+        help="autocast dtype (fp16 adds GradScaler)",
+    )
     p.add_argument("--channels-last", action="store_true", help="model (and so its activations) in NHWC")
-    p.add_argument("--cudnn-benchmark", action="store_true", help="let cuDNN autotune conv algorithms (CUDA only)")
+    p.add_argument(
+        "--cudnn-benchmark", action="store_true", help="let cuDNN autotune conv algorithms (CUDA only)"
+    )
     p.add_argument("--no-onednn", action="store_true", help="CPU: disable oneDNN (torch.backends.mkldnn)")
-    p.add_argument("--compile", type=COMPILE.arg(), metavar=COMPILE.metavar, default="off",
-                   help="torch.compile the box head and predictor, or the whole detector (compile steps timed apart)")
+    p.add_argument(
+        "--compile",
+        type=COMPILE.arg(),
+        metavar=COMPILE.metavar,
+        default="off",
+        help="torch.compile the box head and predictor, or the whole detector (compile steps timed apart)",
+    )
     p.add_argument("--tf32", action="store_true", help="CUDA: TF32 for matmul and cuDNN alike")
-    p.add_argument("--linearize", action="store_true",
-                   help="run convolutions that are GEMMs in disguise as GEMMs where faster (rcnn.fix, mode auto)")
-    p.add_argument("--backbone", type=BACKBONE.arg(), metavar=BACKBONE.metavar, default="resnet18_fpn",
-                   help="detector backbone")
+    p.add_argument(
+        "--linearize",
+        action="store_true",
+        help="run convolutions that are GEMMs in disguise as GEMMs where faster (rcnn.fix, mode auto)",
+    )
+    p.add_argument(
+        "--backbone",
+        type=BACKBONE.arg(),
+        metavar=BACKBONE.metavar,
+        default="resnet18_fpn",
+        help="detector backbone",
+    )
     p.add_argument("--image-size", type=IMAGE_SIZE.arg(int), default=256, help="square input size in pixels")
-    p.add_argument("--rois-per-image", type=ROIS_PER_IMAGE.arg(int), default=128,
-                   help="RoIs sampled per image for the box head")
-    p.add_argument("--representation-size", type=REPRESENTATION_SIZE.arg(int), default=1024, help="box head width")
-    p.add_argument("--device", type=DEVICE.arg(), metavar=DEVICE.metavar, default="auto",
-                   help="auto picks CUDA when there is a GPU")
-    p.add_argument("--warmup", type=WARMUP.arg(int), default=TimingPolicy.warmup,
-                   help="least untimed steps; more until step times settle")
-    p.add_argument("--iterations", type=ITERATIONS.arg(int), default=TimingPolicy.iterations,
-                   help="least timed steps")
-    p.add_argument("--max-iterations", type=MAX_ITERATIONS.arg(int), default=TimingPolicy.max_iterations,
-                   help="most timed steps (>= --iterations)")
-    p.add_argument("--max-seconds", type=MAX_SECONDS.arg(float), default=TimingPolicy.max_seconds,
-                   help="stop measuring after this long, precision met or not")
-    p.add_argument("--rel-precision", type=REL_PRECISION.arg(float), default=TimingPolicy.rel_precision,
-                   help="stop once the backward medians' 95%% CI half-width is this fraction of the median")
+    p.add_argument(
+        "--rois-per-image",
+        type=ROIS_PER_IMAGE.arg(int),
+        default=128,
+        help="RoIs sampled per image for the box head",
+    )
+    p.add_argument(
+        "--representation-size", type=REPRESENTATION_SIZE.arg(int), default=1024, help="box head width"
+    )
+    p.add_argument(
+        "--device",
+        type=DEVICE.arg(),
+        metavar=DEVICE.metavar,
+        default="auto",
+        help="auto picks CUDA when there is a GPU",
+    )
+    p.add_argument(
+        "--warmup",
+        type=WARMUP.arg(int),
+        default=TimingPolicy.warmup,
+        help="least untimed steps; more until step times settle",
+    )
+    p.add_argument(
+        "--iterations", type=ITERATIONS.arg(int), default=TimingPolicy.iterations, help="least timed steps"
+    )
+    p.add_argument(
+        "--max-iterations",
+        type=MAX_ITERATIONS.arg(int),
+        default=TimingPolicy.max_iterations,
+        help="most timed steps (>= --iterations)",
+    )
+    p.add_argument(
+        "--max-seconds",
+        type=MAX_SECONDS.arg(float),
+        default=TimingPolicy.max_seconds,
+        help="stop measuring after this long, precision met or not",
+    )
+    p.add_argument(
+        "--rel-precision",
+        type=REL_PRECISION.arg(float),
+        default=TimingPolicy.rel_precision,
+        help="stop once the backward medians' 95%% CI half-width is this fraction of the median",
+    )
     p.add_argument("--data", help="a COCO-format folder; default: synthetic images made in memory")
-    p.add_argument("--num-images", type=NUM_IMAGES.arg(int), default=8, help="synthetic images (ignored with --data)")
+    p.add_argument(
+        "--num-images", type=NUM_IMAGES.arg(int), default=8, help="synthetic images (ignored with --data)"
+    )
     return p
 
 
@@ -347,39 +538,65 @@ def main(argv: list[str] | None = None) -> int:
             samples, num_classes = coco.samples, coco.num_classes
         else:
             num_classes = 4
-            samples = synthetic_samples(num_images=args.num_images, image_size=args.image_size,
-                                        num_classes=num_classes, seed=0)
-        config = DetectorConfig(backbone=args.backbone, image_size=args.image_size,
-                                rois_per_image=args.rois_per_image,
-                                representation_size=args.representation_size, num_classes=num_classes)
-        knobs = Knobs(head=args.head, amp=args.amp, channels_last=args.channels_last,
-                      batch_size=args.batch_size, linearize=args.linearize, compile=args.compile,
-                      tf32=args.tf32 or (False if device.type == "cuda" else None),  # --tf32 on a CPU: refused
-                      cudnn_benchmark=args.cudnn_benchmark if device.type == "cuda" else None,
-                      onednn=not args.no_onednn if device.type == "cpu" else None)
-        # No --max-warmup: the default cap, raised to --warmup so that stays the least number of warm-up steps.
-        policy = TimingPolicy(warmup=args.warmup, max_warmup=max(args.warmup, TimingPolicy.max_warmup),
-                              iterations=args.iterations, max_iterations=args.max_iterations,
-                              max_seconds=args.max_seconds, rel_precision=args.rel_precision)
+            samples = synthetic_samples(
+                num_images=args.num_images, image_size=args.image_size, num_classes=num_classes, seed=0
+            )
+        config = DetectorConfig(
+            backbone=args.backbone,
+            image_size=args.image_size,
+            rois_per_image=args.rois_per_image,
+            representation_size=args.representation_size,
+            num_classes=num_classes,
+        )
+        knobs = Knobs(
+            head=args.head,
+            amp=args.amp,
+            channels_last=args.channels_last,
+            batch_size=args.batch_size,
+            linearize=args.linearize,
+            compile=args.compile,
+            tf32=args.tf32 or (False if device.type == "cuda" else None),  # --tf32 on a CPU: refused
+            cudnn_benchmark=args.cudnn_benchmark if device.type == "cuda" else None,
+            onednn=not args.no_onednn if device.type == "cpu" else None,
+        )
+        # No --max-warmup: the default cap, raised to --warmup so that stays the least number of warm-up
+        # steps.
+        policy = TimingPolicy(
+            warmup=args.warmup,
+            max_warmup=max(args.warmup, TimingPolicy.max_warmup),
+            iterations=args.iterations,
+            max_iterations=args.max_iterations,
+            max_seconds=args.max_seconds,
+            rel_precision=args.rel_precision,
+        )
         result = run_trial(config, knobs, samples, device=device, policy=policy)
     except ValueNotAllowed as err:  # keyed by the knob (or knobs: 'amp with onednn'): name each as its flag
-        flags = " with ".join({"onednn": "--no-onednn"}.get(key, f"--{key.replace('_', '-')}")
-                              for key in err.key.split(" with "))
+        flags = " with ".join(
+            {"onednn": "--no-onednn"}.get(key, f"--{key.replace('_', '-')}")
+            for key in err.key.split(" with ")
+        )
         print(f"error: {flags}: {err.problem}", file=sys.stderr)
         return 2
     except (UserError, FloatingPointError) as err:  # anything else is a bug: its traceback shows
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"{knobs} on {device}, {result.rois} RoIs per step, {result.warmup_iterations} warm-up and "
-          f"{result.iterations} timed steps, precision {result.precision:.1%} (met: {result.precision_met})")
+    print(
+        f"{knobs} on {device}, {result.rois} RoIs per step, {result.warmup_iterations} warm-up and "
+        f"{result.iterations} timed steps, precision {result.precision:.1%} (met: {result.precision_met})"
+    )
     print(f"{'phase':<14}{'median ms':>11}{'95% CI':>18}{'IQR':>8}{'p90':>9}")
     for phase, st in result.stats.items():
-        print(f"{phase:<14}{st.median:>11.1f}{f'{st.ci_low:.1f}-{st.ci_high:.1f}':>18}{st.iqr:>8.1f}{st.p90:>9.1f}")
+        print(
+            f"{phase:<14}{st.median:>11.1f}{f'{st.ci_low:.1f}-{st.ci_high:.1f}':>18}{st.iqr:>8.1f}{st.p90:>9.1f}"
+        )
     print(f"peak memory {result.peak_mem_mb:.0f} MiB")
     if result.compiled:
         c = result.compiled
-        print(f"compile={knobs.compile}: {c.compile_ms / 1e3:.1f} s in {c.compile_steps} compiling step(s), kept out "
-              f"of the medians; {c.compiled_graphs} graph(s), {c.graph_breaks} graph break(s)")
+        print(
+            f"compile={knobs.compile}: {c.compile_ms / 1e3:.1f} s in {c.compile_steps} compiling step(s), "
+            "kept out "
+            f"of the medians; {c.compiled_graphs} graph(s), {c.graph_breaks} graph break(s)"
+        )
     if knobs.linearize:
         print(f"linearize swapped: {result.swapped or 'nothing (no GEMM in disguise was faster as a GEMM)'}")
     return 0

@@ -2,13 +2,21 @@
 
 ``diagnose``, ``fix``, ``build_workload`` and their results load on first use, so reading the doctor's column
 names (rcnn.doctor.columns) needs no torch."""
+
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-_EXPORTS = {"diagnose": "diagnosis", "fix": "diagnosis", "Diagnosis": "diagnosis", "Fixed": "diagnosis",
-            "build_workload": "workloads", "Workload": "workloads", "ModuleTimer": "attribution"}
+_EXPORTS = {
+    "diagnose": "diagnosis",
+    "fix": "diagnosis",
+    "Diagnosis": "diagnosis",
+    "Fixed": "diagnosis",
+    "build_workload": "workloads",
+    "Workload": "workloads",
+    "ModuleTimer": "attribution",
+}
 __all__ = list(_EXPORTS)
 
 

@@ -1,4 +1,5 @@
 """``python -m rcnn.doctor MODEL``: rcnn.doctor.command."""
+
 import sys
 
 from rcnn.doctor.command import main

@@ -10,13 +10,15 @@ tensors alone, unlike module full-backward hooks, which break on ``ReLU(inplace=
 Time between nodes (the autograd engine's own work, hooks on tensors) and nodes created outside every module
 (a loss computed after the model) form the ``OUTSIDE`` row, so the rows add up to the step's backward.
 """
+
 from __future__ import annotations
 
 import contextlib
 import functools
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import pandas as pd
 from torch import nn
@@ -66,20 +68,23 @@ class ModuleTimer:
         self.types = {name: type(module).__name__ for module, name in self.modules.items()}
         self.seen: dict[str, Seen] = {}
         self.flops: Counter[tuple[str, str]] = Counter()  # (module, column) -> FLOPs, in the counted step
-        self._handles = [h for module in self.modules for h in (
-            module.register_forward_pre_hook(self._enter), module.register_forward_hook(self._exit))]
+        self._handles = [
+            h
+            for module in self.modules
+            for h in (module.register_forward_pre_hook(self._enter), module.register_forward_hook(self._exit))
+        ]
         self._active = False
         self._counting = False
         self._creation = _Creation(self)
         self._reset()
 
     def _reset(self) -> None:
-        self._stack: list[int] = []               # indices into _calls of the modules running forward
+        self._stack: list[int] = []  # indices into _calls of the modules running forward
         self._calls: list[_Call] = []
         self._owners: dict[Any, tuple[str, ...]] = {}  # autograd node -> module stack at its creation
-        self._marks: dict[Any, list] = {}         # autograd node -> [start, end] of its backward
+        self._marks: dict[Any, list] = {}  # autograd node -> [start, end] of its backward
         self._node_handles: list = []
-        self._running: tuple[str, ...] = ()       # owner of the node running backward (FLOP counting)
+        self._running: tuple[str, ...] = ()  # owner of the node running backward (FLOP counting)
         self._phase_marks: dict[str, Any] = {}
         self._in_backward = False
 
@@ -104,9 +109,9 @@ class ModuleTimer:
         call = self._calls[self._stack.pop()]
         call.end = self.clock.mark()
         name = call.stack[-1]
-        if name not in self.seen and any(True for _ in module.parameters(recurse=False)):
-            if seen := Seen.of(args, output):
-                self.seen[name] = seen
+        has_weights = any(True for _ in module.parameters(recurse=False))
+        if name not in self.seen and has_weights and (seen := Seen.of(args, output)):
+            self.seen[name] = seen
 
     def _claim(self, output: Any) -> None:
         owner = self._owner()
@@ -116,8 +121,10 @@ class ModuleTimer:
             if node is None or node in self._owners:
                 continue
             self._owners[node] = owner
-            self._node_handles += [node.register_prehook(functools.partial(self._node_start, node)),
-                                   node.register_hook(functools.partial(self._node_end, node))]
+            self._node_handles += [
+                node.register_prehook(functools.partial(self._node_start, node)),
+                node.register_hook(functools.partial(self._node_end, node)),
+            ]
             todo.extend(next_node for next_node, _ in node.next_functions)
 
     # -- backward: node spans
@@ -174,7 +181,8 @@ class ModuleTimer:
     def counting_flops(self) -> Iterator[None]:
         """Count FLOPs by module over one step's ``forward()`` and ``backward()`` inside this."""
         self.flops.clear()
-        # In forward, for the innermost active module; in backward, for the module that created the running node.
+        # In forward, for the innermost active module; in backward, for the module that created the running
+        # node.
         with FlopCount(self._count):
             yield
 
@@ -202,15 +210,22 @@ class ModuleTimer:
             for name in set(stack):
                 times[name]["backward_inclusive_ms"] += spent
         p = self._phase_marks
-        totals = {"forward_ms": ms(p["forward_start"], p["forward_end"]),
-                  "backward_ms": ms(p["backward_start"], p["backward_end"])}
+        totals = {
+            "forward_ms": ms(p["forward_start"], p["forward_end"]),
+            "backward_ms": ms(p["backward_start"], p["backward_end"]),
+        }
         names = list(self.types)
         table = pd.DataFrame([{"module": n, **times.get(n, {})} for n in names]).set_index("module")
         table = table.reindex(columns=["calls", *TIME_COLUMNS]).fillna(0.0)
         outside_forward = totals["forward_ms"] - table["forward_ms"].sum()
         outside_backward = totals["backward_ms"] - table["backward_ms"].sum()
-        table.loc[OUTSIDE] = {"calls": 0, "forward_ms": outside_forward, "forward_inclusive_ms": outside_forward,
-                              "backward_ms": outside_backward, "backward_inclusive_ms": outside_backward}
+        table.loc[OUTSIDE] = {
+            "calls": 0,
+            "forward_ms": outside_forward,
+            "forward_inclusive_ms": outside_forward,
+            "backward_ms": outside_backward,
+            "backward_inclusive_ms": outside_backward,
+        }
         return table, totals
 
     def flop_table(self) -> pd.DataFrame:

@@ -1,8 +1,8 @@
 """Backward time by module, for any model: which module is slow, and why.
 
 ``python -m rcnn.doctor torchvision:vit_b_16 --image-size 64`` times training steps of the model (forward,
-loss, backward, optimizer) with every module instrumented (rcnn.doctor.attribution), counts each module's FLOPs,
-and sets its backward speed against the machine's measured matmul peak. It flags:
+loss, backward, optimizer) with every module instrumented (rcnn.doctor.attribution), counts each module's
+FLOPs, and sets its backward speed against the machine's measured matmul peak. It flags:
 
 - ``gemm-in-disguise:<kind>``: a convolution that is a matrix product at the shape it saw (rcnn.disguise);
 - ``slow-for-its-flops``: a module whose own backward reaches under 25% of the peak while holding at least
@@ -13,6 +13,7 @@ input gradient and the weight gradient, names the backend implementation that ra
 on CPU, the kernels on CUDA) and sets both beside the time the same FLOPs take at the matmul peak.
 MODEL is ``detector:<head>``, ``torchvision:<builder>`` or ``package.module:factory`` (rcnn.doctor.workloads).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,85 +26,137 @@ from pathlib import Path
 
 import pandas as pd
 
-from rcnn.doctor.columns import OUTSIDE
 from rcnn.cli import Parser
-from rcnn.measure.device import DTYPES, amp_unavailable, resolve_device, set_tf32
-from rcnn.measure.machine import fingerprint, matmul_size
-from rcnn.outputs import check_sqlite_url, claim_folder, project_root, write_atomic
-from rcnn.measure.machine import measure_matmul_tflops
-from rcnn.rules import Rule, UserError, ValueNotAllowed, first_line
-from rcnn.measure.settings import AMP, AMP_DTYPES, DEVICE
-from rcnn.measure.stats import MAX_SECONDS
-from rcnn.measure.stats import TimingPolicy
+from rcnn.doctor.columns import OUTSIDE
 from rcnn.doctor.diagnosis import Diagnosis, Fixed, diagnose, fix
 from rcnn.doctor.workloads import build_workload
+from rcnn.measure.device import DTYPES, amp_unavailable, resolve_device, set_tf32
+from rcnn.measure.machine import fingerprint, matmul_size, measure_matmul_tflops
+from rcnn.measure.settings import AMP, AMP_DTYPES, DEVICE
+from rcnn.measure.stats import MAX_SECONDS, TimingPolicy
+from rcnn.outputs import check_sqlite_url, claim_folder, project_root, write_atomic
+from rcnn.rules import Rule, UserError, ValueNotAllowed, first_line
 
-FILES = re.compile(r"modules(_fixed)?\.csv|why\.csv|fix\.csv|env\.json")  # what --out holds: the doctor's only
+FILES = re.compile(
+    r"modules(_fixed)?\.csv|why\.csv|fix\.csv|env\.json"
+)  # what --out holds: the doctor's only
 TOP = Rule(minimum=1)
 FRAMES = Rule(minimum=1)
 BATCH_SIZE = Rule(minimum=1)
 IMAGE_SIZE = Rule(minimum=16)  # a zoo may ask more (the detector's FPN: a multiple of 32, at least 64)
 
+
 def _parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m rcnn.doctor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", metavar="MODEL",
-                   help="detector:<head>, torchvision:<builder> or package.module:factory")
+    p = Parser(
+        prog="python -m rcnn.doctor",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "model", metavar="MODEL", help="detector:<head>, torchvision:<builder> or package.module:factory"
+    )
     p.add_argument("--batch-size", type=BATCH_SIZE.arg(int), default=2, help="images (or clips) per step")
     p.add_argument("--image-size", type=IMAGE_SIZE.arg(int), default=224, help="square input size in pixels")
     p.add_argument("--frames", type=FRAMES.arg(int), default=8, help="frames per clip, for video models")
     p.add_argument("--amp", type=AMP.arg(), metavar=AMP.metavar, default="off", help="autocast dtype")
     p.add_argument("--channels-last", action="store_true", help="model and images in NHWC")
-    p.add_argument("--device", type=DEVICE.arg(), metavar=DEVICE.metavar, default="auto",
-                   help="auto picks CUDA when there is a GPU")
+    p.add_argument(
+        "--device",
+        type=DEVICE.arg(),
+        metavar=DEVICE.metavar,
+        default="auto",
+        help="auto picks CUDA when there is a GPU",
+    )
     p.add_argument("--backbone", help="the detector's backbone (detector:<head> only; default resnet18_fpn)")
-    p.add_argument("--allow-tf32", action="store_true",
-                   help="CUDA: let fp32 matmuls and convolutions use TF32 (both alike; the peak is measured so too)")
-    p.add_argument("--top", type=TOP.arg(int), default=15, help="modules to print, by their own backward time")
-    p.add_argument("--max-seconds", type=MAX_SECONDS.arg(float), default=TimingPolicy.max_seconds,
-                   help="stop measuring after this long, precision met or not")
-    p.add_argument("--fix", action="store_true",
-                   help="then linearize the model (rcnn.fix, mode auto) and measure it again: the by-module table "
-                        "after (modules_fixed.csv), each swap (fix.csv), forward and backward before and after")
-    p.add_argument("--out", help="a folder for modules.csv, why.csv and env.json (absent, empty, or written by "
-                                 "the doctor before)")
-    p.add_argument("--mlflow", action="store_true",
-                   help="log the tables to MLflow (MLFLOW_TRACKING_URI, default sqlite:///mlflow.db)")
+    p.add_argument(
+        "--allow-tf32",
+        action="store_true",
+        help="CUDA: let fp32 matmuls and convolutions use TF32 (both alike; the peak is measured so too)",
+    )
+    p.add_argument(
+        "--top", type=TOP.arg(int), default=15, help="modules to print, by their own backward time"
+    )
+    p.add_argument(
+        "--max-seconds",
+        type=MAX_SECONDS.arg(float),
+        default=TimingPolicy.max_seconds,
+        help="stop measuring after this long, precision met or not",
+    )
+    p.add_argument(
+        "--fix",
+        action="store_true",
+        help="then linearize the model (rcnn.fix, mode auto) and measure it again: the by-module table "
+        "after (modules_fixed.csv), each swap (fix.csv), forward and backward before and after",
+    )
+    p.add_argument(
+        "--out",
+        help="a folder for modules.csv, why.csv and env.json (absent, empty, or written by "
+        "the doctor before)",
+    )
+    p.add_argument(
+        "--mlflow",
+        action="store_true",
+        help="log the tables to MLflow (MLFLOW_TRACKING_URI, default sqlite:///mlflow.db)",
+    )
     return p
 
 
 def _print(diagnosis: Diagnosis, top: int, title: str) -> None:
     s = diagnosis.summary
     print(title)
-    print(f"{s['warmup_steps']} warm-up and {s['steps']} timed steps (the step backward's median known to "
-          f"{s['precision']:.1%}); times are means of the middle half of the steps: forward {s['forward_ms']:.1f} ms, "
-          f"backward {s['backward_ms']:.1f} ms; "
-          f"matmul peak {s['peak_tflops']} TFLOP/s ({s['dtype']}, measured)")
+    print(
+        f"{s['warmup_steps']} warm-up and {s['steps']} timed steps (the step backward's median known to "
+        f"{s['precision']:.1%}); times are means of the middle half of the steps: forward "
+        f"{s['forward_ms']:.1f} ms, "
+        f"backward {s['backward_ms']:.1f} ms; "
+        f"matmul peak {s['peak_tflops']} TFLOP/s ({s['dtype']}, measured)"
+    )
     modules = diagnosis.modules
     shown = modules[modules["module"] != OUTSIDE].nlargest(top, "backward_ms")
     shown = pd.concat([shown, modules[modules["module"] == OUTSIDE]])
-    columns = ["module", "type", "calls", "forward_ms", "backward_ms", "backward_inclusive_ms", "backward_share",
-               "backward_gflop", "backward_tflops", "peak_fraction", "flag"]
+    columns = [
+        "module",
+        "type",
+        "calls",
+        "forward_ms",
+        "backward_ms",
+        "backward_inclusive_ms",
+        "backward_share",
+        "backward_gflop",
+        "backward_tflops",
+        "peak_fraction",
+        "flag",
+    ]
     print(f"\nTop {top} modules by their own backward time (ms per step; inclusive: with their children):")
     print(shown[columns].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     if len(diagnosis.why):
-        print("\nWhy, for each flagged module (its backward run alone; GEMM: the same FLOPs at the matmul peak):")
+        print(
+            "\nWhy, for each flagged module (its backward run alone; GEMM: the same FLOPs at the matmul "
+            "peak):"
+        )
         for row in diagnosis.why.itertuples():
-            print(f"- {row.module} [{row.flag}] {row.input_shape} {row.dtype} {row.layout}: "
-                  f"input grad {row.input_grad_ms:.2f} ms ({row.input_grad_impl}); "
-                  f"weight grad {row.weight_grad_ms:.2f} ms ({row.weight_grad_impl}); GEMM {row.gemm_ms:.2f} ms")
+            print(
+                f"- {row.module} [{row.flag}] {row.input_shape} {row.dtype} {row.layout}: "
+                f"input grad {row.input_grad_ms:.2f} ms ({row.input_grad_impl}); "
+                f"weight grad {row.weight_grad_ms:.2f} ms ({row.weight_grad_impl}); GEMM {row.gemm_ms:.2f} ms"
+            )
 
 
 def _print_fix(fixed: Fixed, top: int) -> None:
     s = fixed.summary
-    print(f"\nThe fix (rcnn.fix.linearize, mode auto): {s['swapped']} of {s['eligible']} eligible convolutions "
-          "swapped; forward + backward ms of either path at each one's input:")
+    print(
+        f"\nThe fix (rcnn.fix.linearize, mode auto): {s['swapped']} of {s['eligible']} eligible convolutions "
+        "swapped; forward + backward ms of either path at each one's input:"
+    )
     if len(fixed.swaps):
         print(fixed.swaps.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     for phase in ("forward", "backward", "forward_backward"):
         p = s[phase]
-        print(f"{phase.replace('_', ' + ')}: {p['before_ms']:.1f} -> {p['after_ms']:.1f} ms (medians of "
-              f"{s['paired_steps']} steps each, the original and the fixed model in turn), after / before "
-              f"{p['ratio']:.3f} [95% CI {p['ci_low']:.3f}, {p['ci_high']:.3f}]")
+        print(
+            f"{phase.replace('_', ' + ')}: {p['before_ms']:.1f} -> {p['after_ms']:.1f} ms (medians of "
+            f"{s['paired_steps']} steps each, the original and the fixed model in turn), after / before "
+            f"{p['ratio']:.3f} [95% CI {p['ci_low']:.3f}, {p['ci_high']:.3f}]"
+        )
     if fixed.after:
         _print(fixed.after, top, "After the fix:")
 
@@ -112,27 +165,35 @@ def _log_mlflow(args: argparse.Namespace, diagnosis: Diagnosis, env: dict) -> st
     try:
         import mlflow  # only for --mlflow: the library itself needs no tracking server
     except ImportError:
-        raise ValueNotAllowed("--mlflow", "mlflow is not installed here; allowed: install it, or leave --mlflow out") \
-            from None
+        raise ValueNotAllowed(
+            "--mlflow", "mlflow is not installed here; allowed: install it, or leave --mlflow out"
+        ) from None
     uri = tracking_uri()
     try:
         mlflow.set_tracking_uri(uri)
         mlflow.set_experiment("rcnn-doctor")
         with mlflow.start_run(run_name=args.model) as run:
             mlflow.log_params({k: v for k, v in vars(args).items() if k not in ("out", "mlflow")})
-            mlflow.log_metrics({k: float(v) for k, v in diagnosis.summary.items()
-                                if isinstance(v, (int, float)) and not math.isnan(v)})
+            mlflow.log_metrics(
+                {
+                    k: float(v)
+                    for k, v in diagnosis.summary.items()
+                    if isinstance(v, (int, float)) and not math.isnan(v)
+                }
+            )
             mlflow.log_text(diagnosis.modules.to_csv(index=False), "modules.csv")
             mlflow.log_text(diagnosis.why.to_csv(index=False), "why.csv")
             mlflow.log_dict(env, "env.json")
     except Exception as err:  # a server that is down or refuses: the tables printed and --out stay
-        raise ValueNotAllowed("--mlflow", f"cannot log to {uri} ({first_line(err)}); allowed: a reachable "
-                                          "MLFLOW_TRACKING_URI") from None
+        raise ValueNotAllowed(
+            "--mlflow", f"cannot log to {uri} ({first_line(err)}); allowed: a reachable MLFLOW_TRACKING_URI"
+        ) from None
     return run.info.run_id
 
 
 def tracking_uri() -> str:
-    """Where --mlflow logs: MLFLOW_TRACKING_URI, else this folder's sqlite:///mlflow.db (what `make ui` shows)."""
+    """Where --mlflow logs: MLFLOW_TRACKING_URI, else this folder's sqlite:///mlflow.db (what `make ui`
+    shows)."""
     return os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
 
 
@@ -145,27 +206,50 @@ def main(argv: list[str] | None = None) -> int:
         if args.mlflow:
             check_sqlite_url(tracking_uri(), root=project_root(Path.cwd()), what="MLFLOW_TRACKING_URI")
         if device.type == "cuda":
-            set_tf32(args.allow_tf32)  # cuDNN defaults to TF32 and matmul not: the same for both, and the peak
+            set_tf32(
+                args.allow_tf32
+            )  # cuDNN defaults to TF32 and matmul not: the same for both, and the peak
         if reason := amp_unavailable(args.amp, device):
             raise ValueNotAllowed("--amp", f"{args.amp} does not apply on {device.type}: {reason}")
         zoo_options = {"backbone": args.backbone} if args.backbone else {}
-        workload = build_workload(args.model, batch_size=args.batch_size, image_size=args.image_size,
-                                  frames=args.frames, device=device, channels_last=args.channels_last, **zoo_options)
+        workload = build_workload(
+            args.model,
+            batch_size=args.batch_size,
+            image_size=args.image_size,
+            frames=args.frames,
+            device=device,
+            channels_last=args.channels_last,
+            **zoo_options,
+        )
         dtype = AMP_DTYPES[args.amp]
         peak = round(measure_matmul_tflops(device, DTYPES[dtype], n=matmul_size(device)), 3)
         policy = TimingPolicy(max_seconds=args.max_seconds)
         diagnosis = diagnose(workload, device=device, amp=args.amp, policy=policy, peak_tflops=peak)
-        fixed = fix(workload, device=device, amp=args.amp, policy=policy, peak_tflops=peak) if args.fix else None
+        fixed = (
+            fix(workload, device=device, amp=args.amp, policy=policy, peak_tflops=peak) if args.fix else None
+        )
     except (UserError, FloatingPointError) as err:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
-    env = {"fingerprint": fingerprint(device), "ceilings": {"matmul_tflops": {dtype: peak}},
-           "model": args.model, "batch_size": args.batch_size, "image_size": args.image_size,
-           "frames": args.frames, "amp": args.amp, "channels_last": args.channels_last,
-           "summary": diagnosis.summary, **({"fix": fixed.summary} if fixed else {})}
+    env = {
+        "fingerprint": fingerprint(device),
+        "ceilings": {"matmul_tflops": {dtype: peak}},
+        "model": args.model,
+        "batch_size": args.batch_size,
+        "image_size": args.image_size,
+        "frames": args.frames,
+        "amp": args.amp,
+        "channels_last": args.channels_last,
+        "summary": diagnosis.summary,
+        **({"fix": fixed.summary} if fixed else {}),
+    }
     where = env["fingerprint"].get("gpu", env["fingerprint"]["cpu_model"])
-    _print(diagnosis, args.top, f"{args.model} on {device.type} ({where}), batch {args.batch_size}, "
-                                f"{args.image_size} px, {dtype}{', channels_last' if args.channels_last else ''}")
+    _print(
+        diagnosis,
+        args.top,
+        f"{args.model} on {device.type} ({where}), batch {args.batch_size}, "
+        f"{args.image_size} px, {dtype}{', channels_last' if args.channels_last else ''}",
+    )
     if fixed:
         _print_fix(fixed, args.top)
     if args.out:

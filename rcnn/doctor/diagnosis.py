@@ -1,46 +1,56 @@
-"""The doctor's method: training steps timed by module until the medians settle, FLOPs counted by module, flags
-set against the measured matmul peak, each flagged module's backward run alone (rcnn.doctor.explain); and the
+"""The doctor's method: training steps timed by module until the medians settle, FLOPs counted by module,
+flags set against the measured matmul peak, each flagged module's backward run alone (rcnn.doctor.explain);
+and the
 fix measured, the original and the linearized model stepped in turn."""
+
 from __future__ import annotations
 
 import contextlib
 import copy
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
 from torch import nn
 
-from rcnn.doctor.columns import OUTSIDE, ROOT
-from rcnn.doctor.attribution import ModuleTimer
 from rcnn.disguise import FIX, gemm_kind
-from rcnn.fix import Swap, linearize_with
-from rcnn.measure.device import autocast, grad_scaler
-from rcnn.rules import ValueNotAllowed, first_line
-from rcnn.measure.settings import AMP_DTYPES
-from rcnn.doctor.columns import MODULE_COLUMNS, SLOW_MIN_FLOP_SHARE, SLOW_PEAK_FRACTION, WHY_COLUMNS
-from rcnn.measure.stats import TimingPolicy, compare, median_precision
-from rcnn.measure.clock import Clock
+from rcnn.doctor.attribution import ModuleTimer
+from rcnn.doctor.columns import (
+    MODULE_COLUMNS,
+    OUTSIDE,
+    ROOT,
+    SLOW_MIN_FLOP_SHARE,
+    SLOW_PEAK_FRACTION,
+    WHY_COLUMNS,
+)
 from rcnn.doctor.explain import backward_alone
 from rcnn.doctor.workloads import Workload
-
+from rcnn.fix import Swap, linearize_with
+from rcnn.measure.clock import Clock
+from rcnn.measure.device import autocast, grad_scaler
+from rcnn.measure.settings import AMP_DTYPES
+from rcnn.measure.stats import TimingPolicy, compare, median_precision
+from rcnn.rules import ValueNotAllowed, first_line
 
 
 @dataclass(frozen=True)
 class Diagnosis:
     modules: pd.DataFrame  # rcnn.doctor.columns.MODULE_COLUMNS: one row per module, then the OUTSIDE row
-    why: pd.DataFrame      # rcnn.doctor.columns.WHY_COLUMNS: one row per flagged module
+    why: pd.DataFrame  # rcnn.doctor.columns.WHY_COLUMNS: one row per flagged module
     summary: dict[str, Any]
 
 
 # -- measuring
 
-def training_step(workload: Workload, model: nn.Module, *, device: torch.device, amp: str,
-                  timer: ModuleTimer | None = None) -> Callable[[], tuple[pd.DataFrame | None, dict]]:
+
+def training_step(
+    workload: Workload, model: nn.Module, *, device: torch.device, amp: str, timer: ModuleTimer | None = None
+) -> Callable[[], tuple[pd.DataFrame | None, dict]]:
     """A function running one training step of ``model`` on the workload's batch: (the timer's table of the
     step, or None without one; its forward and backward ms), after the device's sync."""
     clock = timer.clock if timer else Clock(device)
@@ -76,14 +86,15 @@ def _typical(tables: list[pd.DataFrame], totals: list[dict]) -> tuple[pd.DataFra
     step as a median, and unlike per-row medians the rows, the OUTSIDE row included, add up to the steps'."""
     order = sorted(range(len(totals)), key=lambda i: totals[i]["backward_ms"])
     cut = len(order) // 4
-    kept = order[cut:len(order) - cut]
+    kept = order[cut : len(order) - cut]
     table = pd.concat([tables[i] for i in kept]).groupby(level=0, sort=False).mean()
     total = {phase: sum(totals[i][phase] for i in kept) / len(kept) for phase in totals[0]}
     return table, total
 
 
-def flags(model: nn.Module, timer: ModuleTimer, table: pd.DataFrame, peak_tflops: float | None
-          ) -> dict[str, tuple[str, str]]:
+def flags(
+    model: nn.Module, timer: ModuleTimer, table: pd.DataFrame, peak_tflops: float | None
+) -> dict[str, tuple[str, str]]:
     """module name -> (flags, evidence), both joined with '; ', for the modules the doctor flags."""
     out: dict[str, tuple[list[str], list[str]]] = {}
     modules = {name or ROOT: module for name, module in model.named_modules()}
@@ -100,13 +111,22 @@ def flags(model: nn.Module, timer: ModuleTimer, table: pd.DataFrame, peak_tflops
             if share >= SLOW_MIN_FLOP_SHARE and row["peak_fraction"] < SLOW_PEAK_FRACTION:
                 out.setdefault(name, ([], []))
                 out[name][0].append("slow-for-its-flops")
-                out[name][1].append(f"backward at {row['peak_fraction']:.0%} of the matmul peak with {share:.0%} "
-                                    f"of the step's backward FLOPs")
+                out[name][1].append(
+                    f"backward at {row['peak_fraction']:.0%} of the matmul peak with {share:.0%} "
+                    f"of the step's backward FLOPs"
+                )
     return {name: ("; ".join(f), "; ".join(e)) for name, (f, e) in out.items()}
 
 
-def diagnose(workload: Workload, *, device: torch.device, amp: str = "off", policy: TimingPolicy = TimingPolicy(),
-             peak_tflops: float | None = None, explain: bool = True) -> Diagnosis:
+def diagnose(
+    workload: Workload,
+    *,
+    device: torch.device,
+    amp: str = "off",
+    policy: TimingPolicy = TimingPolicy(),
+    peak_tflops: float | None = None,
+    explain: bool = True,
+) -> Diagnosis:
     """Time ``workload``'s training steps by module until ``policy`` says stop, count FLOPs in one more step,
     flag modules, and (``explain``) run each flagged module's backward alone.
 
@@ -120,11 +140,21 @@ def diagnose(workload: Workload, *, device: torch.device, amp: str = "off", poli
         step = training_step(workload, workload.model, device=device, amp=amp, timer=timer)
         try:  # a model that cannot take its batch fails here, on the first step
             _, totals = step()
-        except (RuntimeError, ValueError, TypeError, AssertionError, IndexError, KeyError, NotImplementedError) as err:
-            raise ValueNotAllowed("MODEL", f"{workload.name} failed on its synthetic batch ({first_line(err)}); "
-                                  "allowed: a model of the kind its spec names, or a factory returning (model, "
-                                  "make_batch); if it ran out of memory, a smaller --batch-size or --image-size") \
-                from None
+        except (
+            RuntimeError,
+            ValueError,
+            TypeError,
+            AssertionError,
+            IndexError,
+            KeyError,
+            NotImplementedError,
+        ) as err:
+            raise ValueNotAllowed(
+                "MODEL",
+                f"{workload.name} failed on its synthetic batch ({first_line(err)}); "
+                "allowed: a model of the kind its spec names, or a factory returning (model, "
+                "make_batch); if it ran out of memory, a smaller --batch-size or --image-size",
+            ) from None
         warm = [totals["forward_ms"] + totals["backward_ms"]]
         while not policy.warmed_up(warm):
             _, totals = step()
@@ -143,7 +173,9 @@ def diagnose(workload: Workload, *, device: torch.device, amp: str = "off", poli
         table.loc[OUTSIDE, "type"] = ""
         table["backward_share"] = table["backward_ms"] / total["backward_ms"]
         # GFLOP per ms is TFLOP/s.
-        table["backward_tflops"] = (table["backward_gflop"] / table["backward_ms"]).where(table["backward_ms"] > 0)
+        table["backward_tflops"] = (table["backward_gflop"] / table["backward_ms"]).where(
+            table["backward_ms"] > 0
+        )
         table["peak_fraction"] = table["backward_tflops"] / peak_tflops if peak_tflops else float("nan")
         found = flags(workload.model, timer, table, peak_tflops)
         table["flag"] = pd.Series({name: f for name, (f, _) in found.items()})
@@ -153,20 +185,32 @@ def diagnose(workload: Workload, *, device: torch.device, amp: str = "off", poli
         why_rows = []
         if explain:
             named = {name or ROOT: module for name, module in workload.model.named_modules()}
-            for name in modules.set_index("module").loc[list(found)].sort_values("backward_ms",
-                                                                                ascending=False).index:
-                alone = (backward_alone(named[name], timer.seen[name], device, peak_tflops) if name in timer.seen
-                         else {"input_grad_impl": "not run alone: its forward takes more than one tensor, or it has "
-                                                  "no parameters of its own"})
+            for name in (
+                modules.set_index("module").loc[list(found)].sort_values("backward_ms", ascending=False).index
+            ):
+                alone = (
+                    backward_alone(named[name], timer.seen[name], device, peak_tflops)
+                    if name in timer.seen
+                    else {
+                        "input_grad_impl": "not run alone: its forward takes more than one tensor, or it has "
+                        "no parameters of its own"
+                    }
+                )
                 why_rows.append({"module": name, "flag": found[name][0], **alone})
         why = pd.DataFrame(why_rows, columns=list(WHY_COLUMNS))
         backward = [t["backward_ms"] for t in totals]
-        summary = {"forward_ms": total["forward_ms"], "backward_ms": total["backward_ms"],
-                   "warmup_steps": len(warm), "steps": len(totals), "precision": median_precision(backward),
-                   "precision_met": policy.precision_met([backward]), "peak_tflops": peak_tflops,
-                   "dtype": AMP_DTYPES[amp],
-                   "outside_backward_share": float(table.loc[OUTSIDE, "backward_share"]),
-                   "flagged": len(found)}
+        summary = {
+            "forward_ms": total["forward_ms"],
+            "backward_ms": total["backward_ms"],
+            "warmup_steps": len(warm),
+            "steps": len(totals),
+            "precision": median_precision(backward),
+            "precision_met": policy.precision_met([backward]),
+            "peak_tflops": peak_tflops,
+            "dtype": AMP_DTYPES[amp],
+            "outside_backward_share": float(table.loc[OUTSIDE, "backward_share"]),
+            "flagged": len(found),
+        }
         return Diagnosis(modules, why, summary)
     finally:
         timer.remove()
@@ -174,18 +218,28 @@ def diagnose(workload: Workload, *, device: torch.device, amp: str = "off", poli
 
 # -- the fix, measured
 
+
 @dataclass(frozen=True)
 class Fixed:
-    swaps: pd.DataFrame   # rcnn.fix.Swap fields: one row per eligible convolution
+    swaps: pd.DataFrame  # rcnn.fix.Swap fields: one row per eligible convolution
     after: Diagnosis | None
     summary: dict[str, Any]  # per phase: the after/before ratio of medians with its bootstrap 95% CI
 
 
-def fix(workload: Workload, *, device: torch.device, amp: str, policy: TimingPolicy, peak_tflops: float | None,
-        seed: int = 0, by_module: bool = True) -> Fixed:
+def fix(
+    workload: Workload,
+    *,
+    device: torch.device,
+    amp: str,
+    policy: TimingPolicy,
+    peak_tflops: float | None,
+    seed: int = 0,
+    by_module: bool = True,
+) -> Fixed:
     """Linearize ``workload``'s model in place (rcnn.fix, mode auto, at the batch, dtype and layout it trains
-    with) and measure it by module again; then step a copy of the original and the fixed model in turn, a fresh
-    order each round, until ``policy`` says stop (load and drift hit both alike), and set each phase's times
+    with) and measure it by module again; then step a copy of the original and the fixed model in turn, a
+    fresh order each round, until ``policy`` says stop (load and drift hit both alike), and set each phase's
+    times
     after against before."""
     original = copy.deepcopy(workload.model)
 
@@ -193,28 +247,48 @@ def fix(workload: Workload, *, device: torch.device, amp: str, policy: TimingPol
         with autocast(amp, device):
             workload.loss(workload.model, workload.batch)
 
-    swaps = pd.DataFrame([asdict(s) for s in linearize_with(workload.model, forward, mode="auto")],
-                         columns=[f.name for f in fields(Swap)])
-    after = diagnose(workload, device=device, amp=amp, policy=policy, peak_tflops=peak_tflops, explain=False) \
-        if by_module else None
-    steps = {"before": training_step(workload, original, device=device, amp=amp),
-             "after": training_step(workload, workload.model, device=device, amp=amp)}
+    swaps = pd.DataFrame(
+        [asdict(s) for s in linearize_with(workload.model, forward, mode="auto")],
+        columns=[f.name for f in fields(Swap)],
+    )
+    after = (
+        diagnose(workload, device=device, amp=amp, policy=policy, peak_tflops=peak_tflops, explain=False)
+        if by_module
+        else None
+    )
+    steps = {
+        "before": training_step(workload, original, device=device, amp=amp),
+        "after": training_step(workload, workload.model, device=device, amp=amp),
+    }
     times: dict[str, list[dict]] = {"before": [], "after": []}
     rng = random.Random(seed)
     for _ in range(max(policy.warmup, 1)):
         for name in steps:
             steps[name]()
     started = time.perf_counter()
-    while not policy.done([[t["backward_ms"] for t in times[n]] for n in times], time.perf_counter() - started):
+    while not policy.done(
+        [[t["backward_ms"] for t in times[n]] for n in times], time.perf_counter() - started
+    ):
         for name in rng.sample(list(steps), len(steps)):
             times[name].append(steps[name]()[1])
-    summary: dict[str, Any] = {"eligible": len(swaps), "swapped": int(swaps["swapped"].sum()),
-                               "paired_steps": len(times["after"])}
+    summary: dict[str, Any] = {
+        "eligible": len(swaps),
+        "swapped": int(swaps["swapped"].sum()),
+        "paired_steps": len(times["after"]),
+    }
     for phase in ("forward_ms", "backward_ms", "forward_backward_ms"):
-        series = {name: [t["forward_ms"] + t["backward_ms"] if phase == "forward_backward_ms" else t[phase]
-                         for t in ts] for name, ts in times.items()}
+        series = {
+            name: [
+                t["forward_ms"] + t["backward_ms"] if phase == "forward_backward_ms" else t[phase] for t in ts
+            ]
+            for name, ts in times.items()
+        }
         c = compare(series["after"], series["before"], seed=seed)
-        summary[phase.removesuffix("_ms")] = {"before_ms": float(np.median(series["before"])),
-                                              "after_ms": float(np.median(series["after"])),
-                                              "ratio": c.ratio, "ci_low": c.ci_low, "ci_high": c.ci_high}
+        summary[phase.removesuffix("_ms")] = {
+            "before_ms": float(np.median(series["before"])),
+            "after_ms": float(np.median(series["after"])),
+            "ratio": c.ratio,
+            "ci_low": c.ci_low,
+            "ci_high": c.ci_high,
+        }
     return Fixed(swaps, after, summary)

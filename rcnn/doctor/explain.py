@@ -1,25 +1,30 @@
-"""Why a flagged module's backward is slow: run alone at the shape, dtype and layout it saw, split into the input
-gradient and the weight gradient, with the backend implementation that ran each (oneDNN's primitives on CPU,
+"""Why a flagged module's backward is slow: run alone at the shape, dtype and layout it saw, split into the
+input gradient and the weight gradient, with the backend implementation that ran each (oneDNN's primitives on
+CPU,
 the kernels on CUDA) and the time the same FLOPs take at the matmul peak."""
+
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import math
 import os
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rcnn.measure.clock import Clock, median_ms
 from rcnn.measure.flops import FlopCount
 from rcnn.measure.inputs import Seen, example_input
 from rcnn.measure.profiler import capture
-from rcnn.measure.clock import Clock, median_ms
+
 
 def _first_tensor(value: Any) -> torch.Tensor:
     while not isinstance(value, torch.Tensor):
@@ -27,8 +32,9 @@ def _first_tensor(value: Any) -> torch.Tensor:
     return value
 
 
-def backward_alone(module: nn.Module, seen: Seen, device: torch.device, peak_tflops: float | None,
-                   repeats: int = 5) -> dict[str, Any]:
+def backward_alone(
+    module: nn.Module, seen: Seen, device: torch.device, peak_tflops: float | None, repeats: int = 5
+) -> dict[str, Any]:
     """The module's backward run alone at the shape, dtype and layout it saw: the input gradient and the
     weight gradient each on its own (ms, GFLOP, the implementation that ran it) and the time the same FLOPs
     take at the matmul peak. The module's parameters and their .grad are left as they were."""
@@ -36,9 +42,11 @@ def backward_alone(module: nn.Module, seen: Seen, device: torch.device, peak_tfl
     params = [p for p in module.parameters() if p.is_floating_point()]
     clock = Clock(device)
     saved = [p.requires_grad for p in params]
-    row: dict[str, Any] = {"input_shape": "x".join(map(str, seen.input_shape)),
-                           "dtype": str(seen.output_dtype).removeprefix("torch."),
-                           "layout": "channels_last" if seen.channels_last else "contiguous"}
+    row: dict[str, Any] = {
+        "input_shape": "x".join(map(str, seen.input_shape)),
+        "dtype": str(seen.output_dtype).removeprefix("torch."),
+        "layout": "channels_last" if seen.channels_last else "contiguous",
+    }
     try:
         for part, wrt in (("input_grad", [x]), ("weight_grad", params)):
             if not wrt:
@@ -52,7 +60,7 @@ def backward_alone(module: nn.Module, seen: Seen, device: torch.device, peak_tfl
                 out = _first_tensor(seen.run(module, x))
                 return out, torch.ones_like(out)
 
-            def timed() -> float:
+            def timed(wrt: list[torch.Tensor] = wrt) -> float:
                 out, grad = forward()  # untimed: the backward alone is
                 return clock.time(lambda: torch.autograd.grad(out, wrt, grad))
 
@@ -61,20 +69,27 @@ def backward_alone(module: nn.Module, seen: Seen, device: torch.device, peak_tfl
             with FlopCount() as counter:
                 torch.autograd.grad(out, wrt, grad)
             out, grad = forward()
-            row |= {f"{part}_ms": ms, f"{part}_gflop": counter.total / 1e9,
-                    f"{part}_impl": implementation(lambda: torch.autograd.grad(out, wrt, grad, retain_graph=True),
-                                                   device)}
+            row |= {
+                f"{part}_ms": ms,
+                f"{part}_gflop": counter.total / 1e9,
+                f"{part}_impl": implementation(
+                    functools.partial(torch.autograd.grad, out, wrt, grad, retain_graph=True), device
+                ),
+            }
     finally:
         for p, flag in zip(params, saved):
             p.requires_grad_(flag)
-    flops = sum(row[f"{part}_gflop"] for part in ("input_grad", "weight_grad") if not math.isnan(row[f"{part}_gflop"]))
+    flops = sum(
+        row[f"{part}_gflop"] for part in ("input_grad", "weight_grad") if not math.isnan(row[f"{part}_gflop"])
+    )
     row["gemm_ms"] = flops / peak_tflops if peak_tflops else float("nan")  # GFLOP / (TFLOP/s) = ms
     return row
 
 
 @contextlib.contextmanager
 def _stdout_captured() -> Iterator[list[str]]:
-    """What C code prints on file descriptor 1 inside (oneDNN's verbose lines), appended to the list on exit."""
+    """What C code prints on file descriptor 1 inside (oneDNN's verbose lines), appended to the list on
+    exit."""
     lines: list[str] = []
     sys.stdout.flush()
     saved = os.dup(1)
@@ -100,7 +115,7 @@ def onednn_primitives(lines: list[str]) -> str:
         i = fields.index("exec")
         if len(fields) < i + 5:
             continue
-        key = " ".join(fields[i + 2:i + 5])  # primitive kind, implementation, propagation kind
+        key = " ".join(fields[i + 2 : i + 5])  # primitive kind, implementation, propagation kind
         try:
             ms = float(fields[-1])
         except ValueError:
@@ -147,5 +162,3 @@ def implementation(run: Callable[[], Any], device: torch.device) -> str:
         spent = ops.spent
     ranked = sorted(spent.items(), key=lambda item: -item[1])[:3]
     return "; ".join(f"{name[:80]} {ms:.2f} ms" for name, ms in ranked)
-
-

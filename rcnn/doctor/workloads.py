@@ -12,10 +12,12 @@
   ``(model, make_batch)`` where ``make_batch(batch_size, device)`` returns ``(batch, loss)`` and
   ``loss(model, batch)`` runs the forward and returns a scalar loss.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +37,7 @@ Loss = Callable[[nn.Module, Any], torch.Tensor]
 @dataclass
 class Workload:
     """A model with one batch already on its device, and the loss of a training step on that batch."""
+
     name: str
     model: nn.Module
     batch: Any
@@ -52,13 +55,17 @@ def _classification_loss(model: nn.Module, images: torch.Tensor) -> torch.Tensor
     out = model(images)
     logits = getattr(out, "logits", out)  # GoogLeNet and Inception return named tuples while training
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
-        raise ModelError(f"the model's output on images {tuple(images.shape)} is not class scores (N, K); "
-                         "allowed: a classifier, or a factory returning (model, make_batch)")
+        raise ModelError(
+            f"the model's output on images {tuple(images.shape)} is not class scores (N, K); "
+            "allowed: a classifier, or a factory returning (model, make_batch)"
+        )
     labels = torch.arange(len(images), device=images.device) % logits.shape[1]
     return F.cross_entropy(logits.float(), labels)
 
 
-def _images(batch_size: int, image_size: int, device: torch.device, *, frames: int | None = None) -> torch.Tensor:
+def _images(
+    batch_size: int, image_size: int, device: torch.device, *, frames: int | None = None
+) -> torch.Tensor:
     generator = torch.Generator().manual_seed(0)
     shape = (batch_size, 3, *((frames,) if frames else ()), image_size, image_size)
     return torch.rand(shape, generator=generator).to(device)
@@ -98,21 +105,28 @@ def detection_loss(model: nn.Module, batch: Any) -> torch.Tensor:
 
 def _segmentation_loss(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
     scores = model(images)["out"]
-    labels = (torch.arange(images.shape[-1], device=images.device) * scores.shape[1] // images.shape[-1])
+    labels = torch.arange(images.shape[-1], device=images.device) * scores.shape[1] // images.shape[-1]
     return F.cross_entropy(scores.float(), labels.expand(len(images), images.shape[-2], -1))
 
 
-def _torchvision(builder: str, *, batch_size: int, image_size: int, frames: int,
-                 device: torch.device) -> tuple[nn.Module, Any, Loss]:
+def _torchvision(
+    builder: str, *, batch_size: int, image_size: int, frames: int, device: torch.device
+) -> tuple[nn.Module, Any, Loss]:
     from torchvision import models
 
-    kinds = {"classification": models, "detection": models.detection, "segmentation": models.segmentation,
-             "video": models.video}
+    kinds = {
+        "classification": models,
+        "detection": models.detection,
+        "segmentation": models.segmentation,
+        "video": models.video,
+    }
     kind = next((k for k, module in kinds.items() if builder in models.list_models(module=module)), None)
     if kind is None:
         known = sorted(name for module in kinds.values() for name in models.list_models(module=module))
-        raise ModelError(f"torchvision:{builder} is not a torchvision classification, detection, segmentation "
-                         f"or video builder; allowed: {', '.join(known)}")
+        raise ModelError(
+            f"torchvision:{builder} is not a torchvision classification, detection, segmentation "
+            f"or video builder; allowed: {', '.join(known)}"
+        )
     options: dict[str, Any] = {"weights": None}
     if builder.startswith("vit_"):
         options["image_size"] = image_size  # a ViT's position embeddings are built for one size
@@ -129,11 +143,16 @@ def _torchvision(builder: str, *, batch_size: int, image_size: int, frames: int,
         return model, detection_batch(builder, batch_size, image_size, device), detection_loss
     if kind == "segmentation":
         return model, _images(batch_size, image_size, device), _segmentation_loss
-    return model, _images(batch_size, image_size, device, frames=frames if kind == "video" else None), \
-        _classification_loss
+    return (
+        model,
+        _images(batch_size, image_size, device, frames=frames if kind == "video" else None),
+        _classification_loss,
+    )
 
 
-def _factory(spec: str, *, batch_size: int, image_size: int, device: torch.device) -> tuple[nn.Module, Any, Loss]:
+def _factory(
+    spec: str, *, batch_size: int, image_size: int, device: torch.device
+) -> tuple[nn.Module, Any, Loss]:
     made = call_factory(spec, "MODEL")
     if isinstance(made, nn.Module):
         return made, _images(batch_size, image_size, device), _classification_loss
@@ -142,13 +161,25 @@ def _factory(spec: str, *, batch_size: int, image_size: int, device: torch.devic
         try:
             batch, loss = make_batch(batch_size, device)
         except Exception as err:
-            raise ModelError(f"{spec}'s make_batch({batch_size}, {device}) raised {first_line(err)}") from None
+            raise ModelError(
+                f"{spec}'s make_batch({batch_size}, {device}) raised {first_line(err)}"
+            ) from None
         return model, batch, loss
-    raise ModelError(f"{spec}() returned {type(made).__name__}; allowed: an nn.Module, or (model, make_batch)")
+    raise ModelError(
+        f"{spec}() returned {type(made).__name__}; allowed: an nn.Module, or (model, make_batch)"
+    )
 
 
-def build_workload(spec: str, *, batch_size: int, image_size: int, device: torch.device, frames: int = 8,
-                   channels_last: bool = False, **options: Any) -> Workload:
+def build_workload(
+    spec: str,
+    *,
+    batch_size: int,
+    image_size: int,
+    device: torch.device,
+    frames: int = 8,
+    channels_last: bool = False,
+    **options: Any,
+) -> Workload:
     """The model a spec names, on ``device``, in training mode, with one synthetic batch and its loss.
 
     Args:
@@ -169,14 +200,17 @@ def build_workload(spec: str, *, batch_size: int, image_size: int, device: torch
     """
     kind, sep, rest = spec.partition(":")
     if not sep or not rest or not kind:
-        raise ModelError(f"{spec!r} is not a model spec; allowed: {', '.join(f'{z}:<name>' for z in ZOOS)}, "
-                         "torchvision:<builder>, package.module:factory")
+        raise ModelError(
+            f"{spec!r} is not a model spec; allowed: {', '.join(f'{z}:<name>' for z in ZOOS)}, "
+            "torchvision:<builder>, package.module:factory"
+        )
     if kind in ZOOS:
         zoo = import_factory(ZOOS[kind], "MODEL")
         model, batch, loss = zoo(rest, batch_size=batch_size, image_size=image_size, device=device, **options)
     elif kind == "torchvision":
-        model, batch, loss = _torchvision(rest, batch_size=batch_size, image_size=image_size, frames=frames,
-                                          device=device)
+        model, batch, loss = _torchvision(
+            rest, batch_size=batch_size, image_size=image_size, frames=frames, device=device
+        )
     else:
         model, batch, loss = _factory(spec, batch_size=batch_size, image_size=image_size, device=device)
     model = model.to(device=device).train()

@@ -1,11 +1,12 @@
 """One way to time things, used everywhere: marks on the device's timeline, a module chain's spans inside a
 model, peak memory. Their statistics and the policy of when to stop measuring are rcnn.measure.stats."""
+
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -49,7 +50,8 @@ class Clock:
 
 
 def median_ms(timed: Callable[[], float], *, repeats: int = 5, burn_in: int = 2) -> float:
-    """The median of ``repeats`` calls of ``timed`` (each returning its ms) after ``burn_in`` untimed ones, which
+    """The median of ``repeats`` calls of ``timed`` (each returning its ms) after ``burn_in`` untimed ones,
+    which
     let kernel choice and primitive caches settle."""
     for _ in range(burn_in):
         timed()
@@ -76,7 +78,9 @@ class Stopwatch:
             self.seconds[part.name] = self.seconds.get(part.name, 0.0) + time.perf_counter() - start
 
 
-BACKWARD_RANGE = "{label}.backward"  # the torch.profiler range ModuleSpanProbe opens around the chain's backward
+BACKWARD_RANGE = (
+    "{label}.backward"  # the torch.profiler range ModuleSpanProbe opens around the chain's backward
+)
 
 
 class ModuleSpanProbe:
@@ -87,7 +91,9 @@ class ModuleSpanProbe:
     Autograd runs nodes in reverse creation order, so nothing outside the chain runs inside that span.
     """
 
-    def __init__(self, first: nn.Module, last: nn.Module, clock: Clock, label: str, eager_hooks: bool = False) -> None:
+    def __init__(
+        self, first: nn.Module, last: nn.Module, clock: Clock, label: str, eager_hooks: bool = False
+    ) -> None:
         self.clock = clock
         self.label = label
         self.marks: dict[str, object] = {}
@@ -127,8 +133,10 @@ class ModuleSpanProbe:
     def spans_ms(self) -> tuple[float, float]:
         """(forward, backward) of the last step, in ms; call after the clock's ``sync()``."""
         m = self.marks
-        return (self.clock.ms(m["forward_start"], m["forward_end"]),
-                self.clock.ms(m["backward_start"], m["backward_end"]))
+        return (
+            self.clock.ms(m["forward_start"], m["forward_end"]),
+            self.clock.ms(m["backward_start"], m["backward_end"]),
+        )
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -1,11 +1,13 @@
 """The device a measurement runs on and the numeric settings it runs with: device names, autocast and its
 loss scaler, TF32, whether bf16 is native and whether torch.compile can run here. Every room uses these."""
+
 from __future__ import annotations
 
 import contextlib
 import shutil
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,7 +23,9 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueNotAllowed("device", "'cuda' requested but torch sees no CUDA GPU; allowed here: cpu, auto")
+        raise ValueNotAllowed(
+            "device", "'cuda' requested but torch sees no CUDA GPU; allowed here: cpu, auto"
+        )
     return torch.device(DEVICE.check(name, "device"))
 
 
@@ -36,7 +40,8 @@ COMPILE_MODE = "default"  # torch.compile's mode for knob compile
 
 
 def cxx_compiler() -> str | None:
-    """The C++ compiler CPU Inductor would use (its config's candidates, CXX first), or None if none is found."""
+    """The C++ compiler CPU Inductor would use (its config's candidates, CXX first), or None if none is
+    found."""
     import torch._inductor.config as inductor
 
     candidates = inductor.cpp.cxx if isinstance(inductor.cpp.cxx, (list, tuple)) else (inductor.cpp.cxx,)
@@ -102,7 +107,8 @@ def tf32(enabled: bool) -> Iterator[None]:
 
 
 def compile_forward(*modules: nn.Module) -> None:
-    """torch.compile each module's forward, on the instance: ``nn.Module.__call__`` still runs its hooks eagerly
+    """torch.compile each module's forward, on the instance: ``nn.Module.__call__`` still runs its hooks
+    eagerly
     around the compiled code."""
     torch._dynamo.reset()
     for module in modules:
@@ -110,10 +116,15 @@ def compile_forward(*modules: nn.Module) -> None:
 
 
 def inductor_settings(device: torch.device) -> dict[str, Any]:
-    """The torch.compile settings that shape torch.compile's numbers (for the fingerprint); the C++ compiler on a
+    """The torch.compile settings that shape torch.compile's numbers (for the fingerprint); the C++ compiler
+    on a
     CPU, where Inductor builds its kernels with it."""
     import torch._inductor.config as inductor
 
     cxx = {"cxx": cxx_compiler() or "none"} if device.type == "cpu" else {}
-    return {"compile_mode": COMPILE_MODE, "inductor_conv_1x1_as_mm": inductor.conv_1x1_as_mm,
-            "inductor_max_autotune": inductor.max_autotune, **cxx}
+    return {
+        "compile_mode": COMPILE_MODE,
+        "inductor_conv_1x1_as_mm": inductor.conv_1x1_as_mm,
+        "inductor_max_autotune": inductor.max_autotune,
+        **cxx,
+    }

@@ -1,18 +1,32 @@
 """FLOPs of the aten calls inside a region, by torch's FlopCounterMode formulas, with the convolution
 backward's corrected for grouped convolutions."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import conv_flop_count, flop_registry
 
 
-def _conv_backward_flops(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, _bias, _stride, _padding,
-                         _dilation, transposed: bool, _output_padding, _groups, output_mask, out_val=None) -> int:
+def _conv_backward_flops(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    _bias,
+    _stride,
+    _padding,
+    _dilation,
+    transposed: bool,
+    _output_padding,
+    _groups,
+    output_mask,
+    out_val=None,
+) -> int:
     """Each gradient of a convolution costs its forward's FLOPs. FlopCounterMode's own formula (torch 2.14)
-    counts a grouped convolution's weight gradient as if ungrouped: a depthwise conv's backward groups-fold."""
+    counts a grouped convolution's weight gradient as if ungrouped: a depthwise conv's backward groups-
+    fold."""
     forward = conv_flop_count(list(x.shape), list(weight.shape), list(grad_out.shape), transposed)
     return forward * (int(output_mask[0]) + int(output_mask[1]))
 

@@ -1,9 +1,11 @@
 """What a module saw in a forward call, and inputs made like it: to run the module again alone, alike (the
 doctor's backward alone, the fix's timing of both paths)."""
+
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -12,14 +14,16 @@ from torch import nn
 @dataclass(frozen=True)
 class Seen:
     """What a module saw in a forward call: enough to run it again alone, alike."""
+
     input_shape: tuple[int, ...]
     input_dtype: torch.dtype
     output_dtype: torch.dtype  # the dtype it computed in (autocast's, or the input's)
-    channels_last: bool        # the input's memory is channels-last (NHWC, NDHWC)
+    channels_last: bool  # the input's memory is channels-last (NHWC, NDHWC)
     input_requires_grad: bool = True
 
     def autocasts(self, module: nn.Module) -> bool:
-        """Whether running ``module`` alike needs autocast: it computed in fp16 or bf16 with other weights (its
+        """Whether running ``module`` alike needs autocast: it computed in fp16 or bf16 with other weights
+        (its
         input may be fp16 or bf16 already, from the module before it)."""
         half = (torch.float16, torch.bfloat16)
         return self.output_dtype in half and any(p.dtype != self.output_dtype for p in module.parameters())
@@ -51,7 +55,8 @@ def channels_last(x: torch.Tensor) -> bool:
 
 
 def tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in an output: tensors, tuples (named tuples, torch.return_types), lists and dicts of them."""
+    """The tensors in an output: tensors, tuples (named tuples, torch.return_types), lists and dicts of
+    them."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (tuple, list)):

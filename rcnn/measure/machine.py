@@ -1,5 +1,7 @@
-"""The machine a measurement ran on: its stable facts (a fingerprint) and its measured ceilings (matmul and copy
+"""The machine a measurement ran on: its stable facts (a fingerprint) and its measured ceilings (matmul and
+copy
 peaks), and where a timing sits against them."""
+
 from __future__ import annotations
 
 import platform
@@ -31,8 +33,12 @@ def onednn_version() -> str:
 
 def gpu_driver() -> str:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
@@ -55,9 +61,13 @@ def fingerprint(device: torch.device) -> dict:
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        env |= {"gpu": props.name, "compute_capability": f"{props.major}.{props.minor}",
-                "gpu_memory_gb": round(props.total_memory / 2**30, 1), "gpu_bf16": torch.cuda.is_bf16_supported(),
-                "gpu_driver": gpu_driver()}
+        env |= {
+            "gpu": props.name,
+            "compute_capability": f"{props.major}.{props.minor}",
+            "gpu_memory_gb": round(props.total_memory / 2**30, 1),
+            "gpu_bf16": torch.cuda.is_bf16_supported(),
+            "gpu_driver": gpu_driver(),
+        }
     return env
 
 
@@ -67,12 +77,17 @@ def matmul_size(device: torch.device) -> int:
 
 
 def ceilings(device: torch.device) -> dict:
-    """Measured peaks: matmul TFLOP/s for each dtype the sweep can use on ``device`` (fp32 without TF32; on CUDA
+    """Measured peaks: matmul TFLOP/s for each dtype the sweep can use on ``device`` (fp32 without TF32; on
+    CUDA
     also ``tf32``, fp32 with it: knob tf32), copy GB/s."""
     cuda = device.type == "cuda"
     peak = lambda dtype: round(measure_matmul_tflops(device, dtype, n=matmul_size(device)), 3)  # noqa: E731
     with tf32(False):
-        matmul = {name: peak(DTYPES[name]) for amp, name in AMP_DTYPES.items() if amp_unavailable(amp, device) is None}
+        matmul = {
+            name: peak(DTYPES[name])
+            for amp, name in AMP_DTYPES.items()
+            if amp_unavailable(amp, device) is None
+        }
     if cuda:
         with tf32(True):
             matmul["tf32"] = peak(torch.float32)
@@ -83,7 +98,9 @@ def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, repe
     """Median TFLOP/s of an n x n x n matrix product on random data (zeros can run faster)."""
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     clock = Clock(device)
-    ms = median_ms(lambda: clock.time(lambda: a @ b), repeats=repeats)  # burn-in: library handles, kernel choice
+    ms = median_ms(
+        lambda: clock.time(lambda: a @ b), repeats=repeats
+    )  # burn-in: library handles, kernel choice
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 

@@ -1,16 +1,26 @@
 """The names of the settings a measurement runs under, without torch: devices and autocast dtypes, with the
 rules their values follow (rcnn.rules.Rule), checked alike in params.yaml and on command lines."""
+
 from __future__ import annotations
 
 from rcnn.rules import Rule
 
-DEVICES = ("auto", "cpu", "cuda")  # rcnn.measure.device.resolve_device's names; auto picks CUDA when there is a GPU
+DEVICES = (
+    "auto",
+    "cpu",
+    "cuda",
+)  # rcnn.measure.device.resolve_device's names; auto picks CUDA when there is a GPU
 DEVICE = Rule(choices=DEVICES)
-AMP_DTYPES = {"off": "fp32", "fp16": "fp16", "bf16": "bf16"}  # autocast setting -> the dtype its matmuls run in
+AMP_DTYPES = {
+    "off": "fp32",
+    "fp16": "fp16",
+    "bf16": "bf16",
+}  # autocast setting -> the dtype its matmuls run in
 AMP = Rule(choices=AMP_DTYPES)
 
 
 def peak_dtype(amp: str, tf32: object) -> str:
-    """The dtype whose measured matmul peak (rcnn.measure.machine.ceilings) a setting's FLOP/s compare against:
+    """The dtype whose measured matmul peak (rcnn.measure.machine.ceilings) a setting's FLOP/s compare
+    against:
     fp32 with TF32 on is ``tf32``. ``tf32`` as a table holds it too ('True', 'n/a')."""
     return "tf32" if str(tf32) == "True" and amp == "off" else AMP_DTYPES[amp]

@@ -4,10 +4,11 @@ times, and the policy that decides when a measurement has warmed up and when it 
 The defaults of TimingPolicy are the project's timing defaults: params.yaml's ``timing`` section and the
 commands' flags start from them.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import scipy.stats
@@ -18,6 +19,7 @@ from rcnn.rules import Rule
 @dataclass(frozen=True)
 class Stats:
     """Summary of per-iteration times: median, IQR, p90 and a bootstrap 95% CI of the median."""
+
     median: float
     iqr: float
     p90: float
@@ -25,17 +27,33 @@ class Stats:
     ci_high: float
 
 
-def bootstrap_ci(samples: Sequence[Sequence[float]], statistic: Callable[..., np.ndarray], *, paired: bool = False,
-                 seed: int = 0, resamples: int = 2000) -> tuple[float, float]:
+def bootstrap_ci(
+    samples: Sequence[Sequence[float]],
+    statistic: Callable[..., np.ndarray],
+    *,
+    paired: bool = False,
+    seed: int = 0,
+    resamples: int = 2000,
+) -> tuple[float, float]:
     """95% percentile-bootstrap CI of ``statistic(*samples, axis=-1)`` (vectorized), each sample resampled on
     its own, or together when ``paired``; (NaN, NaN) for fewer than 3 values in a sample, non-finite values or
     all samples constant: there is no interval to resample. The one bootstrap every figure here uses."""
     arrays = tuple(np.asarray(s, dtype=float) for s in samples)
-    if min(len(a) for a in arrays) < 3 or not all(np.isfinite(a).all() for a in arrays) \
-            or all(np.ptp(a) == 0 for a in arrays):
+    if (
+        min(len(a) for a in arrays) < 3
+        or not all(np.isfinite(a).all() for a in arrays)
+        or all(np.ptp(a) == 0 for a in arrays)
+    ):
         return float("nan"), float("nan")
-    ci = scipy.stats.bootstrap(arrays, statistic, n_resamples=resamples, method="percentile", vectorized=True,
-                               paired=paired, rng=np.random.default_rng(seed)).confidence_interval
+    ci = scipy.stats.bootstrap(
+        arrays,
+        statistic,
+        n_resamples=resamples,
+        method="percentile",
+        vectorized=True,
+        paired=paired,
+        rng=np.random.default_rng(seed),
+    ).confidence_interval
     return float(ci.low), float(ci.high)
 
 
@@ -53,6 +71,7 @@ def summarize(samples: Sequence[float], seed: int = 0) -> Stats:
 @dataclass(frozen=True)
 class Comparison:
     """median(a) / median(b) with a bootstrap 95% CI, and the Mann-Whitney U test's two-sided p-value."""
+
     ratio: float
     ci_low: float
     ci_high: float
@@ -93,7 +112,8 @@ FLOORS = {"max_warmup": "warmup", "max_iterations": "iterations"}  # a bound bel
 
 @dataclass(frozen=True)
 class TimingPolicy:
-    """When warm-up ends and when measuring stops, in the spirit of torch.utils.benchmark's adaptive_autorange.
+    """When warm-up ends and when measuring stops, in the spirit of torch.utils.benchmark's
+    adaptive_autorange.
 
     Warm-up runs at least ``warmup`` steps and goes on (up to ``max_warmup``) until the last ``settle_window``
     step times lie within ``settle_tolerance`` of each other: cudnn.benchmark autotunes on the first steps of
@@ -101,6 +121,7 @@ class TimingPolicy:
     every watched phase is known to ``rel_precision`` (median_precision), or at ``max_iterations`` or
     ``max_seconds``.
     """
+
     warmup: int = 2
     max_warmup: int = 10
     settle_window: int = 2  # on a CPU the first step after building is already steady: a third bought nothing
@@ -116,7 +137,7 @@ class TimingPolicy:
             return True
         if n < max(self.warmup, self.settle_window):
             return False
-        last = step_ms[-self.settle_window:]
+        last = step_ms[-self.settle_window :]
         return max(last) <= min(last) * (1 + self.settle_tolerance)
 
     def precision_met(self, watched: Sequence[Sequence[float]]) -> bool:
@@ -129,12 +150,16 @@ class TimingPolicy:
         return n >= self.max_iterations or elapsed_s >= self.max_seconds or self.precision_met(watched)
 
 
-def geomean_ratio(pairs: Sequence[tuple[Sequence[float], Sequence[float]]],
-                  seed: int = 0) -> tuple[float, float, float]:
+def geomean_ratio(
+    pairs: Sequence[tuple[Sequence[float], Sequence[float]]], seed: int = 0
+) -> tuple[float, float, float]:
     """Geometric mean over settings of median(num) / median(den), with a bootstrap 95% CI that resamples every
     setting's two sets of times on their own."""
+
     def statistic(*samples: np.ndarray, axis: int = -1) -> np.ndarray:
-        logs = [np.log(_median(num, axis) / _median(den, axis)) for num, den in zip(samples[::2], samples[1::2])]
+        logs = [
+            np.log(_median(num, axis) / _median(den, axis)) for num, den in zip(samples[::2], samples[1::2])
+        ]
         return np.exp(np.mean(logs, axis=0))
 
     flat = [np.asarray(x, dtype=float) for pair in pairs for x in pair]

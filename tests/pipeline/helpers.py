@@ -1,12 +1,14 @@
-"""What several pipeline test modules share: a prepared sweep folder, slow trials, stopping a sweep mid-trial."""
+"""What several pipeline test modules share: a prepared sweep folder, slow trials, stopping a sweep mid-
+trial."""
+
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import optuna
 import pytest
@@ -14,10 +16,19 @@ import pytest
 from pipeline import data, env
 
 # Trials long enough (25 timed steps) for a process to be stopped in the middle of one.
-SLOW = {"timing": {"warmup": 1, "max_warmup": 1, "iterations": 25, "max_iterations": 25, "max_seconds": 60},
-        "sweep": {"profile_steps": 0, "cross_check": False}}
-SWEEP_FILES = {"data": "data", "env": "env.json", "trials": "trials.csv", "comparisons": "comparisons.csv",
-               "kernels": "kernels.csv", "modules": "modules.csv", "summary": "summary.json"}  # the sweep stage's options, files under tmp_path
+SLOW = {
+    "timing": {"warmup": 1, "max_warmup": 1, "iterations": 25, "max_iterations": 25, "max_seconds": 60},
+    "sweep": {"profile_steps": 0, "cross_check": False},
+}
+SWEEP_FILES = {
+    "data": "data",
+    "env": "env.json",
+    "trials": "trials.csv",
+    "comparisons": "comparisons.csv",
+    "kernels": "kernels.csv",
+    "modules": "modules.csv",
+    "summary": "summary.json",
+}  # the sweep stage's options, files under tmp_path
 
 
 def prepare(tmp_path: Path, tiny_params: Callable[[dict | None], Path], override: dict | None) -> list[str]:
@@ -26,15 +37,22 @@ def prepare(tmp_path: Path, tiny_params: Callable[[dict | None], Path], override
     params = tiny_params(override)
     assert data.main(["--params", str(params), "--out", str(tmp_path / "data")]) == 0
     assert env.main(["--params", str(params), "--out", str(tmp_path / "env.json")]) == 0
-    return ["--params", str(params)] + [a for k, v in SWEEP_FILES.items() for a in (f"--{k}", str(tmp_path / v))]
+    return ["--params", str(params)] + [
+        a for k, v in SWEEP_FILES.items() for a in (f"--{k}", str(tmp_path / v))
+    ]
 
 
-def kill_mid_trial(proc: subprocess.Popen, trials: Callable[[], list[optuna.trial.FrozenTrial]],
-                   timeout_s: float = 240, send: Callable[[int], None] | None = None,
-                   log: Path | None = None) -> list[optuna.trial.FrozenTrial]:
-    """SIGKILL ``proc`` (or call ``send(pid)`` instead) in the middle of a trial, once ``trials()`` (its trials)
-    holds a completed one and a running one whose MLflow run has started; waits for ``proc`` to end and
-    returns the trials as last seen. A process that ends first fails the test with its output (``log``: the
+def kill_mid_trial(
+    proc: subprocess.Popen,
+    trials: Callable[[], list[optuna.trial.FrozenTrial]],
+    timeout_s: float = 240,
+    send: Callable[[int], None] | None = None,
+    log: Path | None = None,
+) -> list[optuna.trial.FrozenTrial]:
+    """SIGKILL ``proc`` (or call ``send(pid)`` instead) in the middle of a trial, once ``trials()`` (its
+    trials) holds a completed one and a running one whose MLflow run has started; waits for ``proc`` to end
+    and returns the trials as last seen. A process that ends first fails the test with its output (``log``:
+    the
     file it writes its output to)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -42,8 +60,9 @@ def kill_mid_trial(proc: subprocess.Popen, trials: Callable[[], list[optuna.tria
             output = log.read_text() if log else "(its output is not kept)"
             pytest.fail(f"the process ended (exit {proc.returncode}) before it was in a trial:\n{output}")
         seen = trials()
-        if (any(t.state == optuna.trial.TrialState.COMPLETE for t in seen)
-                and any(t.state == optuna.trial.TrialState.RUNNING and "mlflow_run_id" in t.user_attrs for t in seen)):
+        if any(t.state == optuna.trial.TrialState.COMPLETE for t in seen) and any(
+            t.state == optuna.trial.TrialState.RUNNING and "mlflow_run_id" in t.user_attrs for t in seen
+        ):
             break
         time.sleep(0.2)
     else:

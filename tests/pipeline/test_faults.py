@@ -1,4 +1,6 @@
-"""Sweeps that survive faults: a killed process resumes, a slow trial times out, a failing trial is recorded."""
+"""Sweeps that survive faults: a killed process resumes, a slow trial times out, a failing trial is
+recorded."""
+
 import os
 import signal
 import subprocess
@@ -42,8 +44,12 @@ def runs(tmp_path):
 @pytest.mark.slow
 def test_killed_sweep_resumes_without_losing_or_repeating_a_trial(tmp_path, tiny_params):
     args = prepare(tmp_path, tiny_params, SLOW | {"sweep": SLOW["sweep"] | {"space": {"batch_size": [1, 2]}}})
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.sweep", *args], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.sweep", *args],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     seen = kill_mid_trial(proc, lambda: journal_trials(tmp_path))
     before = sum(t.state == optuna.trial.TrialState.COMPLETE for t in seen)
 
@@ -56,10 +62,15 @@ def test_killed_sweep_resumes_without_losing_or_repeating_a_trial(tmp_path, tiny
     children = runs(tmp_path)
     assert children["run_id"].is_unique and set(done["mlflow_run_id"]) <= set(children["run_id"])
     # The interrupted trial's MLflow run (if the kill came after it started) is FAILED; none is left RUNNING.
-    assert children["status"].isin(["FINISHED", "FAILED"]).all() and (children["status"] == "FAILED").sum() <= 1
+    assert (
+        children["status"].isin(["FINISHED", "FAILED"]).all() and (children["status"] == "FAILED").sum() <= 1
+    )
     assert before >= 1
-    print(f"killed with {before} trial(s) complete; after the resume {len(done)} complete, "
-          f"{len(interrupted)} interrupted, {len(children)} child runs, {done.duplicated(['head', 'batch_size']).sum()} duplicates")
+    print(
+        f"killed with {before} trial(s) complete; after the resume {len(done)} complete, "
+        f"{len(interrupted)} interrupted, {len(children)} child runs, "
+        f"{done.duplicated(['head', 'batch_size']).sum()} duplicates"
+    )
 
 
 CTRL_C = {  # how Ctrl-C reaches the sweep: a terminal signals its whole process group
@@ -72,25 +83,38 @@ CTRL_C = {  # how Ctrl-C reaches the sweep: a terminal signals its whole process
 @pytest.mark.slow
 @pytest.mark.parametrize("workers, send", CTRL_C.values(), ids=CTRL_C.keys())
 def test_ctrl_c_stops_with_one_line_and_the_rerun_resumes(tmp_path, tiny_params, capsys, workers, send):
-    args = prepare(tmp_path, tiny_params, SLOW | {"sweep": SLOW["sweep"] | {
-        "workers": workers, "space": {"batch_size": [1, 2]}}})  # 4 points
+    args = prepare(
+        tmp_path,
+        tiny_params,
+        SLOW | {"sweep": SLOW["sweep"] | {"workers": workers, "space": {"batch_size": [1, 2]}}},
+    )  # 4 points
     with (tmp_path / "stderr.txt").open("w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline.sweep", *args], cwd=ROOT, start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=stderr)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.sweep", *args],
+            cwd=ROOT,
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
         # SIGINT lands while a trial measures (nearly all of its time; during its bookkeeping it would wait).
-        kill_mid_trial(proc, lambda: journal_trials(tmp_path), timeout_s=600, send=send, log=tmp_path / "stderr.txt")
+        kill_mid_trial(
+            proc, lambda: journal_trials(tmp_path), timeout_s=600, send=send, log=tmp_path / "stderr.txt"
+        )
     err = (tmp_path / "stderr.txt").read_text()
     study = journal_study(tmp_path)
     states = [t.state for t in study.trials]
     complete = states.count(optuna.trial.TrialState.COMPLETE)
     assert proc.returncode == 130, err
     assert "Traceback" not in err, err
-    assert err.splitlines()[-1] == (f"interrupted: {complete} of 4 trials complete; run the sweep stage again "
-                                    "(make repro) to resume")
+    assert err.splitlines()[-1] == (
+        f"interrupted: {complete} of 4 trials complete; run the sweep stage again (make repro) to resume"
+    )
     # The stopped trials: failed as interrupted, their MLflow runs KILLED (a worker stopped before its trial's
     # run started has none), none FAILED or left RUNNING, their points queued again at once.
     stopped = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
-    assert 1 <= len(stopped) <= workers and all(t.user_attrs["error"] == "interrupted (Ctrl-C)" for t in stopped)
+    assert 1 <= len(stopped) <= workers and all(
+        t.user_attrs["error"] == "interrupted (Ctrl-C)" for t in stopped
+    )
     killed = {t.user_attrs["mlflow_run_id"] for t in stopped if "mlflow_run_id" in t.user_attrs}
     children = runs(tmp_path)
     assert killed and set(children.loc[children["status"] == "KILLED", "run_id"]) == killed
@@ -108,16 +132,27 @@ def test_ctrl_c_stops_with_one_line_and_the_rerun_resumes(tmp_path, tiny_params,
     assert trials.loc[trials["status"] == "failed", "error"].eq("interrupted (Ctrl-C)").sum() == len(stopped)
     children = runs(tmp_path)
     assert children["status"].isin(["FINISHED", "KILLED"]).all()
-    print(f"{workers} worker(s): Ctrl-C with {complete} complete, {len(stopped)} trial(s) stopped; after the "
-          f"resume {len(done)} complete, {len(children)} child runs")
+    print(
+        f"{workers} worker(s): Ctrl-C with {complete} complete, {len(stopped)} trial(s) stopped; after the "
+        f"resume {len(done)} complete, {len(children)} child runs"
+    )
 
 
 @pytest.mark.slow
 def test_ctrl_c_while_workers_start_stops_them_at_once(tmp_path, tiny_params):
-    args = prepare(tmp_path, tiny_params, SLOW | {"sweep": SLOW["sweep"] | {
-        "workers": 2, "space": {"batch_size": [1, 2]}}})
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.sweep", *args], cwd=ROOT, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args = prepare(
+        tmp_path,
+        tiny_params,
+        SLOW | {"sweep": SLOW["sweep"] | {"workers": 2, "space": {"batch_size": [1, 2]}}},
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.sweep", *args],
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     for line in proc.stdout:
         if line.startswith("2 workers"):  # spawning them next: they import torch for seconds
             time.sleep(1)
@@ -125,7 +160,9 @@ def test_ctrl_c_while_workers_start_stops_them_at_once(tmp_path, tiny_params):
             break
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 130, err
-    assert "Traceback" not in err and err.splitlines()[-1].startswith("interrupted: 0 of 4 trials complete"), err
+    assert "Traceback" not in err and err.splitlines()[-1].startswith(
+        "interrupted: 0 of 4 trials complete"
+    ), err
     assert "trial" not in out  # no worker started a trial after the Ctrl-C reached it
     study = journal_study(tmp_path)
     assert {t.state for t in study.trials} == {optuna.trial.TrialState.WAITING}
@@ -136,9 +173,19 @@ def test_ctrl_c_while_workers_start_stops_them_at_once(tmp_path, tiny_params):
 @pytest.mark.slow
 def test_slow_trial_times_out_and_a_failing_one_is_recorded(tmp_path, tiny_params):
     # Batch size 8 on 4 images fails inside the trial; a 1 s limit stops the 30-step trials.
-    args = prepare(tmp_path, tiny_params, SLOW | {"sweep": SLOW["sweep"] | {
-        "trial_timeout_s": 1, "fail_on_trial_error": True,
-        "space": {"head": ["linear"], "batch_size": [2, 8]}}})
+    args = prepare(
+        tmp_path,
+        tiny_params,
+        SLOW
+        | {
+            "sweep": SLOW["sweep"]
+            | {
+                "trial_timeout_s": 1,
+                "fail_on_trial_error": True,
+                "space": {"head": ["linear"], "batch_size": [2, 8]},
+            }
+        },
+    )
     assert sweep.main(args) == 3  # fail_on_trial_error: results written, then a non-zero exit
     trials = read_trials(tmp_path / "trials.csv").set_index("batch_size")
     assert trials.loc[2, "status"] == "timeout" and "trial_timeout_s" in trials.loc[2, "error"]
@@ -150,7 +197,9 @@ def test_slow_trial_times_out_and_a_failing_one_is_recorded(tmp_path, tiny_param
 
 
 @pytest.mark.slow
-def test_a_setting_that_fails_to_compile_is_a_failed_trial_and_the_sweep_goes_on(tmp_path, tiny_params, monkeypatch):
+def test_a_setting_that_fails_to_compile_is_a_failed_trial_and_the_sweep_goes_on(
+    tmp_path, tiny_params, monkeypatch
+):
     import torch
 
     real = torch.compile
@@ -159,8 +208,17 @@ def test_a_setting_that_fails_to_compile_is_a_failed_trial_and_the_sweep_goes_on
         raise RuntimeError("the C++ build of a kernel failed\nsecond line of the compiler's output")
 
     monkeypatch.setattr(torch, "compile", lambda fn, mode=None: real(fn, backend=failing_backend))
-    args = prepare(tmp_path, tiny_params, {"sweep": {"profile_steps": 0, "cross_check": False,
-                                                     "space": {"head": ["linear"], "compile": ["off", "head"]}}})
+    args = prepare(
+        tmp_path,
+        tiny_params,
+        {
+            "sweep": {
+                "profile_steps": 0,
+                "cross_check": False,
+                "space": {"head": ["linear"], "compile": ["off", "head"]},
+            }
+        },
+    )
     assert sweep.main(args) == 0  # fail_on_trial_error is off: recorded, and the sweep goes on
     trials = read_trials(tmp_path / "trials.csv").set_index("compile")
     assert trials.loc["off", "status"] == "complete" and trials.loc["head", "status"] == "failed"
@@ -170,11 +228,13 @@ def test_a_setting_that_fails_to_compile_is_a_failed_trial_and_the_sweep_goes_on
 
 
 def test_a_machine_racing_another_on_the_experiment_tries_again(tmp_path, monkeypatch):
-    """Machines starting together insert the same experiment rows; the loser's write fails once (a duplicate key
-    on PostgreSQL) and its next attempt finds them. A write that keeps failing stops with one line after three
+    """Machines starting together insert the same experiment rows; the loser's write fails once (a duplicate
+    key on PostgreSQL) and its next attempt finds them. A write that keeps failing stops with one line after
+    three
     attempts; a refusal at the first."""
-    tracking = TrackingParams(mlflow_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="raced",
-                              system_metrics_s=None)
+    tracking = TrackingParams(
+        mlflow_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="raced", system_metrics_s=None
+    )
     real_tag, tries = mlflow.set_experiment_tag, []
 
     def failing(times: int, error: mlflow.exceptions.MlflowException):
@@ -183,26 +243,33 @@ def test_a_machine_racing_another_on_the_experiment_tries_again(tmp_path, monkey
             if len(tries) <= times:
                 raise error
             real_tag(key, value)
+
         return set_tag
 
     monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
     previous_uri = mlflow.get_tracking_uri()
     try:
-        duplicate = mlflow.exceptions.MlflowException("duplicate key value violates unique constraint\nDETAIL: ...",
-                                                      error_code=BAD_REQUEST)
+        duplicate = mlflow.exceptions.MlflowException(
+            "duplicate key value violates unique constraint\nDETAIL: ...", error_code=BAD_REQUEST
+        )
         monkeypatch.setattr(mlflow, "set_experiment_tag", failing(1, duplicate))
         sweep.connect_tracking(tracking)
         assert len(tries) == 2 and "last_sweep_start" in mlflow.get_experiment_by_name("raced").tags
 
         tries.clear()
         monkeypatch.setattr(mlflow, "set_experiment_tag", failing(99, duplicate))
-        with pytest.raises(ParamsError, match=r"^tracking.mlflow_uri: cannot use sqlite:///.* with experiment raced "
-                                              r"\(MlflowException: duplicate key value violates unique constraint\)$"):
+        with pytest.raises(
+            ParamsError,
+            match=r"^tracking.mlflow_uri: cannot use sqlite:///.* with experiment raced "
+            r"\(MlflowException: duplicate key value violates unique constraint\)$",
+        ):
             sweep.connect_tracking(tracking)
         assert len(tries) == sweep.EXPERIMENT_ATTEMPTS
 
         tries.clear()
-        refused = mlflow.exceptions.MlflowException("no EDIT on experiment raced", error_code=PERMISSION_DENIED)
+        refused = mlflow.exceptions.MlflowException(
+            "no EDIT on experiment raced", error_code=PERMISSION_DENIED
+        )
         monkeypatch.setattr(mlflow, "set_experiment_tag", failing(99, refused))
         with pytest.raises(ParamsError, match=r"\(MlflowException: no EDIT on experiment raced\)$"):
             sweep.connect_tracking(tracking)

@@ -19,15 +19,17 @@ def test_missing_keys_take_defaults():
 
 
 def test_the_repo_params_state_the_timing_defaults():
-    """params.yaml's timing section is the library's defaults (rcnn.measure.stats.TimingPolicy), not a fifth set."""
+    """params.yaml's timing section is the library's defaults (rcnn.measure.stats.TimingPolicy), not a fifth
+    set."""
     assert load_params(ROOT / "params.yaml").timing.policy() == TimingPolicy()
 
 
 def test_values_read_as_dvc_writes_them_back(tmp_path):
     """dvc exp run -S rewrites params.yaml in YAML 1.2: `off` unquoted is a string there, `1e-3` a float."""
     path = tmp_path / "params.yaml"
-    path.write_text("sweep:\n  space: {amp: [off, bf16]}\n  profile_at: [{amp: off}]\n"
-                    "timing: {rel_precision: 1e-3}\n")
+    path.write_text(
+        "sweep:\n  space: {amp: [off, bf16]}\n  profile_at: [{amp: off}]\ntiming: {rel_precision: 1e-3}\n"
+    )
     params = load_params(path)
     assert params.sweep.space.amp == ("off", "bf16") and params.sweep.profile_at[0].amp == "off"
     assert params.timing.rel_precision == 0.001
@@ -37,9 +39,16 @@ def test_values_read_as_dvc_writes_them_back(tmp_path):
 
 
 BAD = [
-    ({"sweep": {"space": {"head": ["mlp"]}}}, "sweep.space.head: 'mlp' is not allowed; allowed: linear, conv, conv_as_linear, or package.module:factory"),
+    (
+        {"sweep": {"space": {"head": ["mlp"]}}},
+        "sweep.space.head: 'mlp' is not allowed; allowed: linear, conv, conv_as_linear, or "
+        "package.module:factory",
+    ),
     ({"sweep": {"space": {"batch_size": [0]}}}, "sweep.space.batch_size: 0 is too small; allowed: >= 1"),
-    ({"sweep": {"space": {"amp": ["fp8"]}}}, "sweep.space.amp: 'fp8' is not allowed; allowed: off, fp16, bf16"),
+    (
+        {"sweep": {"space": {"amp": ["fp8"]}}},
+        "sweep.space.amp: 'fp8' is not allowed; allowed: off, fp16, bf16",
+    ),
     ({"sweep": {"spcae": {}}}, "sweep.spcae: unknown key; allowed: device, sampler"),
     ({"timing": {"iterations": "5"}}, "timing.iterations: expected int, got '5'"),
     ({"timing": {"warmup": True}}, "timing.warmup: expected int, got True"),
@@ -54,7 +63,10 @@ BAD = [
     ({"sweep": {"n_trials": 0}}, "sweep.n_trials: 0 is too small"),
     ({"data": []}, "data: expected a mapping"),
     ({"colour": 1}, "colour: unknown key; allowed: data, model, sweep, timing, tracking"),
-    ({"timing": {"iterations": 10, "max_iterations": 5}}, "timing.max_iterations: 5 is below timing.iterations"),
+    (
+        {"timing": {"iterations": 10, "max_iterations": 5}},
+        "timing.max_iterations: 5 is below timing.iterations",
+    ),
     ({"timing": {"rel_precision": 0}}, "timing.rel_precision: 0.0 is too small"),
     ({"sweep": {"profile_at": [{"amp": "fp8"}]}}, "sweep.profile_at.amp: 'fp8' is not allowed"),
     ({"sweep": {"profile_at": [{"head": "conv"}]}}, "sweep.profile_at.head: unknown key"),
@@ -87,12 +99,20 @@ def test_bad_files_name_the_file(tmp_path):
 
 
 # The same bad value in params.yaml and on rcnn.bench's command line: params key, option, value.
-SAME_RULE = [("model.image_size", "--image-size", 100), ("sweep.space.batch_size", "--batch-size", [0]),
-             ("model.rois_per_image", "--rois-per-image", 0), ("model.backbone", "--backbone", "vgg16"),
-             ("model.representation_size", "--representation-size", 0), ("timing.warmup", "--warmup", -1),
-             ("timing.iterations", "--iterations", 0), ("timing.rel_precision", "--rel-precision", 0),
-             ("data.num_images", "--num-images", 0), ("sweep.device", "--device", "tpu"),
-             ("sweep.space.head", "--head", ["mlp"]), ("sweep.space.amp", "--amp", ["fp8"])]
+SAME_RULE = [
+    ("model.image_size", "--image-size", 100),
+    ("sweep.space.batch_size", "--batch-size", [0]),
+    ("model.rois_per_image", "--rois-per-image", 0),
+    ("model.backbone", "--backbone", "vgg16"),
+    ("model.representation_size", "--representation-size", 0),
+    ("timing.warmup", "--warmup", -1),
+    ("timing.iterations", "--iterations", 0),
+    ("timing.rel_precision", "--rel-precision", 0),
+    ("data.num_images", "--num-images", 0),
+    ("sweep.device", "--device", "tpu"),
+    ("sweep.space.head", "--head", ["mlp"]),
+    ("sweep.space.amp", "--amp", ["fp8"]),
+]
 
 
 @pytest.mark.parametrize("key, option, value", SAME_RULE, ids=[k for k, _, _ in SAME_RULE])
@@ -115,47 +135,77 @@ def test_a_bound_below_its_floor_is_worded_alike(capsys):
         parse_params({"timing": {"iterations": 10, "max_iterations": 5}})
     with pytest.raises(SystemExit):
         bench.main(["--iterations", "10", "--max-iterations", "5"])
-    words = str(err.value).replace("timing.max_iterations", "--max-iterations").replace("timing.iterations",
-                                                                                         "--iterations")
+    words = (
+        str(err.value)
+        .replace("timing.max_iterations", "--max-iterations")
+        .replace("timing.iterations", "--iterations")
+    )
     assert capsys.readouterr().err == f"error: {words}\n"
 
 
 PASSWORD = "s3cret-Pw-0451"
 EMBEDDED = [  # key, a value holding PASSWORD, where the message says the password goes instead
     ("sweep.storage", f"postgresql://rcnn:{PASSWORD}@dbhost:5432/optuna", "PGPASSWORD or a ~/.pgpass entry"),
-    ("sweep.storage", f"postgresql+psycopg://rcnn@dbhost/optuna?sslmode=require&password={PASSWORD}", "PGPASSWORD"),
-    ("tracking.mlflow_uri", f"http://rcnn:{PASSWORD}@trackhost:5000",
-     "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"),
+    (
+        "sweep.storage",
+        f"postgresql+psycopg://rcnn@dbhost/optuna?sslmode=require&password={PASSWORD}",
+        "PGPASSWORD",
+    ),
+    (
+        "tracking.mlflow_uri",
+        f"http://rcnn:{PASSWORD}@trackhost:5000",
+        "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD",
+    ),
     ("tracking.mlflow_uri", f"https://rcnn:{PASSWORD}@trackhost", "MLFLOW_TRACKING_PASSWORD"),
     ("tracking.mlflow_uri", f"postgresql://rcnn:{PASSWORD}@dbhost/mlflow", "PGPASSWORD"),
-    ("tracking.mlflow_uri", f"mysql+pymysql://rcnn:{PASSWORD}@dbhost/mlflow", "the database driver's password file"),
+    (
+        "tracking.mlflow_uri",
+        f"mysql+pymysql://rcnn:{PASSWORD}@dbhost/mlflow",
+        "the database driver's password file",
+    ),
 ]
 
 
-@pytest.mark.parametrize("key, value, where", EMBEDDED, ids=[f"{k}-{v.split(':')[0]}" for k, v, _ in EMBEDDED])
+@pytest.mark.parametrize(
+    "key, value, where", EMBEDDED, ids=[f"{k}-{v.split(':')[0]}" for k, v, _ in EMBEDDED]
+)
 def test_a_url_holding_a_password_is_refused_without_echoing_it(key, value, where):
     section, name = key.split(".")
     with pytest.raises(ParamsError) as err:
         parse_params({section: {name: value}})
     message = str(err.value)
-    assert message.startswith(f"{key}: the URL holds a password") and "dvc.lock" in message and where in message
-    assert PASSWORD not in message and "dbhost" not in message and "\n" not in message  # neither it nor the URL
+    assert (
+        message.startswith(f"{key}: the URL holds a password") and "dvc.lock" in message and where in message
+    )
+    assert (
+        PASSWORD not in message and "dbhost" not in message and "\n" not in message
+    )  # neither it nor the URL
 
 
 def test_the_password_check_comes_before_every_other(tmp_path):
     bad = tmp_path / "params.yaml"  # another bad key in the same section, and the file's name in front
-    bad.write_text(f"sweep: {{storage: 'postgresql://rcnn:{PASSWORD}@dbhost/optuna', workers: 0, wrokers: 1}}")
+    bad.write_text(
+        f"sweep: {{storage: 'postgresql://rcnn:{PASSWORD}@dbhost/optuna', workers: 0, wrokers: 1}}"
+    )
     with pytest.raises(ParamsError) as err:
         load_params(bad)
-    assert str(err.value) == (f"{bad}: sweep.storage: the URL holds a password, and params values are recorded in "
-                              "dvc.lock (and so in git); remove it from the URL and pass it in the environment "
-                              "variable PGPASSWORD or a ~/.pgpass entry instead")
+    assert str(err.value) == (
+        f"{bad}: sweep.storage: the URL holds a password, and params values are recorded in "
+        "dvc.lock (and so in git); remove it from the URL and pass it in the environment "
+        "variable PGPASSWORD or a ~/.pgpass entry instead"
+    )
 
 
-@pytest.mark.parametrize("key, value", [
-    ("sweep.storage", "postgresql://rcnn@dbhost:5432/optuna?sslmode=require&passfile=/etc/rcnn/pgpass"),
-    ("sweep.storage", "optuna.journal"), ("sweep.storage", "/srv/sweeps/user:name@host/optuna.journal"),
-    ("tracking.mlflow_uri", "http://rcnn@trackhost:5000"), ("tracking.mlflow_uri", "sqlite:///mlflow.db")])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("sweep.storage", "postgresql://rcnn@dbhost:5432/optuna?sslmode=require&passfile=/etc/rcnn/pgpass"),
+        ("sweep.storage", "optuna.journal"),
+        ("sweep.storage", "/srv/sweeps/user:name@host/optuna.journal"),
+        ("tracking.mlflow_uri", "http://rcnn@trackhost:5000"),
+        ("tracking.mlflow_uri", "sqlite:///mlflow.db"),
+    ],
+)
 def test_urls_without_a_password_are_kept(key, value):
     section, name = key.split(".")
     assert getattr(getattr(parse_params({section: {name: value}}), section), name) == value

@@ -1,4 +1,5 @@
 """The report and the compare command, generated from a small fixed results folder (no sweep)."""
+
 import json
 import re
 import subprocess
@@ -13,35 +14,71 @@ from pipeline.results import comparisons_table, fastest, summarize_trials, write
 from rcnn.detector.schema import KERNEL_COLUMNS
 from tests.conftest import ROOT, fake_trials
 
-SECTIONS = ["## Verdict", "## Knob effects", "## Where the time goes", "## Batch-size scaling", "## Speed vs memory",
-            "## Against the limit", "## Why", "## Backward by module", "## torch.compile",
-            "## Environment and reproduction", "## Where the sweep's time went", "## Trials"]
+SECTIONS = [
+    "## Verdict",
+    "## Knob effects",
+    "## Where the time goes",
+    "## Batch-size scaling",
+    "## Speed vs memory",
+    "## Against the limit",
+    "## Why",
+    "## Backward by module",
+    "## torch.compile",
+    "## Environment and reproduction",
+    "## Where the sweep's time went",
+    "## Trials",
+]
 FIGURES = ["head_backward", "time_split", "batch_scaling", "pareto", "roofline"]
 
 
 def write_results(folder, scale=1.0, batch_2_cost=2.0):
     trials, samples = fake_trials(scale, batch_2_cost)
     comparisons = comparisons_table(trials, samples)
-    kernels = pd.DataFrame([{"trial": 1, "head": "conv", "cudnn_benchmark": "n/a", "onednn": True, "amp": "off",
-                             "channels_last": False, "batch_size": 1, "kind": "op",
-                             "name": "aten::convolution_backward", "ms": 30.0, "calls": 4, "share": 0.9}],
-                           columns=KERNEL_COLUMNS)
+    kernels = pd.DataFrame(
+        [
+            {
+                "trial": 1,
+                "head": "conv",
+                "cudnn_benchmark": "n/a",
+                "onednn": True,
+                "amp": "off",
+                "channels_last": False,
+                "batch_size": 1,
+                "kind": "op",
+                "name": "aten::convolution_backward",
+                "ms": 30.0,
+                "calls": 4,
+                "share": 0.9,
+            }
+        ],
+        columns=KERNEL_COLUMNS,
+    )
     folder.mkdir(parents=True, exist_ok=True)
     write_trials(trials, folder / "trials.csv")
     write_table(comparisons, folder / "comparisons.csv")
     write_table(kernels, folder / "kernels.csv")
     summary = summarize_trials(trials, comparisons) | {"skipped": [], "study": "s", "git_commit": "abc123"}
     (folder / "summary.json").write_text(json.dumps(summary))
-    (folder / "env.json").write_text(json.dumps({"fingerprint": {"device": "cpu", "cpu_model": "Test CPU",
-                                                                 "torch": "2.x"},
-                                                 "ceilings": {"matmul_tflops": {"fp32": 0.5}, "copy_gbps": 20}}))
+    (folder / "env.json").write_text(
+        json.dumps(
+            {
+                "fingerprint": {"device": "cpu", "cpu_model": "Test CPU", "torch": "2.x"},
+                "ceilings": {"matmul_tflops": {"fp32": 0.5}, "copy_gbps": 20},
+            }
+        )
+    )
     return folder
 
 
 def report_args(folder, out):
-    return ["--out", str(out)] + [a for name in ("trials", "comparisons", "kernels", "summary", "env")
-                                  for a in (f"--{name}", str(folder / (f"{name}.json" if name in ("summary", "env")
-                                                                       else f"{name}.csv")))]
+    return ["--out", str(out)] + [
+        a
+        for name in ("trials", "comparisons", "kernels", "summary", "env")
+        for a in (
+            f"--{name}",
+            str(folder / (f"{name}.json" if name in ("summary", "env") else f"{name}.csv")),
+        )
+    ]
 
 
 def test_report_has_every_section_figure_and_the_verdict_numbers(tmp_path, tiny_params):
@@ -86,38 +123,54 @@ def test_settings_are_ranked_by_time_per_image_not_per_step(tmp_path, tiny_param
     assert done.loc[done["step_ms"].idxmin(), "batch_size"] == 1  # the rankings disagree on this table
     best = fastest(trials)
     assert (best["head"], best["batch_size"]) == ("linear", 2)
-    assert best["ms_per_image"] == pytest.approx(170, rel=0.02) and best["step_ms"] == pytest.approx(340, rel=0.02)
+    assert best["ms_per_image"] == pytest.approx(170, rel=0.02) and best["step_ms"] == pytest.approx(
+        340, rel=0.02
+    )
 
     folder = write_results(tmp_path / "results", batch_2_cost=1.7)
     out = tmp_path / "reports"
     assert report.main(["--params", str(tiny_params())] + report_args(folder, out)) == 0
     text = (out / "report.md").read_text()
-    line = re.search(r"- fastest setting, by time per image \(step time / batch size\): head=(\w+), .*"
-                     r"batch_size=(\d+), linearize=False, tf32=n/a, compile=off at (\d+) ms per image \((\d+) ms per step of 2 images\)", text)
+    line = re.search(
+        r"- fastest setting, by time per image \(step time / batch size\): head=(\w+), .*"
+        r"batch_size=(\d+), linearize=False, tf32=n/a, compile=off at (\d+) ms per image \((\d+) ms per "
+        r"step of 2 images\)",
+        text,
+    )
     assert line and (line[1], line[2]) == ("linear", "2"), text
     assert int(line[3]) == pytest.approx(170, rel=0.02) and int(line[4]) == pytest.approx(340, rel=0.02)
     # The Pareto front is per image too: linear at batch 2 (fastest per image) and at batch 1 (leanest); per
     # step, batch 1 alone would be on it.
     pareto = pd.read_csv(out / "plots" / "pareto.csv")
     batch = pareto["setting"].str.extract(r"bs (\d+)$")[0].astype(int)
-    assert pareto["ms_per_image"].to_numpy() == pytest.approx((pareto["step_ms"] / batch).to_numpy(), abs=0.01)
+    assert pareto["ms_per_image"].to_numpy() == pytest.approx(
+        (pareto["step_ms"] / batch).to_numpy(), abs=0.01
+    )
     front = pareto[pareto["pareto"]]
     assert sorted(zip(front["head"], batch[front.index])) == [("linear", 1), ("linear", 2)]
     assert pareto["ms_per_image"].is_monotonic_increasing  # ranked by it
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage, message", [
-    (lambda f: (f / "trials.csv").unlink(), "trials.csv: missing; run the sweep stage first"),
-    (lambda f: (f / "summary.json").write_text("{oops"), "summary.json: not valid JSON"),
-    (lambda f: (f / "comparisons.csv").write_text("a,b\n1,2\n"), "comparisons.csv: missing columns"),
-    (lambda f: (f / "env.json").write_text("{}"), "env.json: needs 'fingerprint' and 'ceilings'"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda f: (f / "trials.csv").unlink(), "trials.csv: missing; run the sweep stage first"),
+        (lambda f: (f / "summary.json").write_text("{oops"), "summary.json: not valid JSON"),
+        (lambda f: (f / "comparisons.csv").write_text("a,b\n1,2\n"), "comparisons.csv: missing columns"),
+        (lambda f: (f / "env.json").write_text("{}"), "env.json: needs 'fingerprint' and 'ceilings'"),
+    ],
+)
 def test_missing_or_malformed_results_give_one_line(tmp_path, tiny_params, damage, message):
     folder = write_results(tmp_path / "results")
     damage(folder)
-    result = subprocess.run([sys.executable, "-m", "pipeline.report", "--params", str(tiny_params())]
-                            + report_args(folder, tmp_path / "out"), cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline.report", "--params", str(tiny_params())]
+        + report_args(folder, tmp_path / "out"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out" / "report.md").exists()
 
@@ -129,7 +182,10 @@ def test_compare_two_machines(tmp_path, monkeypatch):
     assert compare.main([str(slow), str(fast), "--out", str(out)]) == 0
     assert compare.main([str(slow), str(fast), "--out", str(out)]) == 0  # its own files it replaces
     text = (out / "compare.md").read_text()
-    assert text.count("conv / linear head backward") == 1 and (out / "figures" / "head_backward_by_machine.png").exists()
+    assert (
+        text.count("conv / linear head backward") == 1
+        and (out / "figures" / "head_backward_by_machine.png").exists()
+    )
     table = pd.read_csv(out / "head_backward_by_machine.csv").set_index("head")
     assert (table.iloc[:, 1] / table.iloc[:, 0]).round(2).eq(0.5).all()
     assert compare.main([str(slow), "--out", str(out)]) == 2
@@ -147,8 +203,13 @@ def test_the_verdict_says_what_linearize_swapped_and_how_close_it_came():
     fixed["swapped"] = ["roi_heads.box_head.0 roi_heads.box_head.2", "roi_heads.box_head.0"]
     assert linearize_lines(trials) == []  # no trial with the knob on: nothing to say
     (line,) = linearize_lines(pd.concat([trials, fixed]))
-    assert "swapped `roi_heads.box_head.0` (in 2 of 2 settings), `roi_heads.box_head.2` (in 1 of 2 settings)" in line
-    assert "box-head backward is 1.02x conv_as_linear's (geometric mean over 2 settings; within the 5%" in line
+    assert (
+        "swapped `roi_heads.box_head.0` (in 2 of 2 settings), `roi_heads.box_head.2` (in 1 of 2 settings)"
+        in line
+    )
+    assert (
+        "box-head backward is 1.02x conv_as_linear's (geometric mean over 2 settings; within the 5%" in line
+    )
 
 
 def compiled_fixture(conv_speedup: float) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -156,8 +217,14 @@ def compiled_fixture(conv_speedup: float) -> tuple[pd.DataFrame, pd.DataFrame]:
     times faster in the box-head backward than eager; and the comparisons table of the whole."""
     trials, samples = fake_trials()
     done = trials[trials["status"] == "complete"]
-    compiled = done.assign(compile="head", trial=done["trial"] + 100, compile_ms=5000.0, compile_steps=1,
-                           compiled_graphs=2, graph_breaks=0)
+    compiled = done.assign(
+        compile="head",
+        trial=done["trial"] + 100,
+        compile_ms=5000.0,
+        compile_steps=1,
+        compiled_graphs=2,
+        graph_breaks=0,
+    )
     for old, new in zip(done["trial"], compiled["trial"]):
         factor = conv_speedup if done.set_index("trial").loc[old, "head"] == "conv" else 1.0
         samples[new] = {**samples[old], "head_backward": [x / factor for x in samples[old]["head_backward"]]}
@@ -166,26 +233,38 @@ def compiled_fixture(conv_speedup: float) -> tuple[pd.DataFrame, pd.DataFrame]:
     return both, comparisons_table(both, samples)
 
 
-@pytest.mark.parametrize("speedup, answer", [(1.0, "no: the gap stays"),
-                                             (4.0, "yes, compile head brings it under 1.25x")])
+@pytest.mark.parametrize(
+    "speedup, answer", [(1.0, "no: the gap stays"), (4.0, "yes, compile head brings it under 1.25x")]
+)
 def test_the_verdict_answers_whether_compile_closes_the_gap(speedup, answer):
     from pipeline.report import by_value_lines, compile_section
 
     trials, comparisons = compiled_fixture(speedup)
     (line,) = by_value_lines(comparisons, trials)  # tf32 is n/a on this CPU: no line for it
     assert line.startswith(f"- does torch.compile close the conv/linear gap? {answer}.")
-    gaps = re.search(r"compile off: \*\*([\d.]+)x\*\* \(95% CI [\d.]+-[\d.]+, 2 settings\); compile head: \*\*([\d.]+)x", line)
-    assert float(gaps[1]) == pytest.approx(4.0, rel=0.02) and float(gaps[2]) == pytest.approx(4.0 / speedup, rel=0.02)
+    gaps = re.search(
+        r"compile off: \*\*([\d.]+)x\*\* \(95% CI [\d.]+-[\d.]+, 2 settings\); compile head: \*\*([\d.]+)x",
+        line,
+    )
+    assert float(gaps[1]) == pytest.approx(4.0, rel=0.02) and float(gaps[2]) == pytest.approx(
+        4.0 / speedup, rel=0.02
+    )
     section = "\n".join(compile_section(trials))
     assert "| compile " in section and "5" in section and "no eager trial" not in section
-    assert by_value_lines(comparisons_table(*fake_trials()), fake_trials()[0]) == []  # compile not swept: no line
+    assert (
+        by_value_lines(comparisons_table(*fake_trials()), fake_trials()[0]) == []
+    )  # compile not swept: no line
     assert "Not swept here" in compile_section(fake_trials()[0])[0]
 
 
 def test_the_sweep_time_section_reads_the_summary():
     from pipeline.report import wall_section
 
-    wall = {"total_s": 100.0, "measure_share": 0.72, "parts_s": {"measure": 72.0, "warmup": 18.0, "other": 10.0}}
+    wall = {
+        "total_s": 100.0,
+        "measure_share": 0.72,
+        "parts_s": {"measure": 72.0, "warmup": 18.0, "other": 10.0},
+    }
     text = "\n".join(wall_section({"wall": wall}))
     assert "100 s of worker time; timed steps **72%**" in text and "| measure |" in text.replace("  ", " ")
     assert "Not recorded" in wall_section({})[0]
@@ -198,8 +277,10 @@ def test_the_verdict_answers_whether_tf32_closes_the_gap_where_it_was_swept():
     trials = trials.assign(device="cuda", cudnn_benchmark=False, onednn="n/a")
     trials["tf32"] = trials["batch_size"] == 2  # batch 2 with TF32 on: the same gap, 4x
     (line,) = by_value_lines(comparisons_table(trials, samples), trials)
-    assert line.startswith("- does TF32 close the conv/linear gap? no: the gap stays. conv / linear box-head "
-                           "backward over every setting, tf32 False: **")
+    assert line.startswith(
+        "- does TF32 close the conv/linear gap? no: the gap stays. conv / linear box-head "
+        "backward over every setting, tf32 False: **"
+    )
     gaps = [float(g) for g in re.findall(r"tf32 (?:False|True): \*\*([\d.]+)x\*\*", line)]
     assert gaps == pytest.approx([4.0, 4.0], rel=0.02) and line.count("1 setting)") == 2
 
@@ -209,22 +290,34 @@ def verdict_of(trials: pd.DataFrame, samples: dict, summary: dict | None = None)
     from pipeline.analysis import knob_effects
 
     comparisons = comparisons_table(trials, samples)
-    results = report.Results(trials=trials, comparisons=comparisons, kernels=pd.DataFrame(), env={},
-                             summary=summarize_trials(trials, comparisons) | (summary or {}), modules=pd.DataFrame())
+    results = report.Results(
+        trials=trials,
+        comparisons=comparisons,
+        kernels=pd.DataFrame(),
+        env={},
+        summary=summarize_trials(trials, comparisons) | (summary or {}),
+        modules=pd.DataFrame(),
+    )
     return report.verdict(results, knob_effects(trials))
 
 
 def fixed_and_onednn_fixture() -> tuple[pd.DataFrame, dict]:
-    """fake_trials (onednn on: conv/linear box-head backward 4x) plus the same settings with oneDNN off, where
-    the conv head is 3x slower (12x), and all of these again with linearize on, where the gap is closed (1x)."""
+    """fake_trials (onednn on: conv/linear box-head backward 4x) plus the same settings with oneDNN off,
+    where the conv head is 3x slower (12x), and all of these again with linearize on, where the gap is
+    closed (1x)."""
     trials, samples = fake_trials()
     done = trials[trials["status"] == "complete"]
     parts, next_trial = [trials], len(trials)
     for onednn, linearize, conv_factor in ((False, False, 3.0), (True, True, 0.25), (False, True, 0.25)):
-        variant = done.assign(onednn=onednn, linearize=linearize, trial=range(next_trial, next_trial + len(done)))
+        variant = done.assign(
+            onednn=onednn, linearize=linearize, trial=range(next_trial, next_trial + len(done))
+        )
         for old, new, head in zip(done["trial"], variant["trial"], done["head"]):
             factor = conv_factor if head == "conv" else 1.0
-            samples[new] = {**samples[old], "head_backward": [x * factor for x in samples[old]["head_backward"]]}
+            samples[new] = {
+                **samples[old],
+                "head_backward": [x * factor for x in samples[old]["head_backward"]],
+            }
         variant.loc[variant["head"] == "conv", "head_backward_ms"] *= conv_factor
         parts.append(variant)
         next_trial += len(done)
@@ -234,19 +327,30 @@ def fixed_and_onednn_fixture() -> tuple[pd.DataFrame, dict]:
 def test_every_pooled_gap_pools_the_headlines_settings():
     trials, samples = fixed_and_onednn_fixture()
     comparisons = comparisons_table(trials, samples)
-    rows = comparisons[(comparisons["phase"] == "head_backward") & (comparisons["numerator"] == "conv")
-                       & (comparisons["denominator"] == "linear") & (comparisons["batch_size"] != "all")]
+    rows = comparisons[
+        (comparisons["phase"] == "head_backward")
+        & (comparisons["numerator"] == "conv")
+        & (comparisons["denominator"] == "linear")
+        & (comparisons["batch_size"] != "all")
+    ]
     as_written = rows[rows["linearize"].astype(str) == "False"]
     per_onednn = as_written.groupby(as_written["onednn"].astype(str))["ratio"].apply(
-        lambda r: float(np.exp(np.log(r).mean())))
-    assert per_onednn.to_dict() == pytest.approx({"True": 4.0, "False": 12.0}, rel=0.02)  # the per-setting rows
+        lambda r: float(np.exp(np.log(r).mean()))
+    )
+    assert per_onednn.to_dict() == pytest.approx(
+        {"True": 4.0, "False": 12.0}, rel=0.02
+    )  # the per-setting rows
     lines = verdict_of(trials, samples)
     assert lines[0].startswith("- conv / linear, box-head backward: **6.9")  # sqrt(4 x 12): the fix left out
     assert "among the headline's, the settings with linearize false;" in lines[1]
     (onednn,) = [line for line in lines if line.startswith("    - onednn")]
-    gaps = re.match(r"    - onednn True -> False: gap ([\d.]+)x -> ([\d.]+)x \(widens [\d.]+x; 2 paired settings\)",
-                    onednn)
-    assert [float(gaps[1]), float(gaps[2])] == pytest.approx([per_onednn["True"], per_onednn["False"]], rel=0.01)
+    gaps = re.match(
+        r"    - onednn True -> False: gap ([\d.]+)x -> ([\d.]+)x \(widens [\d.]+x; 2 paired settings\)",
+        onednn,
+    )
+    assert [float(gaps[1]), float(gaps[2])] == pytest.approx(
+        [per_onednn["True"], per_onednn["False"]], rel=0.01
+    )
     (fix,) = [line for line in lines if line.startswith("    - linearize")]  # its own line lets it vary
     assert re.match(r"    - linearize False -> True: gap 6.9\dx -> 1.00x", fix), fix
 
@@ -255,12 +359,18 @@ def test_the_verdict_cautions_when_the_machine_drifted_during_the_sweep():
     from pipeline.report import drift_caution
 
     def summary(start, end):
-        return {"drift": {"start": {"step_ms": start}, "end": {"step_ms": end}, "step_drift": end / start - 1}}
+        return {
+            "drift": {"start": {"step_ms": start}, "end": {"step_ms": end}, "step_drift": end / start - 1}
+        }
 
     (line,) = drift_caution(summary(500.0, 1050.0))
-    assert line.startswith("- **caution**: the baseline step moved +110.0% between the sweep's start and end "
-                           "(500 -> 1050 ms; over 10%)")
-    assert drift_caution(summary(1000.0, 1104.0))[0].startswith("- **caution**: the baseline step moved +10.4%")
+    assert line.startswith(
+        "- **caution**: the baseline step moved +110.0% between the sweep's start and end "
+        "(500 -> 1050 ms; over 10%)"
+    )
+    assert drift_caution(summary(1000.0, 1104.0))[0].startswith(
+        "- **caution**: the baseline step moved +10.4%"
+    )
     assert drift_caution(summary(1134.9, 1078.3)) == []  # -5%: a quiet machine's noise
     assert drift_caution(summary(1000.0, 1099.0)) == []  # within 10%: no caution
     assert drift_caution({"drift": None}) == [] and drift_caution({}) == []
@@ -280,4 +390,6 @@ def test_compare_medians_pool_the_headlines_settings():
     as_written = trials[(trials["status"] == "complete") & (trials["linearize"].astype(str) == "False")]
     expected = as_written[as_written["head"] == "conv"]["head_backward_ms"].median()
     assert compare.per_head(trials).loc["conv", "head_backward_ms"] == pytest.approx(expected)
-    assert expected > trials[trials["head"] == "conv"]["head_backward_ms"].median()  # the fixed ones would lower it
+    assert (
+        expected > trials[trials["head"] == "conv"]["head_backward_ms"].median()
+    )  # the fixed ones would lower it

@@ -1,10 +1,21 @@
 import pandas as pd
 import pytest
 
-from pipeline.results import (ALL_SETTINGS, comparisons_table, pooled_rows, head_order, head_pairs, read_env, read_trials, summarize_trials, trial_row,
-                              write_trials)
-from rcnn.detector.schema import MEASURED_COLUMNS, ResultsError, TRIAL_COLUMNS
+from pipeline.results import (
+    ALL_SETTINGS,
+    comparisons_table,
+    head_order,
+    head_pairs,
+    pooled_rows,
+    read_env,
+    read_trials,
+    summarize_trials,
+    trial_row,
+    write_trials,
+)
+from rcnn.detector.schema import MEASURED_COLUMNS, TRIAL_COLUMNS, ResultsError
 from tests.conftest import fake_trials as fixture
+
 
 def test_comparisons_per_setting_and_pooled():
     trials, samples = fixture()
@@ -15,18 +26,39 @@ def test_comparisons_per_setting_and_pooled():
     assert conv["ratio"].tolist() == pytest.approx([4.0, 4.0], rel=0.02)
     assert (conv["ci_low"] < conv["ratio"]).all() and (conv["ratio"] < conv["ci_high"]).all()
     assert (conv["p_value"] < 1e-4).all()
-    pooled = table[(table["batch_size"] == ALL_SETTINGS) & (table["numerator"] == "conv_as_linear")
-                   & (table["phase"] == "backward")]
+    pooled = table[
+        (table["batch_size"] == ALL_SETTINGS)
+        & (table["numerator"] == "conv_as_linear")
+        & (table["phase"] == "backward")
+    ]
     assert pooled["ratio"].iloc[0] == pytest.approx(1.01, rel=0.01) and pooled["settings"].iloc[0] == 2
 
     summary = summarize_trials(trials, table)
-    assert summary["trials"] == 7 and summary["complete"] == 6 and summary["failed"] == 1 and summary["not_run"] == 0
+    assert (
+        summary["trials"] == 7
+        and summary["complete"] == 6
+        and summary["failed"] == 1
+        and summary["not_run"] == 0
+    )
     assert summary["conv_over_linear_head_backward"] == pytest.approx(4.0, rel=0.02)
-    assert summary["conv_over_linear_head_backward_ci_low"] < 4.0 < summary["conv_over_linear_head_backward_ci_high"]
-    assert summary["best"] == {"head": "linear", "cudnn_benchmark": "n/a", "onednn": True, "amp": "off",
-                               "channels_last": False, "batch_size": 1, "linearize": False, "tf32": "n/a",
-                               "compile": "off", "step_ms": pytest.approx(200, rel=0.02),
-                               "ms_per_image": pytest.approx(200, rel=0.02)}
+    assert (
+        summary["conv_over_linear_head_backward_ci_low"]
+        < 4.0
+        < summary["conv_over_linear_head_backward_ci_high"]
+    )
+    assert summary["best"] == {
+        "head": "linear",
+        "cudnn_benchmark": "n/a",
+        "onednn": True,
+        "amp": "off",
+        "channels_last": False,
+        "batch_size": 1,
+        "linearize": False,
+        "tf32": "n/a",
+        "compile": "off",
+        "step_ms": pytest.approx(200, rel=0.02),
+        "ms_per_image": pytest.approx(200, rel=0.02),
+    }
 
 
 def test_a_swept_compile_gets_pooled_rows_per_value_and_stays_out_of_the_headline():
@@ -37,9 +69,15 @@ def test_a_swept_compile_gets_pooled_rows_per_value_and_stays_out_of_the_headlin
     for trial in trials[compiled & (trials["head"] == "conv") & (trials["status"] == "complete")]["trial"]:
         samples[trial] = {**samples[trial], "head_backward": [x / 4 for x in samples[trial]["head_backward"]]}
     table = comparisons_table(trials, samples)
-    gap = {value: rows for value, rows in pooled_rows(table, "compile").groupby("compile")}
-    conv = {value: rows[(rows["numerator"] == "conv") & (rows["denominator"] == "linear")
-                        & (rows["phase"] == "head_backward")] for value, rows in gap.items()}
+    gap = dict(iter(pooled_rows(table, "compile").groupby("compile")))  # a GroupBy has .keys: not a mapping
+    conv = {
+        value: rows[
+            (rows["numerator"] == "conv")
+            & (rows["denominator"] == "linear")
+            & (rows["phase"] == "head_backward")
+        ]
+        for value, rows in gap.items()
+    }
     assert conv["off"]["ratio"].iloc[0] == pytest.approx(4.0, rel=0.02)
     assert conv["head"]["ratio"].iloc[0] == pytest.approx(1.0, rel=0.02)
     assert (conv["head"][["cudnn_benchmark", "batch_size", "tf32"]] == ALL_SETTINGS).all(axis=None)
@@ -65,14 +103,17 @@ def test_without_linear_heads_are_compared_with_the_first_and_the_headline_is_no
     summary = summarize_trials(only, table)
     assert summary["conv_over_linear_head_backward"] is None
     assert summary["conv_as_linear_over_conv_head_backward"] == pytest.approx(
-        table.query("phase == 'head_backward' and onednn == 'all'")["ratio"].iloc[0], abs=1e-3)
+        table.query("phase == 'head_backward' and onednn == 'all'")["ratio"].iloc[0], abs=1e-3
+    )
 
 
 def test_head_pairs_take_users_heads_after_the_built_in_ones():
     user = "tests.fixtures.question_heads:conv"
     users_linear = "tests.fixtures.question_heads:linear"
     assert head_pairs(["conv", user, "linear"]) == [("conv", "linear"), (user, "linear")]
-    assert head_pairs([user, users_linear], reference=users_linear) == [(user, users_linear)]  # the sweep's first
+    assert head_pairs([user, users_linear], reference=users_linear) == [
+        (user, users_linear)
+    ]  # the sweep's first
     assert head_pairs([user, users_linear]) == [(users_linear, user)]
     assert head_order(["b:x", "conv", "a:y"]) == ["conv", "a:y", "b:x"]
     assert head_pairs([]) == []
@@ -98,12 +139,30 @@ def test_round_trip_and_bad_files(tmp_path):
 
 
 def test_trial_row_refuses_a_misspelt_or_missing_column():
-    setup = {"trial": 0, "status": "failed", "device": "cpu", "backbone": "resnet18_fpn", "image_size": 256,
-             "rois_per_image": 128, "head": "conv", "cudnn_benchmark": "n/a", "onednn": True, "amp": "off",
-             "channels_last": False, "batch_size": 1, "linearize": False, "tf32": "n/a", "compile": "off", "mlflow_run_id": None, "worker": None,
-             "error": "x"}
+    setup = {
+        "trial": 0,
+        "status": "failed",
+        "device": "cpu",
+        "backbone": "resnet18_fpn",
+        "image_size": 256,
+        "rois_per_image": 128,
+        "head": "conv",
+        "cudnn_benchmark": "n/a",
+        "onednn": True,
+        "amp": "off",
+        "channels_last": False,
+        "batch_size": 1,
+        "linearize": False,
+        "tf32": "n/a",
+        "compile": "off",
+        "mlflow_run_id": None,
+        "worker": None,
+        "error": "x",
+    }
     row = trial_row(None, **setup)
-    assert list(row) == list(TRIAL_COLUMNS) and all(row[c] != row[c] for c in MEASURED_COLUMNS)  # NaN: nothing measured
+    assert list(row) == list(TRIAL_COLUMNS) and all(
+        row[c] != row[c] for c in MEASURED_COLUMNS
+    )  # NaN: nothing measured
     measured = dict.fromkeys(MEASURED_COLUMNS, 1.0)
     assert trial_row(measured, **setup)["step_ms"] == 1.0
     with pytest.raises(ValueError, match="unknown \\['stepms'\\]"):
@@ -112,7 +171,9 @@ def test_trial_row_refuses_a_misspelt_or_missing_column():
         trial_row({k: v for k, v in measured.items() if k != "step_ms"}, **setup)
     with pytest.raises(ValueError, match="setup and record columns: unknown \\[\\], missing \\['worker'\\]"):
         trial_row(measured, **{k: v for k, v in setup.items() if k != "worker"})
-    with pytest.raises(ValueError, match="measured columns: unknown \\['trial'\\]"):  # would overwrite the setup's
+    with pytest.raises(
+        ValueError, match="measured columns: unknown \\['trial'\\]"
+    ):  # would overwrite the setup's
         trial_row({**measured, "trial": 9}, **setup)
 
 
@@ -122,8 +183,17 @@ def test_pooled_ratios_leave_out_the_settings_with_the_automatic_fix():
     fixed = trials[trials["status"] == "complete"].copy()
     fixed["linearize"] = True
     fixed["trial"] += 100
-    extra = {t + 100: {p: [v * (0.3 if fixed.loc[fixed["trial"] == t + 100, "head"].item() == "conv" else 1)
-                           for v in values] for p, values in s.items()} for t, s in samples.items() if s}
+    extra = {
+        t + 100: {
+            p: [
+                v * (0.3 if fixed.loc[fixed["trial"] == t + 100, "head"].item() == "conv" else 1)
+                for v in values
+            ]
+            for p, values in s.items()
+        }
+        for t, s in samples.items()
+        if s
+    }
     both = comparisons_table(pd.concat([trials, fixed]), samples | extra)
     assert (both["linearize"].astype(str) == "True").any()  # compared per setting, with the fix too ...
     again = both.query("batch_size == 'all' and phase == 'head_backward'")

@@ -1,26 +1,37 @@
 """The device check's command, proven on the CPU with the smoke preset before any GPU runs it."""
+
 import subprocess
 import sys
 import tarfile
 
 import pytest
 
-from pipeline.run import stage_commands
 from pipeline.results import read_trials
+from pipeline.run import stage_commands
 from rcnn.measure.device import cxx_compiler
 from tests.conftest import ROOT
 
 
 def test_stage_commands_fill_params_in_file_order():
-    dvc = {"stages": {"a": {"cmd": "python -m x --out data/${data.name}"}, "b": {"cmd": "python -m y\n  --n 1"}}}
-    assert stage_commands(dvc, {"data": {"name": "d1"}}) == [("a", "python -m x --out data/d1"), ("b", "python -m y --n 1")]
+    dvc = {
+        "stages": {"a": {"cmd": "python -m x --out data/${data.name}"}, "b": {"cmd": "python -m y\n  --n 1"}}
+    }
+    assert stage_commands(dvc, {"data": {"name": "d1"}}) == [
+        ("a", "python -m x --out data/d1"),
+        ("b", "python -m y --n 1"),
+    ]
 
 
 @pytest.mark.slow
 def test_device_check_runs_every_stage_on_cpu(tmp_path):
     out = tmp_path / "out"
-    result = subprocess.run(["bash", "scripts/device-check.sh", "presets/cpu-smoke.yaml", str(out), sys.executable],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        ["bash", "scripts/device-check.sh", "presets/cpu-smoke.yaml", str(out), sys.executable],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     for stage in ("env", "data", "sweep", "report"):
         assert f"== stage {stage}:" in (out / "log.txt").read_text()
@@ -32,7 +43,9 @@ def test_device_check_runs_every_stage_on_cpu(tmp_path):
     trials = read_trials(tmp_path / "run" / "results" / "trials.csv")
     # fp16, cudnn.benchmark and TF32 do not apply on CPU: no duplicates, nothing hidden; each head eager and
     # compiled, as on the GPU
-    assert set(trials["head"]) == {"linear", "conv", "conv_as_linear"} and trials["status"].eq("complete").all()
+    assert (
+        set(trials["head"]) == {"linear", "conv", "conv_as_linear"} and trials["status"].eq("complete").all()
+    )
     assert not trials.duplicated(["head", "amp", "compile"]).any() and set(trials["amp"]) <= {"off", "bf16"}
     compiles = ["off", "head"] if cxx_compiler() else ["off"]  # without a C++ compiler: not applicable on CPU
     assert len(trials) == 3 * trials["amp"].nunique() * len(compiles) and trials["tf32"].eq("n/a").all()
@@ -41,13 +54,19 @@ def test_device_check_runs_every_stage_on_cpu(tmp_path):
     assert (compiled["compile_steps"] >= 1).all() and (compiled["compiled_graphs"] >= 2).all()
     assert {"./results/comparisons.csv", "./results/kernels.csv", "./results/modules.csv"} <= names
     report = (out / "report.md").read_text()
-    assert "## Verdict" in report and ("- does torch.compile close the conv/linear gap?" in report) == bool(len(compiled))
+    assert "## Verdict" in report and ("- does torch.compile close the conv/linear gap?" in report) == bool(
+        len(compiled)
+    )
 
 
 def test_bad_preset_fails_before_any_stage(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("sweep: {device: tpu}\n")
-    result = subprocess.run([sys.executable, "-m", "pipeline.run", "--params", str(bad), "--workdir",
-                             str(tmp_path / "w")], cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline.run", "--params", str(bad), "--workdir", str(tmp_path / "w")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2 and "sweep.device: 'tpu' is not allowed" in result.stderr
     assert not (tmp_path / "w").exists()

@@ -1,6 +1,8 @@
 """One study, several workers: processes on one host (journal file), and machines on PostgreSQL with an MLflow
-tracking server, where a worker killed mid-trial has its point re-run through Optuna's heartbeats. Both servers
+tracking server, where a worker killed mid-trial has its point re-run through Optuna's heartbeats. Both
+servers
 ask for passwords, which reach the processes through the environment only and are written nowhere."""
+
 import base64
 import os
 import subprocess
@@ -41,7 +43,10 @@ def test_workers_on_one_host_run_exactly_the_grid(tmp_path, tiny_params):
     children = runs[runs["tags.trial"].notna()]
     assert sorted(children["run_id"]) == sorted(trials["mlflow_run_id"])
     assert set(children["params.threads"]) == {str(max(1, os.cpu_count() // 2))}
-    print(f"2 workers: {trials['worker'].value_counts().tolist()} trials each, {points(trials).duplicated().sum()} duplicates")
+    print(
+        f"2 workers: {trials['worker'].value_counts().tolist()} trials each, "
+        f"{points(trials).duplicated().sum()} duplicates"
+    )
 
 
 def study_trials(url):
@@ -63,32 +68,58 @@ def secret_hits(blobs: dict[str, bytes], secrets: list[str]) -> dict[str, int]:
 
 @pytest.mark.slow
 def test_two_machines_on_postgresql_and_an_mlflow_server(tmp_path, tiny_params, monkeypatch):
-    with postgres(("optuna", "mlflow")) as db, \
-            mlflow_server(db.urls["mlflow"], tmp_path / "artifacts", env=db.env) as tracking:
+    with (
+        postgres(("optuna", "mlflow")) as db,
+        mlflow_server(db.urls["mlflow"], tmp_path / "artifacts", env=db.env) as tracking,
+    ):
         # Both servers refuse a client without credentials (MLflow's /health alone stays open).
         monkeypatch.delenv("PGPASSWORD", raising=False)
         with pytest.raises(psycopg.OperationalError, match="password"):
             psycopg.connect(db.urls["optuna"], connect_timeout=10).close()
         with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(f"{tracking.uri}/api/2.0/mlflow/experiments/search?max_results=1", timeout=10)
+            urllib.request.urlopen(
+                f"{tracking.uri}/api/2.0/mlflow/experiments/search?max_results=1", timeout=10
+            )
         assert refused.value.code == 401
         # Every process here and below gets the credentials through its environment only, as a machine does.
         for name, value in (db.env | tracking.env).items():
             monkeypatch.setenv(name, value)
-        args = prepare(tmp_path, tiny_params, SLOW | {
-            "sweep": SLOW["sweep"] | {"storage": db.urls["optuna"], "heartbeat_s": 1, "space": GRID},
-            "tracking": {"mlflow_uri": tracking.uri}})
+        args = prepare(
+            tmp_path,
+            tiny_params,
+            SLOW
+            | {
+                "sweep": SLOW["sweep"] | {"storage": db.urls["optuna"], "heartbeat_s": 1, "space": GRID},
+                "tracking": {"mlflow_uri": tracking.uri},
+            },
+        )
         # Two "machines": the sweep stage, and a second worker joining its study.
-        first = subprocess.Popen([sys.executable, "-m", "pipeline.sweep", *args], cwd=ROOT,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        first = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.sweep", *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         with open(tmp_path / "second.log", "w") as second_log:  # searched for secrets with tmp_path below
-            second = subprocess.Popen([sys.executable, "-m", "pipeline.sweep", *args[:6], "--join", "--wait-s", "120"],
-                                      cwd=ROOT, stdout=second_log, stderr=subprocess.STDOUT)
+            second = subprocess.Popen(
+                [sys.executable, "-m", "pipeline.sweep", *args[:6], "--join", "--wait-s", "120"],
+                cwd=ROOT,
+                stdout=second_log,
+                stderr=subprocess.STDOUT,
+            )
         mark = f":{second.pid}"
         try:  # kill the second in a trial, after it completed one
-            kill_mid_trial(second, lambda: [t for t in study_trials(db.urls["optuna"])
-                                            if t.user_attrs.get("worker", "").endswith(mark)], timeout_s=300,
-                           log=tmp_path / "second.log")
+            kill_mid_trial(
+                second,
+                lambda: [
+                    t
+                    for t in study_trials(db.urls["optuna"])
+                    if t.user_attrs.get("worker", "").endswith(mark)
+                ],
+                timeout_s=300,
+                log=tmp_path / "second.log",
+            )
             output, _ = first.communicate(timeout=600)  # generous: a loaded 2-core machine runs it slowly
         finally:  # a failed or timed-out wait leaves no sweep running behind the test
             for machine in (first, second):
@@ -112,16 +143,34 @@ def test_two_machines_on_postgresql_and_an_mlflow_server(tmp_path, tiny_params, 
         assert (children.loc[done["mlflow_run_id"], "status"] == "FINISHED").all()
         assert (children.loc[killed["mlflow_run_id"], "status"] == "FAILED").all()
         assert len(children) == 9  # 8 complete + the killed one: nothing logged twice
-        print(f"2 machines: {done['worker'].value_counts().tolist()} complete trials each, 1 killed mid-trial and "
-              f"re-run, {points(done).duplicated().sum()} duplicates, {len(children)} child runs")
+        print(
+            f"2 machines: {done['worker'].value_counts().tolist()} complete trials each, 1 killed mid-trial "
+            "and "
+            f"re-run, {points(done).duplicated().sum()} duplicates, {len(children)} child runs"
+        )
 
-        # The report, attached to the sweep's parent run: the artifact store gets report.html, figures, trials.
+        # The report, attached to the sweep's parent run: the artifact store gets report.html, figures,
+        # trials.
         res = {key: str(tmp_path / name) for key, name in SWEEP_FILES.items()}
-        report = subprocess.run([sys.executable, "-m", "pipeline.report", "--params", args[1], "--out",
-                                 str(tmp_path / "reports"), "--mlflow", "--lock", str(tmp_path / "no-dvc.lock"),
-                                 *(f"--{key}={res[key]}" for key in ("trials", "comparisons", "kernels", "summary",
-                                                                     "env"))],
-                                cwd=ROOT, capture_output=True, text=True, timeout=300)
+        report = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pipeline.report",
+                "--params",
+                args[1],
+                "--out",
+                str(tmp_path / "reports"),
+                "--mlflow",
+                "--lock",
+                str(tmp_path / "no-dvc.lock"),
+                *(f"--{key}={res[key]}" for key in ("trials", "comparisons", "kernels", "summary", "env")),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert report.returncode == 0, report.stderr
         stored = [p for p in (tmp_path / "artifacts").rglob("*") if p.is_file()]
         assert {"report.html", "trials.csv"} <= {p.name for p in stored}, stored
@@ -129,29 +178,51 @@ def test_two_machines_on_postgresql_and_an_mlflow_server(tmp_path, tiny_params, 
         # A wrong MLflow password stops the sweep stage at once with one line, before the study is touched.
         before, results = completed(db.urls["optuna"]), (tmp_path / "trials.csv").read_bytes()
         started = time.monotonic()
-        wrong = subprocess.run([sys.executable, "-m", "pipeline.sweep", *args], cwd=ROOT, capture_output=True,
-                               text=True, timeout=120,
-                               env=os.environ | {"MLFLOW_TRACKING_PASSWORD": "not-the-password"})
+        wrong = subprocess.run(
+            [sys.executable, "-m", "pipeline.sweep", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=os.environ | {"MLFLOW_TRACKING_PASSWORD": "not-the-password"},
+        )
         took = time.monotonic() - started
         assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1, wrong.stderr
-        assert wrong.stderr.startswith(f"error: tracking.mlflow_uri: the MLflow server at {tracking.uri} refused "
-                                       f"the credentials of user {tracking.username} (HTTP 401)"), wrong.stderr
+        assert wrong.stderr.startswith(
+            f"error: tracking.mlflow_uri: the MLflow server at {tracking.uri} refused "
+            f"the credentials of user {tracking.username} (HTTP 401)"
+        ), wrong.stderr
         assert took < 60  # no minutes of MLflow retries
-        assert completed(db.urls["optuna"]) == before == 8 and (tmp_path / "trials.csv").read_bytes() == results
-        print(f"wrong MLflow password: exit 2 after {took:.1f} s, {before} completed trials kept; "
-              f"{wrong.stderr.strip()}")
+        assert (
+            completed(db.urls["optuna"]) == before == 8 and (tmp_path / "trials.csv").read_bytes() == results
+        )
+        print(
+            f"wrong MLflow password: exit 2 after {took:.1f} s, {before} completed trials kept; "
+            f"{wrong.stderr.strip()}"
+        )
 
         # No password anywhere: the project's files (params, data, results, the artifact store, the server and
         # worker logs), the processes' output, the MLflow runs' params and tags, the database server's log.
-        secrets = [db.password, tracking.password, tracking.admin_password,
-                   base64.b64encode(f"{tracking.username}:{tracking.password}".encode()).decode()]  # a logged header
+        secrets = [
+            db.password,
+            tracking.password,
+            tracking.admin_password,
+            base64.b64encode(f"{tracking.username}:{tracking.password}".encode()).decode(),
+        ]  # a logged header
         files = {str(p): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-        outputs = {"sweep stage": output.encode(), "wrong password": (wrong.stdout + wrong.stderr).encode(),
-                   "report stage": (report.stdout + report.stderr).encode(),
-                   "MLflow runs": runs.to_csv().encode(), "postgres log": db.log.read_bytes()}
+        outputs = {
+            "sweep stage": output.encode(),
+            "wrong password": (wrong.stdout + wrong.stderr).encode(),
+            "report stage": (report.stdout + report.stderr).encode(),
+            "MLflow runs": runs.to_csv().encode(),
+            "postgres log": db.log.read_bytes(),
+        }
         hits = secret_hits(files | outputs, secrets)
-        print(f"secret search: {len(files)} files under tmp_path ({sum(map(len, files.values()))} bytes; {len(stored)} "
-              f"of them in the MLflow artifact store) and "
-              f"{len(outputs)} outputs ({sum(map(len, outputs.values()))} bytes), {len(secrets)} secrets: "
-              f"{sum(hits.values())} hits")
+        print(
+            f"secret search: {len(files)} files under tmp_path ({sum(map(len, files.values()))} bytes; "
+            f"{len(stored)} "
+            f"of them in the MLflow artifact store) and "
+            f"{len(outputs)} outputs ({sum(map(len, outputs.values()))} bytes), {len(secrets)} secrets: "
+            f"{sum(hits.values())} hits"
+        )
         assert files and not any(hits.values()), {name: n for name, n in hits.items() if n}

@@ -1,4 +1,5 @@
 """The stages as a user runs them: files in tmp_path, one-line errors, a two-trial sweep end to end."""
+
 import hashlib
 import json
 import subprocess
@@ -14,22 +15,41 @@ from rcnn.detector.schema import SWEEP_WALL_PARTS
 from tests.conftest import ROOT, TINY_PARAMS
 from tests.pipeline.helpers import SWEEP_FILES
 
-pytestmark = pytest.mark.slow  # every test runs a stage: in a subprocess, a sweep, or the env stage's measurements
+pytestmark = (
+    pytest.mark.slow
+)  # every test runs a stage: in a subprocess, a sweep, or the env stage's measurements
 
 
 def digest(folder):
-    return hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in sorted(folder.iterdir()))).hexdigest()
+    return hashlib.sha256(
+        b"".join(p.name.encode() + p.read_bytes() for p in sorted(folder.iterdir()))
+    ).hexdigest()
 
 
 def sweep_paths(folder):
-    return [a for k, v in {"data": "data", "env": "env.json", "trials": "t.csv", "comparisons": "c.csv",
-                           "kernels": "k.csv", "modules": "m.csv", "summary": "s.json"}.items()
-            for a in (f"--{k}", str(folder / v))]
+    return [
+        a
+        for k, v in {
+            "data": "data",
+            "env": "env.json",
+            "trials": "t.csv",
+            "comparisons": "c.csv",
+            "kernels": "k.csv",
+            "modules": "m.csv",
+            "summary": "s.json",
+        }.items()
+        for a in (f"--{k}", str(folder / v))
+    ]
 
 
 def stage_cli(module, *args):
-    return subprocess.run([sys.executable, "-m", f"pipeline.{module}", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", f"pipeline.{module}", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_data_and_env_are_reproducible(tmp_path, tiny_params):
@@ -50,8 +70,13 @@ def test_data_stage_replaces_only_its_own_files(tmp_path, tiny_params):
     assert data.main(["--params", params, "--out", str(out)]) == 0
     (out / "000009.png").write_bytes(b"left by a run with more images")
     assert data.main(["--params", params, "--out", str(out)]) == 0  # its own earlier files go, all of them
-    assert sorted(p.name for p in out.iterdir()) == ["000000.png", "000001.png", "000002.png", "000003.png",
-                                                     "annotations.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "000000.png",
+        "000001.png",
+        "000002.png",
+        "000003.png",
+        "annotations.json",
+    ]
     (out / "notes.txt").write_text("mine")
     before = digest(out)
     result = stage_cli("data", "--params", params, "--out", out)
@@ -59,13 +84,16 @@ def test_data_stage_replaces_only_its_own_files(tmp_path, tiny_params):
     assert digest(out) == before
 
 
-@pytest.mark.parametrize("override, message", [
-    ({"sweep": {"space": {"head": ["mlp"]}}}, "sweep.space.head: 'mlp' is not allowed"),
-    ({"sweep": {"space": {"batch_size": [0]}}}, "sweep.space.batch_size: 0 is too small"),
-    ({"sweep": {"space": {"amp": ["fp8"]}}}, "sweep.space.amp: 'fp8' is not allowed"),
-    ({"sweep": {"space": {"amp": ["fp16"]}}}, "sweep.space.amp: no value applies on cpu"),
-    ({"timing": {"warmpu": 1}}, "timing.warmpu: unknown key"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"sweep": {"space": {"head": ["mlp"]}}}, "sweep.space.head: 'mlp' is not allowed"),
+        ({"sweep": {"space": {"batch_size": [0]}}}, "sweep.space.batch_size: 0 is too small"),
+        ({"sweep": {"space": {"amp": ["fp8"]}}}, "sweep.space.amp: 'fp8' is not allowed"),
+        ({"sweep": {"space": {"amp": ["fp16"]}}}, "sweep.space.amp: no value applies on cpu"),
+        ({"timing": {"warmpu": 1}}, "timing.warmpu: unknown key"),
+    ],
+)
 def test_bad_params_stop_with_one_line(tmp_path, tiny_params, override, message):
     result = stage_cli("sweep", "--params", tiny_params(override), *sweep_paths(tmp_path))
     assert result.returncode == 2
@@ -80,8 +108,9 @@ def test_missing_data_folder_and_source(tmp_path, tiny_params):
     (tmp_path / "env.json").write_text('{"device": "cpu"}')
     result = stage_cli("sweep", "--params", tiny_params(), *sweep_paths(tmp_path))
     assert result.returncode == 2 and "env.json: needs 'fingerprint' and 'ceilings'" in result.stderr
-    result = stage_cli("data", "--params", tiny_params({"data": {"source": str(tmp_path / "coco")}}),
-                       "--out", tmp_path / "d")
+    result = stage_cli(
+        "data", "--params", tiny_params({"data": {"source": str(tmp_path / "coco")}}), "--out", tmp_path / "d"
+    )
     assert result.returncode == 2 and "coco: data folder does not exist" in result.stderr
 
 
@@ -97,8 +126,11 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
     assert sorted(trials["head"]) == ["conv", "linear"]  # exactly the applicable grid
     assert trials["status"].eq("complete").all() and trials["cudnn_benchmark"].eq("n/a").all()
     assert trials["trial"].is_unique and trials["mlflow_run_id"].notna().all()
-    # Each row's phases nest as a step does: the box head inside the backward and the forward, both inside the step.
-    assert (trials["head_backward_ms"] > 0).all() and (trials["head_backward_ms"] <= trials["backward_ms"]).all()
+    # Each row's phases nest as a step does: the box head inside the backward and the forward, both inside the
+    # step.
+    assert (trials["head_backward_ms"] > 0).all() and (
+        trials["head_backward_ms"] <= trials["backward_ms"]
+    ).all()
     assert (trials["head_forward_ms"] <= trials["forward_ms"]).all()
     assert (trials[["forward_ms", "backward_ms", "optimizer_ms"]].max(axis=1) <= trials["step_ms"]).all()
     assert (trials["rois"] == trials["batch_size"] * trials["rois_per_image"]).all()
@@ -119,16 +151,20 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
     assert set(zip(comparisons["numerator"], comparisons["denominator"])) == {("conv", "linear")}
     medians = trials.set_index("head")
     for row in comparisons.itertuples():
-        assert row.ratio == pytest.approx(medians.loc["conv", f"{row.phase}_ms"]
-                                          / medians.loc["linear", f"{row.phase}_ms"], rel=1e-3)
+        assert row.ratio == pytest.approx(
+            medians.loc["conv", f"{row.phase}_ms"] / medians.loc["linear", f"{row.phase}_ms"], rel=1e-3
+        )
         assert row.ci_low <= row.ratio <= row.ci_high or pd.isna(row.ci_low)
 
     summary = json.loads(paths["summary"].read_text())
     statuses = trials["status"].value_counts()
     assert summary["trials"] == len(trials) and summary["complete"] == statuses.get("complete", 0) == 2
     assert summary["failed"] == summary["timeout"] == summary["not_run"] == 0
-    pooled = comparisons[(comparisons["settings"] == 1) & (comparisons["batch_size"] == "all")
-                         & (comparisons["phase"] == "head_backward")]
+    pooled = comparisons[
+        (comparisons["settings"] == 1)
+        & (comparisons["batch_size"] == "all")
+        & (comparisons["phase"] == "head_backward")
+    ]
     assert summary["conv_over_linear_head_backward"] == pytest.approx(pooled["ratio"].iloc[0], abs=1e-3)
     assert summary["conv_as_linear_over_linear_head_backward"] is None  # that head was not swept
     best = summary["best"]
@@ -140,10 +176,15 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
     assert wall["parts_s"]["measure"] == pytest.approx(trials["wall_measure_s"].sum() + baselines, abs=0.1)
     assert wall["parts_s"]["compile"] == 0
     drift = summary["drift"]
-    assert drift["step_drift"] == pytest.approx(drift["end"]["step_ms"] / drift["start"]["step_ms"] - 1, abs=1e-3)
+    assert drift["step_drift"] == pytest.approx(
+        drift["end"]["step_ms"] / drift["start"]["step_ms"] - 1, abs=1e-3
+    )
     kernels = pd.read_csv(paths["kernels"])
     assert set(kernels["head"]) == {"conv", "linear"}  # both heads profiled at the first setting
-    assert set(kernels["trial"]) <= set(trials["trial"]) and kernels["share"].between(0, 1, inclusive="right").all()
+    assert (
+        set(kernels["trial"]) <= set(trials["trial"])
+        and kernels["share"].between(0, 1, inclusive="right").all()
+    )
     # ... and timed by module: the conv head's 7x7 conv is a GEMM in disguise, the linear head has none.
     modules = pd.read_csv(paths["modules"], keep_default_na=False).set_index(["head", "module"])
     assert set(modules.index.get_level_values("head")) == {"conv", "linear"}
@@ -162,7 +203,10 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
     assert len(parents) == 1 and len(children) == 2 and len(baselines) == 2
     assert (children["tags.mlflow.parentRunId"] == parents["run_id"].iloc[0]).all()
     assert set(children["run_id"]) == set(trials["mlflow_run_id"])
-    assert children["metrics.head_backward_ms"].gt(0).all() and set(children["params.head"]) == {"conv", "linear"}
+    assert children["metrics.head_backward_ms"].gt(0).all() and set(children["params.head"]) == {
+        "conv",
+        "linear",
+    }
     for run_id in children["run_id"]:  # the profiled trials (here both) carry their by-module table
         assert "modules.csv" in {a.path for a in mlflow.MlflowClient().list_artifacts(run_id)}
     assert set(children["tags.trial"]) == {"0", "1"} and children["tags.torch"].notna().all()
@@ -180,8 +224,17 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
     assert read_trials(paths["trials"])["mlflow_run_id"].tolist() == trials["mlflow_run_id"].tolist()
 
     out = tmp_path / "reports"
-    assert report.main(["--params", str(params), "--out", str(out), "--mlflow"] + [
-        a for k in ("trials", "comparisons", "kernels", "modules", "summary", "env") for a in (f"--{k}", str(paths[k]))]) == 0
+    assert (
+        report.main(
+            ["--params", str(params), "--out", str(out), "--mlflow"]
+            + [
+                a
+                for k in ("trials", "comparisons", "kernels", "modules", "summary", "env")
+                for a in (f"--{k}", str(paths[k]))
+            ]
+        )
+        == 0
+    )
     text = (out / "report.md").read_text()
     assert "## Verdict" in text and f"{summary['conv_over_linear_head_backward']:.2f}x" in text
     assert "fastest setting, by time per image" in text
@@ -203,7 +256,21 @@ def test_report_on_malformed_trials_is_one_line(tmp_path, tiny_params):
     (tmp_path / "trials.csv").write_text("just,a,header\n")
     (tmp_path / "s.json").write_text("{}")
     (tmp_path / "e.json").write_text('{"fingerprint": {}, "ceilings": {}}')
-    result = stage_cli("report", "--params", tiny_params(), "--trials", tmp_path / "trials.csv", "--summary",
-                       tmp_path / "s.json", "--env", tmp_path / "e.json", "--comparisons", tmp_path / "c.csv",
-                       "--kernels", tmp_path / "k.csv", "--out", tmp_path / "r")
+    result = stage_cli(
+        "report",
+        "--params",
+        tiny_params(),
+        "--trials",
+        tmp_path / "trials.csv",
+        "--summary",
+        tmp_path / "s.json",
+        "--env",
+        tmp_path / "e.json",
+        "--comparisons",
+        tmp_path / "c.csv",
+        "--kernels",
+        tmp_path / "k.csv",
+        "--out",
+        tmp_path / "r",
+    )
     assert result.returncode == 2 and "trials.csv: missing columns" in result.stderr

@@ -1,7 +1,9 @@
 """The study as a work queue, and its bookkeeping, on small studies (no detector); the journal's lock.
 
-The WorkQueue tests also guard the Optuna private API the queue relies on: each fails if an upgrade changes it.
+The WorkQueue tests also guard the Optuna private API the queue relies on: each fails if an upgrade changes
+it.
 """
+
 import os
 import subprocess
 import sys
@@ -17,18 +19,33 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from pipeline.params import ParamsError, parse_params
-from pipeline.results import comparisons_table, summarize_trials
-from pipeline.results import read_trials
-from pipeline.study import (CTRL_C, INTERRUPTED, WorkQueue, grid_points, hold_journal, kernels_table, trials_table,
-                            trials_to_run)
+from pipeline.results import comparisons_table, read_trials, summarize_trials
+from pipeline.study import (
+    CTRL_C,
+    INTERRUPTED,
+    WorkQueue,
+    grid_points,
+    hold_journal,
+    kernels_table,
+    trials_table,
+    trials_to_run,
+)
 from rcnn.detector.schema import KNOB_NAMES, MEASURED_COLUMNS
 from tests.conftest import ROOT, TINY_CONFIG
 from tests.pipeline.helpers import SLOW, prepare
 
 CPU = torch.device("cpu")
-GRID = {"head": ["linear", "conv", "conv_as_linear"], "cudnn_benchmark": [None], "onednn": [True, False],
-        "amp": ["off", "bf16"], "channels_last": [False, True], "batch_size": [1], "linearize": [False], "tf32": [None],
-        "compile": ["off"]}
+GRID = {
+    "head": ["linear", "conv", "conv_as_linear"],
+    "cudnn_benchmark": [None],
+    "onednn": [True, False],
+    "amp": ["off", "bf16"],
+    "channels_last": [False, True],
+    "batch_size": [1],
+    "linearize": [False],
+    "tf32": [None],
+    "compile": ["off"],
+}
 
 
 def objective(trial: optuna.Trial) -> float:
@@ -36,8 +53,12 @@ def objective(trial: optuna.Trial) -> float:
     head_backward = 2.0 if knobs["head"] == "conv" else 1.0
     measured = dict.fromkeys(MEASURED_COLUMNS, 1.0) | {"head_backward_ms": head_backward}
     trial.set_user_attr("result", measured)
-    trial.set_user_attr("samples", {"head_backward": [head_backward] * 3, "backward": [1.0] * 3, "step": [1.0] * 3})
-    trial.set_user_attr("kernels", [{"kind": "op", "name": "aten::mm", "ms": 1.0, "calls": 2.0, "share": 1.0}])
+    trial.set_user_attr(
+        "samples", {"head_backward": [head_backward] * 3, "backward": [1.0] * 3, "step": [1.0] * 3}
+    )
+    trial.set_user_attr(
+        "kernels", [{"kind": "op", "name": "aten::mm", "ms": 1.0, "calls": 2.0, "share": 1.0}]
+    )
     return 1.0
 
 
@@ -47,11 +68,21 @@ def test_points_are_shuffled_settings_with_heads_side_by_side():
     assert [(s.knob, s.value) for s in skipped] == [("amp+onednn", "bf16+False")]
     settings = [tuple(p[k] for k in KNOB_NAMES if k != "head") for p in points]
     for i in range(0, len(points), 3):
-        assert len(set(settings[i:i + 3])) == 1 and {p["head"] for p in points[i:i + 3]} == set(GRID["head"])
+        assert len(set(settings[i : i + 3])) == 1 and {p["head"] for p in points[i : i + 3]} == set(
+            GRID["head"]
+        )
     assert grid_points(GRID, CPU, seed=0)[0] == points
     assert grid_points(GRID, CPU, seed=1)[0] != points
-    first = {"cudnn_benchmark": None, "onednn": False, "amp": "off", "channels_last": True, "batch_size": 1,
-             "linearize": False, "tf32": None, "compile": "off"}
+    first = {
+        "cudnn_benchmark": None,
+        "onednn": False,
+        "amp": "off",
+        "channels_last": True,
+        "batch_size": 1,
+        "linearize": False,
+        "tf32": None,
+        "compile": "off",
+    }
     led, _ = grid_points(GRID, CPU, seed=0, first=[first])
     assert all({k: p[k] for k in first} == first for p in led[:3]) and len(led) == len(points)
 
@@ -109,8 +140,12 @@ def journal_queue(path) -> WorkQueue:
 def database_queue(path, heartbeat_s: int, grace_s: int) -> WorkQueue:
     """A queue over a SQLite database with heartbeats, opened as open_storage() opens one."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = RDBStorage(f"sqlite:///{path}", heartbeat_interval=heartbeat_s, grace_period=grace_s,
-                         heartbeat_stale_trial_callback=WorkQueue.requeue_stale)
+    storage = RDBStorage(
+        f"sqlite:///{path}",
+        heartbeat_interval=heartbeat_s,
+        grace_period=grace_s,
+        heartbeat_stale_trial_callback=WorkQueue.requeue_stale,
+    )
     return WorkQueue(optuna.create_study(study_name="q", storage=storage))
 
 
@@ -204,12 +239,17 @@ def test_fail_complete_requeue_and_ctrl_c_move_trials_as_the_sweep_expects(track
     failed, done, stopped = queue.claim(), queue.claim(), queue.claim()
     assert queue.fail(failed).state == TrialState.FAIL
     queue.complete(done, 1.5)
-    assert queue.study.trials[done.number].state == TrialState.COMPLETE and queue.study.trials[done.number].value == 1.5
+    assert (
+        queue.study.trials[done.number].state == TrialState.COMPLETE
+        and queue.study.trials[done.number].value == 1.5
+    )
 
     # requeue: the failed trial's point is queued again as a new trial, and its MLflow run (found by its tags)
     # no longer shows RUNNING.
-    run = mlflow.MlflowClient().create_run(mlflow.set_experiment("queue").experiment_id,
-                                           tags={"study": queue.study.study_name, "trial": str(failed.number)})
+    run = mlflow.MlflowClient().create_run(
+        mlflow.set_experiment("queue").experiment_id,
+        tags={"study": queue.study.study_name, "trial": str(failed.number)},
+    )
     queue.requeue(queue.study.trials[failed.number])
     assert mlflow.get_run(run.info.run_id).info.status == "FAILED"
     assert states(queue)[3] == TrialState.WAITING and WorkQueue.point(queue.study.trials[3]) == points[0]
@@ -237,8 +277,12 @@ def test_heartbeat_is_recorded_on_a_database_and_a_stale_trial_is_failed_and_que
     with queue.heartbeat(beating):
         time.sleep(4)  # past the grace period for `dead`; `beating` records one each second
         queue.fail_stale()
-    assert states(queue) == {dead.number: TrialState.FAIL, beating.number: TrialState.RUNNING,
-                             unwatched.number: TrialState.RUNNING, 3: TrialState.WAITING}
+    assert states(queue) == {
+        dead.number: TrialState.FAIL,
+        beating.number: TrialState.RUNNING,
+        unwatched.number: TrialState.RUNNING,
+        3: TrialState.WAITING,
+    }
     assert WorkQueue.point(queue.study.trials[3]) == WorkQueue.point(dead)
 
 
@@ -258,10 +302,14 @@ def test_heartbeat_is_a_no_op_on_a_journal(tmp_path):
 
 def test_a_held_journal_is_refused_naming_its_holder_and_freed_on_exit(tmp_path):
     journal = tmp_path / "optuna.journal"
-    with hold_journal(journal):
-        with pytest.raises(ParamsError, match=rf"optuna.journal is in use by a running sweep stage \(pid {os.getpid()} on "):
-            with hold_journal(journal):
-                pass
+    with (
+        hold_journal(journal),
+        pytest.raises(
+            ParamsError, match=rf"optuna.journal is in use by a running sweep stage \(pid {os.getpid()} on "
+        ),
+        hold_journal(journal),
+    ):
+        pass
     with hold_journal(journal):  # released with its holder: a killed process's lock never blocks
         pass
 
@@ -269,16 +317,28 @@ def test_a_held_journal_is_refused_naming_its_holder_and_freed_on_exit(tmp_path)
 @pytest.mark.slow
 def test_a_second_sweep_stage_on_the_journal_is_refused_at_once_and_the_first_goes_on(tmp_path, tiny_params):
     args = prepare(tmp_path, tiny_params, SLOW | {"sweep": SLOW["sweep"] | {"space": {"batch_size": [1, 2]}}})
-    first = subprocess.Popen([sys.executable, "-m", "pipeline.sweep", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.sweep", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         owner = tmp_path / "optuna.journal.owner"
         deadline = time.monotonic() + 120
-        while not (owner.exists() and f"pid {first.pid}" in owner.read_text()) and time.monotonic() < deadline:
+        while (
+            not (owner.exists() and f"pid {first.pid}" in owner.read_text()) and time.monotonic() < deadline
+        ):
             time.sleep(0.2)
         started = time.monotonic()
-        second = subprocess.run([sys.executable, "-m", "pipeline.sweep", *args], cwd=ROOT, capture_output=True,
-                                text=True, timeout=120)
+        second = subprocess.run(
+            [sys.executable, "-m", "pipeline.sweep", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         waited = time.monotonic() - started
         output, _ = first.communicate(timeout=300)
     finally:
@@ -287,7 +347,9 @@ def test_a_second_sweep_stage_on_the_journal_is_refused_at_once_and_the_first_go
     assert f"is in use by a running sweep stage (pid {first.pid} on" in second.stderr
     assert first.returncode == 0, output
     trials = read_trials(tmp_path / "trials.csv")
-    assert len(trials) == 4 and trials["status"].eq("complete").all()  # none failed by the refused second stage
+    assert (
+        len(trials) == 4 and trials["status"].eq("complete").all()
+    )  # none failed by the refused second stage
     print(f"second stage refused in {waited:.1f} s; first completed {len(trials)} of 4 trials")
 
 

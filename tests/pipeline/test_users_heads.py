@@ -1,4 +1,5 @@
 """A user's own box head in the sweep: the question's two heads, verbatim, by package.module:factory."""
+
 import json
 import shutil
 
@@ -16,19 +17,28 @@ QUESTION = {"linear": "tests.fixtures.question_heads:linear", "conv": "tests.fix
 
 @pytest.mark.slow
 def test_the_questions_heads_through_a_tiny_sweep(tmp_path, tiny_params):
-    args = prepare(tmp_path, tiny_params, {"sweep": {"space": {"head": [QUESTION["linear"], QUESTION["conv"]]}}})
+    args = prepare(
+        tmp_path, tiny_params, {"sweep": {"space": {"head": [QUESTION["linear"], QUESTION["conv"]]}}}
+    )
     assert sweep.main(args) == 0
     trials = read_trials(tmp_path / SWEEP_FILES["trials"])
     assert sorted(trials["head"]) == sorted(QUESTION.values()) and trials["status"].eq("complete").all()
     assert (trials["head_backward_gflop"] > 0).all()  # the head's FLOPs are counted through the factory too
     comparisons = pd.read_csv(tmp_path / SWEEP_FILES["comparisons"])
     # linear was not swept: heads are compared with the sweep's first head, the question's FastRCNNHead.
-    assert set(zip(comparisons["numerator"], comparisons["denominator"])) == {(QUESTION["conv"], QUESTION["linear"])}
+    assert set(zip(comparisons["numerator"], comparisons["denominator"])) == {
+        (QUESTION["conv"], QUESTION["linear"])
+    }
     summary = json.loads((tmp_path / SWEEP_FILES["summary"]).read_text())
-    ratio = summary["tests.fixtures.question_heads.conv_over_tests.fixtures.question_heads.linear_head_backward"]
-    assert ratio == pytest.approx(comparisons.query("phase == 'head_backward' and amp == 'all'")["ratio"].iloc[0],
-                                  abs=1e-3)
-    modules = pd.read_csv(tmp_path / SWEEP_FILES["modules"], keep_default_na=False).set_index(["head", "module"])
+    ratio = summary[
+        "tests.fixtures.question_heads.conv_over_tests.fixtures.question_heads.linear_head_backward"
+    ]
+    assert ratio == pytest.approx(
+        comparisons.query("phase == 'head_backward' and amp == 'all'")["ratio"].iloc[0], abs=1e-3
+    )
+    modules = pd.read_csv(tmp_path / SWEEP_FILES["modules"], keep_default_na=False).set_index(
+        ["head", "module"]
+    )
     # FastRCNNHeadConv's 7x7 conv is found where the question put it, and flagged.
     flag = modules.loc[(QUESTION["conv"], "roi_heads.box_head.feature_head.0"), "flag"]
     assert flag.startswith("gemm-in-disguise:covers-input")
@@ -74,8 +84,11 @@ def test_a_users_head_that_cannot_be_imported_is_one_line(tmp_path, tiny_params,
 
 @pytest.mark.slow
 def test_the_linearize_knob_measures_a_head_with_and_without_the_fix(tmp_path, tiny_params):
-    args = prepare(tmp_path, tiny_params, {"sweep": {"space": {"head": ["conv", QUESTION["conv"]],
-                                                               "linearize": [False, True]}}})
+    args = prepare(
+        tmp_path,
+        tiny_params,
+        {"sweep": {"space": {"head": ["conv", QUESTION["conv"]], "linearize": [False, True]}}},
+    )
     assert sweep.main(args) == 0
     trials = read_trials(tmp_path / SWEEP_FILES["trials"]).set_index(["head", "linearize"])
     assert len(trials) == 4 and trials["status"].eq("complete").all()
@@ -83,6 +96,8 @@ def test_the_linearize_knob_measures_a_head_with_and_without_the_fix(tmp_path, t
     for head in ("conv", QUESTION["conv"]):  # the built-in conv head and the user's, alike
         swapped = trials.loc[(head, True), "swapped"]
         # mode auto: those of the eligible convolutions where the GEMM was clearly faster at this tiny size
-        assert pd.isna(swapped) or all(name.startswith(("roi_heads.", "backbone.", "rpn.")) for name in swapped.split())
+        assert pd.isna(swapped) or all(
+            name.startswith(("roi_heads.", "backbone.", "rpn.")) for name in swapped.split()
+        )
     comparisons = pd.read_csv(tmp_path / SWEEP_FILES["comparisons"])
     assert set(comparisons["linearize"].astype(str)) == {"False", "True", "all"}

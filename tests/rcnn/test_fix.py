@@ -12,7 +12,11 @@ CASES = [
     (lambda: nn.Conv1d(6, 10, 5), (3, 6, 5), "covers-input"),
     (lambda: nn.Conv2d(6, 10, 7), (3, 6, 7, 7), "covers-input"),
     (lambda: nn.Conv3d(6, 10, (2, 3, 3)), (3, 6, 2, 3, 3), "covers-input"),
-    (lambda: nn.Conv1d(6, 10, 4, stride=4), (3, 6, 18), "patches"),  # a remainder of 2 dropped, as the conv does
+    (
+        lambda: nn.Conv1d(6, 10, 4, stride=4),
+        (3, 6, 18),
+        "patches",
+    ),  # a remainder of 2 dropped, as the conv does
     (lambda: nn.Conv2d(6, 10, 4, stride=4), (3, 6, 16, 18), "patches"),
     (lambda: nn.Conv3d(6, 10, (2, 4, 4), stride=(2, 4, 4)), (3, 6, 4, 8, 9), "patches"),
     (lambda: nn.Conv1d(6, 10, 1), (3, 6, 9), "pointwise"),
@@ -109,8 +113,12 @@ def test_same_parameters_state_dict_and_optimizer():
 
 
 def test_convolutions_that_are_not_gemms_are_left_alone():
-    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.Conv2d(8, 8, 1, stride=2),
-                          nn.Conv2d(8, 8, 1, groups=4), nn.Conv2d(8, 8, 3, dilation=2, padding=2))
+    model = nn.Sequential(
+        nn.Conv2d(4, 8, 3, padding=1),
+        nn.Conv2d(8, 8, 1, stride=2),
+        nn.Conv2d(8, 8, 1, groups=4),
+        nn.Conv2d(8, 8, 3, dilation=2, padding=2),
+    )
     classes = [type(m) for m in model]
     assert linearize(model, torch.randn(2, 4, 16, 16), mode="always") == []
     assert [type(m) for m in model] == classes
@@ -147,6 +155,7 @@ def test_a_subclass_with_its_own_forward_is_not_swapped():
 
 def _mobilenet_v3_count() -> int:
     from torchvision.models.mobilenetv3 import _mobilenet_v3_conf
+
     blocks, _ = _mobilenet_v3_conf("mobilenet_v3_large")
     # per block: the 1x1 expansion (where it widens), the 1x1 projection, squeeze-excite's two 1x1 convs on
     # a 1x1 map; then the last 1x1 conv
@@ -155,16 +164,17 @@ def _mobilenet_v3_count() -> int:
 
 def _efficientnet_b0_count() -> int:
     from torchvision.models.efficientnet import _efficientnet_conf
+
     stages, _ = _efficientnet_conf("efficientnet_b0", width_mult=1.0, depth_mult=1.0)
     return sum(s.num_layers * ((s.expand_ratio != 1) + 2 + 1) for s in stages) + 1
 
 
 MODELS = [  # builder, input, swaps by an independent count (from the architecture, not from shapes)
-    ("resnet18", (2, 3, 64, 64), lambda: 0),                # 3x3 padded, 7x7/2 stem, 1x1/2 shortcuts
-    ("vit_b_16", (2, 3, 64, 64), lambda: 1),                # the 16x16/16 patch embedding
-    ("convnext_tiny", (2, 3, 64, 64), lambda: 4),           # the 4x4/4 stem, three 2x2/2 downsamplers
-    ("swin_t", (2, 3, 64, 64), lambda: 1),                  # the 4x4/4 patch embedding (merging is Linear)
-    ("swin3d_t", (1, 3, 4, 64, 64), lambda: 1),             # the 2x4x4 patch embedding
+    ("resnet18", (2, 3, 64, 64), lambda: 0),  # 3x3 padded, 7x7/2 stem, 1x1/2 shortcuts
+    ("vit_b_16", (2, 3, 64, 64), lambda: 1),  # the 16x16/16 patch embedding
+    ("convnext_tiny", (2, 3, 64, 64), lambda: 4),  # the 4x4/4 stem, three 2x2/2 downsamplers
+    ("swin_t", (2, 3, 64, 64), lambda: 1),  # the 4x4/4 patch embedding (merging is Linear)
+    ("swin3d_t", (1, 3, 4, 64, 64), lambda: 1),  # the 2x4x4 patch embedding
     ("mobilenet_v3_large", (2, 3, 64, 64), _mobilenet_v3_count),
     ("efficientnet_b0", (2, 3, 64, 64), _efficientnet_b0_count),
 ]
@@ -199,8 +209,12 @@ def test_the_questions_conv_head():
     x = torch.randn(6, 16, 7, 7, dtype=torch.float64)
     swaps = linearize(fixed, x, mode="always")
     # the 7x7 conv covers its input; the 1x1 conv and both predictors run on its 1x1 output
-    assert [(s.module, s.kind) for s in swaps] == [("feature_head.0", "covers-input"), ("feature_head.2", "covers-input"),
-                                                   ("label_head", "covers-input"), ("bbox_head", "covers-input")]
+    assert [(s.module, s.kind) for s in swaps] == [
+        ("feature_head.0", "covers-input"),
+        ("feature_head.2", "covers-input"),
+        ("label_head", "covers-input"),
+        ("bbox_head", "covers-input"),
+    ]
     for a, b in zip(head(x), fixed(x)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
@@ -261,7 +275,9 @@ def test_timings_kept_by_the_caller_time_each_convolution_once(monkeypatch):
 
     calls = []
     real = fix._time_paths
-    monkeypatch.setattr(fix, "_time_paths", lambda *args, **kwargs: calls.append(args[1]) or real(*args, **kwargs))
+    monkeypatch.setattr(
+        fix, "_time_paths", lambda *args, **kwargs: calls.append(args[1]) or real(*args, **kwargs)
+    )
     timings: dict = {}
     x = torch.randn(4, 16, 7, 7)
     for _ in range(2):

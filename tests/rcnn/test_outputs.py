@@ -1,11 +1,24 @@
 """Where a command may write: inside the project, over nothing it did not write."""
+
 import re
 
 import pytest
 
 from pipeline.study import JOURNAL, OWNER, owner_of
-from rcnn.outputs import (CSV, PNG, SQLITE, OutputError, check_folder, check_output, check_sqlite_url, claim_folder,
-                          csv_with, json_object, project_root, text_start)
+from rcnn.outputs import (
+    CSV,
+    PNG,
+    SQLITE,
+    OutputError,
+    check_folder,
+    check_output,
+    check_sqlite_url,
+    claim_folder,
+    csv_with,
+    json_object,
+    project_root,
+    text_start,
+)
 
 
 def test_project_is_the_nearest_folder_with_dvc_yaml(tmp_path):
@@ -25,18 +38,24 @@ def test_outputs_outside_the_project_are_refused_symlinks_followed(tmp_path):
     for path in (tmp_path / "elsewhere" / "t.csv", root / ".." / "t.csv", root / "link" / "t.csv"):
         with pytest.raises(OutputError, match="resolves outside the project"):
             check_output(path, CSV, root=root.resolve(), what="--trials")
-    assert check_output(root / "new" / "t.csv", CSV, root=root.resolve(), what="--trials") == root.resolve() / "new" / "t.csv"
+    assert (
+        check_output(root / "new" / "t.csv", CSV, root=root.resolve(), what="--trials")
+        == root.resolve() / "new" / "t.csv"
+    )
 
 
-@pytest.mark.parametrize("kind, ours, foreign", [
-    (csv_with("trial", "status"), "trial,status,x\n1,complete,2\n", "stages:\n  a: {}\n"),
-    (json_object("a summary", "trials"), '{\n  "trials": 3\n}\n', '{"other": 1}'),
-    (text_start("the report", "# Why"), "# Why it is slow\n", "# Notes\n"),
-    (JOURNAL, '{"op_code": 0, "worker_id": "a"}\n', "data:\n  name: x\n"),
-    (OWNER, "pid 12 on host, since 2026-01-01 00:00:00\n", "my notes\n"),
-    (SQLITE, "SQLite format 3\0...", "a,b\n"),
-    (CSV, "a,b\n1,2\n", "just text\n"),
-])
+@pytest.mark.parametrize(
+    "kind, ours, foreign",
+    [
+        (csv_with("trial", "status"), "trial,status,x\n1,complete,2\n", "stages:\n  a: {}\n"),
+        (json_object("a summary", "trials"), '{\n  "trials": 3\n}\n', '{"other": 1}'),
+        (text_start("the report", "# Why"), "# Why it is slow\n", "# Notes\n"),
+        (JOURNAL, '{"op_code": 0, "worker_id": "a"}\n', "data:\n  name: x\n"),
+        (OWNER, "pid 12 on host, since 2026-01-01 00:00:00\n", "my notes\n"),
+        (SQLITE, "SQLite format 3\0...", "a,b\n"),
+        (CSV, "a,b\n1,2\n", "just text\n"),
+    ],
+)
 def test_an_existing_file_is_replaced_only_if_it_has_the_layout_written(tmp_path, kind, ours, foreign):
     (tmp_path / "ours").write_text(ours)
     (tmp_path / "foreign").write_text(foreign)
@@ -56,14 +75,17 @@ def test_an_empty_journal_is_ours_only_beside_its_lock_file(tmp_path):
     check_output(tmp_path / "optuna.journal", JOURNAL, root=tmp_path, what="sweep.storage")
 
 
-@pytest.mark.parametrize("url, problem", [
-    ("sqlite:///../elsewhere.db", "resolves outside the project"),
-    ("sqlite:///notes.txt", "notes.txt exists and is not an SQLite database"),
-    ("sqlite+pysqlite:///notes.txt?timeout=5", "notes.txt exists and is not an SQLite database"),
-    ("sqlite:///mlflow.db", None),
-    ("postgresql://u@host/db", None),   # a server: nothing is written here
-    ("http://127.0.0.1:5000", None),
-])
+@pytest.mark.parametrize(
+    "url, problem",
+    [
+        ("sqlite:///../elsewhere.db", "resolves outside the project"),
+        ("sqlite:///notes.txt", "notes.txt exists and is not an SQLite database"),
+        ("sqlite+pysqlite:///notes.txt?timeout=5", "notes.txt exists and is not an SQLite database"),
+        ("sqlite:///mlflow.db", None),
+        ("postgresql://u@host/db", None),  # a server: nothing is written here
+        ("http://127.0.0.1:5000", None),
+    ],
+)
 def test_sqlite_urls_are_output_paths(tmp_path, monkeypatch, url, problem):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "notes.txt").write_text("mine\n")
@@ -94,10 +116,14 @@ def test_a_folder_is_claimed_only_when_it_holds_what_the_command_writes(tmp_path
     (data / "000000.png").write_bytes(b"")
     (data / "annotations.json").write_text("{}")
     assert sorted(p.name for p in claim_folder(data, owned, root=tmp_path, what="--out")) == [
-        "000000.png", "annotations.json"]
+        "000000.png",
+        "annotations.json",
+    ]
     for foreign in ("notes.txt", "sub/"):
         (data / foreign.rstrip("/")).mkdir() if foreign.endswith("/") else (data / foreign).write_text("mine")
-        with pytest.raises(OutputError, match=rf"holds files this command did not write \({foreign.rstrip('/')}\)"):
+        with pytest.raises(
+            OutputError, match=rf"holds files this command did not write \({foreign.rstrip('/')}\)"
+        ):
             claim_folder(data, owned, root=tmp_path, what="--out")
         path = data / foreign.rstrip("/")
         path.rmdir() if path.is_dir() else path.unlink()

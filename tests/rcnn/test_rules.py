@@ -28,13 +28,16 @@ def test_at_least_names_both_keys():
         at_least(4, 5, "max", "min")
 
 
-@pytest.mark.parametrize("argv, line", [
-    (["--n", "0"], "error: --n: 0 is too small; allowed: >= 1"),
-    (["--n", "x"], "error: --n: expected int, got 'x'"),
-    (["--n"], "error: --n: expected one argument"),
-    (["--colour", "green"], "error: --colour: 'green' is not allowed; allowed: red, blue"),
-    (["--nope"], "error: unrecognized arguments: --nope"),
-])
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--n", "0"], "error: --n: 0 is too small; allowed: >= 1"),
+        (["--n", "x"], "error: --n: expected int, got 'x'"),
+        (["--n"], "error: --n: expected one argument"),
+        (["--colour", "green"], "error: --colour: 'green' is not allowed; allowed: red, blue"),
+        (["--nope"], "error: unrecognized arguments: --nope"),
+    ],
+)
 def test_parser_errors_are_one_line(capsys, argv, line):
     parser = Parser(prog="tool")
     parser.add_argument("--n", type=Rule(minimum=1).arg(int), default=1)
@@ -51,12 +54,17 @@ def test_rules_and_cli_import_no_torch():
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 
-@pytest.mark.parametrize("message, line", [
-    ("boom", "RuntimeError: boom"),
-    ("", "RuntimeError: "),
-    ("first\nsecond", "RuntimeError: first"),
-    ("backend='inductor' raised:\nCppCompileError: C++ compile error\n\nmore", "RuntimeError: backend='inductor' "
-                                                                              "raised: CppCompileError: C++ compile error"),
-])
+@pytest.mark.parametrize(
+    "message, line",
+    [
+        ("boom", "RuntimeError: boom"),
+        ("", "RuntimeError: "),
+        ("first\nsecond", "RuntimeError: first"),
+        (
+            "backend='inductor' raised:\nCppCompileError: C++ compile error\n\nmore",
+            "RuntimeError: backend='inductor' raised: CppCompileError: C++ compile error",
+        ),
+    ],
+)
 def test_first_line_keeps_what_an_introducing_line_introduces(message, line):
     assert first_line(RuntimeError(message)) == line

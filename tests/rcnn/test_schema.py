@@ -1,4 +1,5 @@
 """The library's vocabulary loads without torch, and so do the stages that only read result files."""
+
 import subprocess
 import sys
 
@@ -7,9 +8,17 @@ import pytest
 from tests.conftest import ROOT
 
 
-@pytest.mark.parametrize("modules", ["rcnn.detector.schema, rcnn.measure.settings, rcnn.measure.stats, rcnn.doctor.columns, rcnn.rules, pipeline.params",
-                                     "pipeline.report, pipeline.compare"])
+@pytest.mark.parametrize(
+    "modules",
+    [
+        "rcnn.detector.schema, rcnn.measure.settings, rcnn.measure.stats, rcnn.doctor.columns, rcnn.rules, "
+        "pipeline.params",
+        "pipeline.report, pipeline.compare",
+    ],
+)
 def test_imports_no_torch(modules):
     check = f"import {modules}, sys; assert 'torch' not in sys.modules and 'torchvision' not in sys.modules"
-    done = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from rcnn.detector.heads import Conv2dAsLinear, HEADS, build_box_head
-from rcnn.rules import ValueNotAllowed
+from rcnn.detector.heads import HEADS, Conv2dAsLinear, build_box_head
 from rcnn.detector.schema import HEAD_NAMES
+from rcnn.rules import ValueNotAllowed
 
 C, R, D, K = 8, 7, 16, 3  # channels, RoI grid, representation size, object classes
 
@@ -45,12 +45,16 @@ def test_linear_equals_conv_with_reshaped_weights():
     torch.manual_seed(0)
     conv_head, conv_pred = (m.double() for m in heads("conv"))
     lin_head, lin_pred = (m.double() for m in heads("linear"))
-    convs = [m for m in [*conv_head, conv_pred.label_head, conv_pred.bbox_head] if isinstance(m, torch.nn.Conv2d)]
-    linears = [m for m in [*lin_head, lin_pred.label_head, lin_pred.bbox_head] if isinstance(m, torch.nn.Linear)]
+    convs = [
+        m for m in [*conv_head, conv_pred.label_head, conv_pred.bbox_head] if isinstance(m, torch.nn.Conv2d)
+    ]
+    linears = [
+        m for m in [*lin_head, lin_pred.label_head, lin_pred.bbox_head] if isinstance(m, torch.nn.Linear)
+    ]
     with torch.no_grad():
-        for c, l in zip(convs, linears, strict=True):
-            l.weight.copy_(c.weight.flatten(1))
-            l.bias.copy_(c.bias)
+        for conv, linear in zip(convs, linears, strict=True):
+            linear.weight.copy_(conv.weight.flatten(1))
+            linear.bias.copy_(conv.bias)
     x = torch.randn(4, C, R, R, dtype=torch.float64)
     for a, b in zip(conv_pred(conv_head(x)), lin_pred(lin_head(x))):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
@@ -67,7 +71,10 @@ def test_outputs_have_background_class_and_question_init(name):
 
 
 def test_unknown_head_names_the_allowed_ones():
-    with pytest.raises(ValueNotAllowed, match="head: 'mlp' is not allowed; allowed: linear, conv, conv_as_linear, or package.module:factory"):
+    with pytest.raises(
+        ValueNotAllowed,
+        match="head: 'mlp' is not allowed; allowed: linear, conv, conv_as_linear, or package.module:factory",
+    ):
         heads("mlp")
 
 
@@ -83,20 +90,38 @@ def test_conv_as_linear_runs_as_the_conv_on_inputs_larger_than_its_kernel():
     torch.testing.assert_close(fix(x), conv(x))  # no longer a GEMM at this shape: the conv path, (1, D, 2, 2)
 
 
-@pytest.mark.parametrize("spec", ["tests.fixtures.question_heads:linear", "tests.fixtures.question_heads:conv"])
+@pytest.mark.parametrize(
+    "spec", ["tests.fixtures.question_heads:linear", "tests.fixtures.question_heads:conv"]
+)
 def test_a_users_head_by_factory(spec):
-    box_head, predictor = build_box_head(spec, in_channels=8, resolution=7, representation_size=16, num_classes=3)
-    scores, deltas = predictor(box_head(torch.randn(5, 8, 7, 7)))  # one module: the predictor passes it through
+    box_head, predictor = build_box_head(
+        spec, in_channels=8, resolution=7, representation_size=16, num_classes=3
+    )
+    scores, deltas = predictor(
+        box_head(torch.randn(5, 8, 7, 7))
+    )  # one module: the predictor passes it through
     assert scores.shape == (5, 4) and deltas.shape == (5, 16)
 
 
-@pytest.mark.parametrize("spec, problem", [
-    ("no_such_heads:conv", "head: cannot import 'no_such_heads'"),
-    ("tests.fixtures.question_heads:nope", "head: tests.fixtures.question_heads has no 'nope'"),
-    ("tests.fixtures.models:not_a_model", r"head: tests.fixtures.models:not_a_model\(\) raised TypeError"),
-    ("tests.fixtures.question_heads:_cfg", r"head: tests.fixtures.question_heads:_cfg\(\) raised TypeError"),
-    ("tests.fixtures.models:not_a_head", r"returned int; allowed: \(box_head, box_predictor\) or one nn.Module"),
-])
+@pytest.mark.parametrize(
+    "spec, problem",
+    [
+        ("no_such_heads:conv", "head: cannot import 'no_such_heads'"),
+        ("tests.fixtures.question_heads:nope", "head: tests.fixtures.question_heads has no 'nope'"),
+        (
+            "tests.fixtures.models:not_a_model",
+            r"head: tests.fixtures.models:not_a_model\(\) raised TypeError",
+        ),
+        (
+            "tests.fixtures.question_heads:_cfg",
+            r"head: tests.fixtures.question_heads:_cfg\(\) raised TypeError",
+        ),
+        (
+            "tests.fixtures.models:not_a_head",
+            r"returned int; allowed: \(box_head, box_predictor\) or one nn.Module",
+        ),
+    ],
+)
 def test_a_users_head_that_cannot_be_built_is_one_line(spec, problem):
     with pytest.raises(ValueNotAllowed, match=problem):
         build_box_head(spec, in_channels=8, resolution=7, representation_size=16, num_classes=3)

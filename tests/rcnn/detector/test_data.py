@@ -6,8 +6,16 @@ import pytest
 import torch
 from PIL import Image
 
-from rcnn.detector.data import DROP_REASONS, DataError, describe_dropped, device_batches, read_coco, synthetic_samples, to_coco
 from pipeline.data import png_bytes
+from rcnn.detector.data import (
+    DROP_REASONS,
+    DataError,
+    describe_dropped,
+    device_batches,
+    read_coco,
+    synthetic_samples,
+    to_coco,
+)
 from tests.coco import QUIRKY_DROPPED, QUIRKY_KEPT, QUIRKY_RGB, write_quirky_coco
 
 
@@ -28,7 +36,7 @@ def test_synthetic_is_seeded_and_valid():
     for s in a:
         assert s.image.shape == (3, 64, 64) and s.image.dtype == torch.uint8
         assert (s.boxes[:, 2:] > s.boxes[:, :2]).all() and s.boxes.max() <= 64
-        assert 1 <= s.labels.min() and s.labels.max() <= 3
+        assert s.labels.min() >= 1 and s.labels.max() <= 3
 
 
 def test_coco_round_trip_and_resize(tmp_path):
@@ -43,13 +51,19 @@ def test_coco_round_trip_and_resize(tmp_path):
     torch.testing.assert_close(half[0].boxes, samples[0].boxes / 2)
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda d: (d / "annotations.json").unlink(), "annotations.json: missing"),
-    (lambda d: (d / "annotations.json").write_text("{not json"), "annotations.json: not COCO format"),
-    (lambda d: (d / "annotations.json").write_text('{"images": []}'), "annotations.json: not COCO format"),
-    (lambda d: (d / "0.png").unlink(), "0.png: cannot read image"),
-    (lambda d: (d / "1.png").write_bytes(b"\x89PNG trunc"), "1.png: cannot read image"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: (d / "annotations.json").unlink(), "annotations.json: missing"),
+        (lambda d: (d / "annotations.json").write_text("{not json"), "annotations.json: not COCO format"),
+        (
+            lambda d: (d / "annotations.json").write_text('{"images": []}'),
+            "annotations.json: not COCO format",
+        ),
+        (lambda d: (d / "0.png").unlink(), "0.png: cannot read image"),
+        (lambda d: (d / "1.png").write_bytes(b"\x89PNG trunc"), "1.png: cannot read image"),
+    ],
+)
 def test_bad_folders_name_the_file(tmp_path, damage, message):
     write_coco(tmp_path, synthetic_samples(num_images=2, image_size=32, num_classes=1, seed=0), 1)
     damage(tmp_path)
@@ -73,26 +87,33 @@ def test_batches_are_full_and_on_device():
         device_batches(samples, batch_size=8, device=torch.device("cpu"))
 
 
-
 def test_quirky_coco_keeps_usable_boxes_clipped_and_scaled(tmp_path):
     folder = write_quirky_coco(tmp_path / "coco")
-    for name, mode in {"gray.png": "L", "rgba.png": "RGBA", "palette.png": "P", "deep.png": "I;16",
-                       "cmyk.jpg": "CMYK"}.items():
+    for name, mode in {
+        "gray.png": "L",
+        "rgba.png": "RGBA",
+        "palette.png": "P",
+        "deep.png": "I;16",
+        "cmyk.jpg": "CMYK",
+    }.items():
         with Image.open(folder / name) as im:
             assert im.mode == mode, name  # the quirk is really on disk
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # PIL's palette-transparency warning would be a bug
         read = read_coco(folder, image_size=64)
     assert read.num_classes == 3
-    assert read.dropped == QUIRKY_DROPPED and list(read.dropped) == [r for r in DROP_REASONS if r in QUIRKY_DROPPED]
+    assert read.dropped == QUIRKY_DROPPED and list(read.dropped) == [
+        r for r in DROP_REASONS if r in QUIRKY_DROPPED
+    ]
     assert len(read.samples) == len(QUIRKY_KEPT)
     for sample, (name, box, label) in zip(read.samples, QUIRKY_KEPT):
         torch.testing.assert_close(sample.boxes, torch.tensor([box], dtype=torch.float32), msg=name)
         assert sample.labels.tolist() == [label], name
         assert sample.image.shape == (3, 64, 64) and sample.image.dtype == torch.uint8, name
         colour = sample.image.reshape(3, -1).float().mean(1)
-        torch.testing.assert_close(colour, torch.tensor(QUIRKY_RGB[name], dtype=torch.float32), atol=3, rtol=0,
-                                   msg=name)
+        torch.testing.assert_close(
+            colour, torch.tensor(QUIRKY_RGB[name], dtype=torch.float32), atol=3, rtol=0, msg=name
+        )
 
 
 def test_quirky_coco_limit_counts_usable_images(tmp_path):
@@ -102,30 +123,47 @@ def test_quirky_coco_limit_counts_usable_images(tmp_path):
     assert [s.labels.tolist() for s in read.samples] == [[2], [3], [1]]  # rgb, gray, rgba
     torch.testing.assert_close(read.samples[2].boxes, torch.tensor([[0.0, 0.0, 24.0, 24.0]]))
     # Only the images looked at are counted: crowd_only and no_annotation, not the ones after rgba.
-    assert read.dropped == {"crowd region": 2, "box with no area after clipping to the image": 3,
-                            "image with no usable box": 2, "box clipped to the image": 2}
+    assert read.dropped == {
+        "crowd region": 2,
+        "box with no area after clipping to the image": 3,
+        "image with no usable box": 2,
+        "box clipped to the image": 2,
+    }
 
 
 def test_describe_dropped_for_a_person():
-    assert describe_dropped({"crowd region": 3, "malformed bbox": 1, "box clipped to the image": 2}) == \
-        "3 crowd regions, 1 malformed bbox, 2 boxes clipped to the image (kept)"
+    assert (
+        describe_dropped({"crowd region": 3, "malformed bbox": 1, "box clipped to the image": 2})
+        == "3 crowd regions, 1 malformed bbox, 2 boxes clipped to the image (kept)"
+    )
 
 
 def test_no_usable_image_names_annotations_and_why(tmp_path):
     folder = tmp_path / "coco"
     folder.mkdir()
-    (folder / "annotations.json").write_text(json.dumps({
-        "images": [{"id": 1, "file_name": "a.png", "width": 8, "height": 8},
-                   {"id": 2, "file_name": "b.png", "width": 8, "height": 8}],
-        "annotations": [{"id": 1, "image_id": 1, "category_id": 3, "bbox": [0, 0, 4, 4], "iscrowd": 1},
-                        {"id": 2, "image_id": 2, "category_id": 3, "bbox": [2, 2, 0, 4]},
-                        {"id": 3, "image_id": 2, "category_id": 4, "bbox": [2, 2, 2, 4]}],
-        "categories": [{"id": 3}]}))
+    (folder / "annotations.json").write_text(
+        json.dumps(
+            {
+                "images": [
+                    {"id": 1, "file_name": "a.png", "width": 8, "height": 8},
+                    {"id": 2, "file_name": "b.png", "width": 8, "height": 8},
+                ],
+                "annotations": [
+                    {"id": 1, "image_id": 1, "category_id": 3, "bbox": [0, 0, 4, 4], "iscrowd": 1},
+                    {"id": 2, "image_id": 2, "category_id": 3, "bbox": [2, 2, 0, 4]},
+                    {"id": 3, "image_id": 2, "category_id": 4, "bbox": [2, 2, 2, 4]},
+                ],
+                "categories": [{"id": 3}],
+            }
+        )
+    )
     with pytest.raises(DataError) as err:
         read_coco(folder, image_size=32)
-    assert str(err.value) == (f"{folder / 'annotations.json'}: no image has a usable box (1 crowd region, "
-                              "1 unknown category, 1 box with no area after clipping to the image, "
-                              "2 images with no usable box)")
+    assert str(err.value) == (
+        f"{folder / 'annotations.json'}: no image has a usable box (1 crowd region, "
+        "1 unknown category, 1 box with no area after clipping to the image, "
+        "2 images with no usable box)"
+    )
 
 
 @pytest.mark.parametrize("file_name", ["../outside.png", "sub/../../outside.png", "ABSOLUTE", "link.png"])

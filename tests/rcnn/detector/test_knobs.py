@@ -6,32 +6,55 @@ from torch import nn
 
 import rcnn.detector.knobs as knobs
 import rcnn.measure.device as device
-from rcnn.detector.knobs import Knobs, applicable_space, backend_flags, memory_format, why_not, why_not_together
+from rcnn.detector.knobs import (
+    Knobs,
+    applicable_space,
+    backend_flags,
+    memory_format,
+    why_not,
+    why_not_together,
+)
 from rcnn.measure.device import autocast, grad_scaler, resolve_device, set_tf32
 from rcnn.rules import ValueNotAllowed
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # a device object only: the tests here that need the GPU itself are marked gpu
-SPACE = {"head": ["linear", "conv"], "cudnn_benchmark": [False, True], "onednn": [True, False],
-         "amp": ["off", "fp16", "bf16"], "channels_last": [False, True], "batch_size": [1, 2]}
+SPACE = {
+    "head": ["linear", "conv"],
+    "cudnn_benchmark": [False, True],
+    "onednn": [True, False],
+    "amp": ["off", "fp16", "bf16"],
+    "channels_last": [False, True],
+    "batch_size": [1, 2],
+}
 
 
 @pytest.fixture(autouse=True)
 def global_flags():
     """Every test here leaves torch's global backend switches as it found them, even when it fails."""
-    saved = (torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled, torch.backends.cuda.matmul.allow_tf32,
-             torch.backends.cudnn.allow_tf32)
+    saved = (
+        torch.backends.cudnn.benchmark,
+        torch.backends.mkldnn.enabled,
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+    )
     yield
-    (torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled, torch.backends.cuda.matmul.allow_tf32,
-     torch.backends.cudnn.allow_tf32) = saved
+    (
+        torch.backends.cudnn.benchmark,
+        torch.backends.mkldnn.enabled,
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+    ) = saved
 
 
 @pytest.fixture
 def bf16(monkeypatch):
     """Says whether the CPU and the GPU have bf16, so that both answers are tested on any machine."""
+
     def set_support(cpu: bool, gpu: bool) -> None:
         monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: cpu)
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: gpu)
+
     return set_support
 
 
@@ -41,7 +64,9 @@ def test_cpu_space_pins_cudnn_and_drops_what_does_not_apply(bf16, native_bf16):
     grid, skipped = applicable_space(SPACE, CPU)
     assert grid == SPACE | {"cudnn_benchmark": [None], "amp": ["off", "bf16"] if native_bf16 else ["off"]}
     reasons = {(s.knob, s.value): s.reason for s in skipped}
-    assert set(reasons) == {("cudnn_benchmark", "any"), ("amp", "fp16")} | (set() if native_bf16 else {("amp", "bf16")})
+    assert set(reasons) == {("cudnn_benchmark", "any"), ("amp", "fp16")} | (
+        set() if native_bf16 else {("amp", "bf16")}
+    )
     assert "not used on CPU" in reasons[("cudnn_benchmark", "any")] and "CUDA" in reasons[("amp", "fp16")]
 
 
@@ -55,8 +80,10 @@ def test_cuda_space_pins_onednn_and_drops_bf16_only_where_the_gpu_lacks_it(bf16,
     assert "oneDNN is not used on CUDA" in reasons[("onednn", "any")]
 
 
-@pytest.mark.parametrize("device, cpu_bf16, gpu_bf16", [(CPU, False, False), (CPU, True, False), (CUDA, False, False),
-                                                         (CUDA, False, True)])
+@pytest.mark.parametrize(
+    "device, cpu_bf16, gpu_bf16",
+    [(CPU, False, False), (CPU, True, False), (CUDA, False, False), (CUDA, False, True)],
+)
 def test_applicable_space_drops_exactly_the_settings_why_not_names(bf16, device, cpu_bf16, gpu_bf16):
     bf16(cpu=cpu_bf16, gpu=gpu_bf16)
     grid, skipped = applicable_space(SPACE, device)
@@ -72,7 +99,9 @@ def test_applicable_space_drops_exactly_the_settings_why_not_names(bf16, device,
 
 def test_a_knob_left_empty_is_an_error(bf16):
     bf16(cpu=False, gpu=False)
-    with pytest.raises(ValueNotAllowed, match=r"amp: no value applies on cpu \(fp16: .*; bf16: .*native bf16") as err:
+    with pytest.raises(
+        ValueNotAllowed, match=r"amp: no value applies on cpu \(fp16: .*; bf16: .*native bf16"
+    ) as err:
         applicable_space(SPACE | {"amp": ["fp16", "bf16"]}, CPU)
     assert err.value.key == "amp"  # the command that read the space adds where the key sits
 
@@ -97,7 +126,9 @@ def test_resolve_device():
             resolve_device("cuda")
 
 
-FLAG_STATES = list(itertools.product([False, True], repeat=2))  # (cudnn.benchmark, mkldnn.enabled) before a trial
+FLAG_STATES = list(
+    itertools.product([False, True], repeat=2)
+)  # (cudnn.benchmark, mkldnn.enabled) before a trial
 
 
 @pytest.mark.parametrize("cudnn_benchmark, onednn", list(itertools.product([None, False, True], repeat=2)))
@@ -105,7 +136,8 @@ FLAG_STATES = list(itertools.product([False, True], repeat=2))  # (cudnn.benchma
 def test_backend_flags_set_the_knobs_and_restore_what_was_there(before, cudnn_benchmark, onednn):
     torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled = before
     with backend_flags(Knobs(cudnn_benchmark=cudnn_benchmark, onednn=onednn)):
-        # None is n/a on this device: PyTorch's defaults (benchmark off, oneDNN on), not whatever was set before.
+        # None is n/a on this device: PyTorch's defaults (benchmark off, oneDNN on), not whatever was set
+        # before.
         assert torch.backends.cudnn.benchmark is (cudnn_benchmark is True)
         assert torch.backends.mkldnn.enabled is (onednn is not False)
     assert (torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled) == before
@@ -128,7 +160,10 @@ def test_tf32_is_one_setting_for_matmul_and_cudnn(enabled):
 @pytest.mark.parametrize("tf32", [None, False, True])
 @pytest.mark.parametrize("before", [False, True])
 def test_backend_flags_set_tf32_for_both_and_restore_each(before, tf32):
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before, not before  # PyTorch's: differ
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = (
+        before,
+        not before,
+    )  # PyTorch's: differ
     with backend_flags(Knobs(tf32=tf32)):  # None (n/a, a CPU): off
         assert torch.backends.cuda.matmul.allow_tf32 is torch.backends.cudnn.allow_tf32 is (tf32 is True)
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (before, not before)
@@ -157,7 +192,10 @@ def test_compile_needs_a_cxx_compiler_on_cpu(no_compiler):
     assert "needs a C++ compiler" in reason and why_not("compile", "off", CPU) is None
     grid, skipped = applicable_space({"compile": ["off", "head", "model"]}, CPU)
     assert grid == {"compile": ["off"]}
-    assert [(s.knob, s.value, s.reason) for s in skipped] == [("compile", "head", reason), ("compile", "model", reason)]
+    assert [(s.knob, s.value, s.reason) for s in skipped] == [
+        ("compile", "head", reason),
+        ("compile", "model", reason),
+    ]
     with pytest.raises(ValueNotAllowed, match="compile: no value applies on cpu .*C\\+\\+ compiler"):
         applicable_space({"compile": ["head"]}, CPU)
 
@@ -190,18 +228,25 @@ def head_outputs(device: torch.device, amp: str) -> tuple[torch.dtype, torch.dty
     """The dtypes a Linear and a Conv2d (the two box heads' layers) compute in under the knob's autocast."""
     linear, conv = nn.Linear(8, 4).to(device), nn.Conv2d(8, 4, 3).to(device)
     with autocast(amp, device):
-        return linear(torch.randn(2, 8, device=device)).dtype, conv(torch.randn(1, 8, 5, 5, device=device)).dtype
+        return linear(torch.randn(2, 8, device=device)).dtype, conv(
+            torch.randn(1, 8, 5, 5, device=device)
+        ).dtype
 
 
-@pytest.mark.parametrize("amp, dtype", [("off", torch.float32), ("bf16", torch.bfloat16)], ids=["off", "bf16"])
+@pytest.mark.parametrize(
+    "amp, dtype", [("off", torch.float32), ("bf16", torch.bfloat16)], ids=["off", "bf16"]
+)
 def test_autocast_runs_both_heads_layers_in_the_knobs_dtype_on_cpu(amp, dtype):
     assert head_outputs(CPU, amp) == (dtype, dtype)
     assert not grad_scaler(amp, CPU).is_enabled()  # bf16 has fp32's range: no loss scaling
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("amp, dtype, scaled", [("off", torch.float32, False), ("fp16", torch.float16, True),
-                                                ("bf16", torch.bfloat16, False)], ids=["off", "fp16", "bf16"])
+@pytest.mark.parametrize(
+    "amp, dtype, scaled",
+    [("off", torch.float32, False), ("fp16", torch.float16, True), ("bf16", torch.bfloat16, False)],
+    ids=["off", "fp16", "bf16"],
+)
 def test_autocast_and_loss_scaling_on_cuda(amp, dtype, scaled):
     assert head_outputs(CUDA, amp) == (dtype, dtype)
     assert grad_scaler(amp, CUDA).is_enabled() is scaled  # fp16 gradients underflow without it
@@ -210,5 +255,6 @@ def test_autocast_and_loss_scaling_on_cuda(amp, dtype, scaled):
 def test_channels_last_reaches_conv_weights():
     conv = nn.Conv2d(8, 4, 3)
     assert conv.to(memory_format=memory_format(Knobs(channels_last=True))).weight.is_contiguous(
-        memory_format=torch.channels_last)
+        memory_format=torch.channels_last
+    )
     assert conv.to(memory_format=memory_format(Knobs(channels_last=False))).weight.is_contiguous()

@@ -1,12 +1,12 @@
 import pytest
 import torch
 
-from rcnn.doctor.columns import OUTSIDE, ROOT
 from rcnn.doctor.attribution import ModuleTimer
+from rcnn.doctor.columns import OUTSIDE, ROOT
 from rcnn.doctor.diagnosis import diagnose
-from rcnn.measure.stats import TimingPolicy
-from rcnn.measure.clock import Clock
 from rcnn.doctor.workloads import build_workload
+from rcnn.measure.clock import Clock
+from rcnn.measure.stats import TimingPolicy
 from tests.fixtures import models
 from tests.fixtures.models import SLEEP_S
 
@@ -38,7 +38,8 @@ def test_backward_is_charged_to_the_module_that_created_it(monkeypatch, one_thre
     assert slept.loc["sleepy", "backward_ms"] == pytest.approx(2 * SLEEP_S * 1e3, rel=0.05)
     gained = slept["backward_ms"] - awake["backward_ms"]
     assert (gained.drop(index="sleepy").abs() < 0.05 * 2 * SLEEP_S * 1e3).all(), gained
-    # Inclusive time holds the children's: the model's row holds both sleeps, the sleeper's own row nothing more.
+    # Inclusive time holds the children's: the model's row holds both sleeps, the sleeper's own row nothing
+    # more.
     assert slept.loc[ROOT, "backward_inclusive_ms"] >= slept.loc["sleepy", "backward_ms"]
     assert slept.loc["sleepy", "backward_inclusive_ms"] == slept.loc["sleepy", "backward_ms"]
 
@@ -56,7 +57,8 @@ def test_interleaved_branches_keep_their_own_time(one_thread):
     assert backward["two"] == pytest.approx(2 * 10, rel=0.05)  # its two sleeps, not other's between them
     assert backward["other"] == pytest.approx(30, rel=0.05)
     assert backward["two.first"] == pytest.approx(10, rel=0.05) and backward["two"] == pytest.approx(
-        backward["two.first"] + backward["two.second"])
+        backward["two.first"] + backward["two.second"]
+    )
     timer.remove()
 
 
@@ -97,7 +99,9 @@ def test_flops_by_module_match_flop_counter_mode(monkeypatch):
     assert flops.loc[ROOT, "backward_inclusive_gflop"] == pytest.approx(flops["backward_gflop"].sum())
     with FlopCounterMode(display=False) as counter:
         workload.loss(workload.model, workload.batch).backward()
-    assert flops[["forward_gflop", "backward_gflop"]].to_numpy().sum() == pytest.approx(counter.get_total_flops())
+    assert flops[["forward_gflop", "backward_gflop"]].to_numpy().sum() == pytest.approx(
+        counter.get_total_flops()
+    )
     timer.remove()
 
 

@@ -47,7 +47,7 @@ def test_probe_times_only_the_probed_modules():
     forward_ms, backward_ms = probe.spans_ms()
     probe.remove()
     assert probe.rows == 3
-    assert 30 <= forward_ms < 200   # includes the inner sleep, none of the 200 ms outside
+    assert 30 <= forward_ms < 200  # includes the inner sleep, none of the 200 ms outside
     assert 60 <= backward_ms < 200
 
 
@@ -70,7 +70,9 @@ before = memory.peak_mb()
 block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
 print(before, memory.peak_mb())
 """
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True
+    )
     before, after = map(float, done.stdout.split())
     if before != before:  # NaN: this system exposes no peak RSS
         pytest.skip("no /proc peak RSS here")

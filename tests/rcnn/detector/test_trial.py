@@ -1,22 +1,22 @@
 import math
 import re
-import time
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from torch import nn
 
 import rcnn.detector.trial as bench
-from rcnn.detector.trial import Trainer, isolated_head_ms, main, run_trial
 from rcnn.detector.data import synthetic_samples
 from rcnn.detector.knobs import Knobs, backend_flags
 from rcnn.detector.model import BACKBONES, build_detector
-from rcnn.rules import ValueNotAllowed
 from rcnn.detector.schema import PHASES
-from rcnn.measure.stats import TimingPolicy
+from rcnn.detector.trial import Trainer, isolated_head_ms, main, run_trial
 from rcnn.measure.clock import Clock, ModuleSpanProbe
+from rcnn.measure.stats import TimingPolicy
+from rcnn.rules import ValueNotAllowed
 from tests.conftest import ROOT, TINY_CONFIG
 
 CPU = torch.device("cpu")
@@ -26,7 +26,8 @@ QUICK = TimingPolicy(warmup=1, max_warmup=1, iterations=2, max_iterations=2)
 
 
 def assert_phases_add_up(samples: dict[str, list[float]]) -> None:
-    """Each step's forward, backward and optimizer are consecutive spans of the step: their sum is the step (to the
+    """Each step's forward, backward and optimizer are consecutive spans of the step: their sum is the step
+    (to the
     clock's rounding), and the box head's forward and backward lie inside the forward and the backward."""
     for i, step in enumerate(samples["step"]):
         forward, backward, optimizer = (samples[p][i] for p in ("forward", "backward", "optimizer"))
@@ -38,8 +39,9 @@ def assert_phases_add_up(samples: dict[str, list[float]]) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("head", ["linear", "conv", "conv_as_linear"])
 def test_trial_times_every_phase(head, device):
-    result = run_trial(TINY_CONFIG, Knobs(head=head, batch_size=2), SAMPLES, device=device, policy=QUICK,
-                       profile_steps=1)
+    result = run_trial(
+        TINY_CONFIG, Knobs(head=head, batch_size=2), SAMPLES, device=device, policy=QUICK, profile_steps=1
+    )
     assert result.iterations == 2 and result.warmup_iterations == 1  # QUICK's bounds, exactly
     assert result.rois == 2 * TINY_CONFIG.rois_per_image  # fixed box-head input shape
     assert all(len(result.samples[p]) == 2 for p in PHASES)
@@ -49,7 +51,9 @@ def test_trial_times_every_phase(head, device):
     assert all(row[f"{p}_ms"] == result.median(p) for p in PHASES) and row["rois"] == result.rois
     # The profile of the head's backward names the operators the head runs: conv kernels or a GEMM.
     ops = {k["name"] for k in result.kernels if k["kind"] == "op"}
-    assert ("aten::convolution_backward" in ops) == (head == "conv") and ("aten::mm" in ops) == (head != "conv")
+    assert ("aten::convolution_backward" in ops) == (head == "conv") and ("aten::mm" in ops) == (
+        head != "conv"
+    )
     assert all(0 < k["share"] <= 1 for k in result.kernels)
 
 
@@ -81,7 +85,8 @@ def test_head_spans_lie_inside_the_forward_and_the_backward(head):
             trainer.step(0)
         finally:
             trainer.close()
-    # Step start, [head forward], forward end, [head backward], backward end, step end; the clock never goes back.
+    # Step start, [head forward], forward end, [head backward], backward end, step end; the clock never goes
+    # back.
     assert [who for who, _ in log] == ["step", "head", "head", "step", "head", "head", "step", "step"]
     stamps = [stamp for _, stamp in log]
     assert stamps == sorted(stamps)
@@ -91,18 +96,28 @@ def test_head_spans_lie_inside_the_forward_and_the_backward(head):
 POLICIES = {
     # Step times cannot settle in fewer than settle_window (2) steps, so warm-up runs to max_warmup; precision
     # needs at least 6 samples, so measuring runs to max_iterations.
-    "to-max-iterations": (TimingPolicy(warmup=0, max_warmup=2, iterations=1, max_iterations=3, rel_precision=1e-4),
-                          1, 2, 3),
+    "to-max-iterations": (
+        TimingPolicy(warmup=0, max_warmup=2, iterations=1, max_iterations=3, rel_precision=1e-4),
+        1,
+        2,
+        3,
+    ),
     # Out of time after the first steps: no more than the least number.
-    "out-of-time": (TimingPolicy(warmup=1, max_warmup=1, iterations=2, max_iterations=50, max_seconds=0.001),
-                    2, 1, 2),
+    "out-of-time": (
+        TimingPolicy(warmup=1, max_warmup=1, iterations=2, max_iterations=50, max_seconds=0.001),
+        2,
+        1,
+        2,
+    ),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy, batch_size, warmup, iterations", POLICIES.values(), ids=POLICIES.keys())
 def test_the_policy_bounds_the_steps_and_rois_follow_the_batch(policy, batch_size, warmup, iterations):
-    result = run_trial(TINY_CONFIG, Knobs(head="linear", batch_size=batch_size), SAMPLES, device=CPU, policy=policy)
+    result = run_trial(
+        TINY_CONFIG, Knobs(head="linear", batch_size=batch_size), SAMPLES, device=CPU, policy=policy
+    )
     assert (result.warmup_iterations, result.iterations) == (warmup, iterations)
     assert all(len(result.samples[p]) == iterations for p in PHASES)
     assert not result.precision_met and result.precision > policy.rel_precision
@@ -112,7 +127,9 @@ def test_the_policy_bounds_the_steps_and_rois_follow_the_batch(policy, batch_siz
 
 @pytest.mark.slow
 def test_without_the_probe_head_times_are_nan_and_the_rest_is_timed():
-    result = run_trial(TINY_CONFIG, Knobs(head="conv", batch_size=1), SAMPLES, device=CPU, policy=QUICK, probe=False)
+    result = run_trial(
+        TINY_CONFIG, Knobs(head="conv", batch_size=1), SAMPLES, device=CPU, policy=QUICK, probe=False
+    )
     for phase in ("head_forward", "head_backward"):
         assert all(math.isnan(ms) for ms in result.samples[phase]) and math.isnan(result.row()[f"{phase}_ms"])
     for i, step in enumerate(result.samples["step"]):
@@ -127,14 +144,24 @@ def test_channels_last_and_onednn_off_hold_for_every_step(monkeypatch):
     def build_watched(config, head):
         model = build_detector(config, head)
         convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
-        model.roi_heads.box_head.register_forward_hook(lambda *_: seen.append(
-            (torch.backends.mkldnn.enabled, all(c.weight.is_contiguous(memory_format=torch.channels_last)
-                                                for c in convs))))
+        model.roi_heads.box_head.register_forward_hook(
+            lambda *_: seen.append(
+                (
+                    torch.backends.mkldnn.enabled,
+                    all(c.weight.is_contiguous(memory_format=torch.channels_last) for c in convs),
+                )
+            )
+        )
         return model
 
     monkeypatch.setattr(bench, "build_detector", build_watched)
-    result = run_trial(TINY_CONFIG, Knobs(head="conv", channels_last=True, batch_size=1, onednn=False), SAMPLES,
-                       device=CPU, policy=QUICK)
+    result = run_trial(
+        TINY_CONFIG,
+        Knobs(head="conv", channels_last=True, batch_size=1, onednn=False),
+        SAMPLES,
+        device=CPU,
+        policy=QUICK,
+    )
     assert seen == [(False, True)] * (result.warmup_iterations + result.iterations)  # warm-up and timed steps
     assert torch.backends.mkldnn.enabled  # oneDNN restored after the trial
 
@@ -150,10 +177,13 @@ def test_isolated_head_is_timed_under_the_knobs(monkeypatch, head):
 
     bench_autocast = bench.autocast
     monkeypatch.setattr(bench, "autocast", watched_autocast)
-    forward, backward = isolated_head_ms(TINY_CONFIG, Knobs(head=head, onednn=False), rois=16, device=CPU,
-                                         min_run_time=0.05)
+    forward, backward = isolated_head_ms(
+        TINY_CONFIG, Knobs(head=head, onednn=False), rois=16, device=CPU, min_run_time=0.05
+    )
     assert seen == {False} and torch.backends.mkldnn.enabled
-    assert forward > 0 and math.isfinite(backward)  # a difference of two noisy medians: its sign is not checked
+    assert forward > 0 and math.isfinite(
+        backward
+    )  # a difference of two noisy medians: its sign is not checked
 
 
 def test_settings_that_do_not_apply_are_refused_before_any_work(monkeypatch):
@@ -183,9 +213,33 @@ def test_unknown_backbone():
 
 @pytest.mark.slow
 def test_cli_prints_a_table(capsys):
-    assert main(["--head", "linear", "--backbone", "mobilenet_v3_fpn", "--image-size", "64",
-                 "--rois-per-image", "8", "--representation-size", "32", "--num-images", "2",
-                 "--warmup", "0", "--iterations", "1", "--max-iterations", "1", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "--head",
+                "linear",
+                "--backbone",
+                "mobilenet_v3_fpn",
+                "--image-size",
+                "64",
+                "--rois-per-image",
+                "8",
+                "--representation-size",
+                "32",
+                "--num-images",
+                "2",
+                "--warmup",
+                "0",
+                "--iterations",
+                "1",
+                "--max-iterations",
+                "1",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "head_backward" in out and "peak memory" in out
 
@@ -197,19 +251,50 @@ def test_cli_error_is_one_line(capsys):
 
 def test_cli_refuses_tf32_on_a_cpu(capsys):
     assert main(["--tf32", "--device", "cpu", "--num-images", "2", "--image-size", "64"]) == 2
-    assert capsys.readouterr().err == "error: --tf32: True does not apply on cpu: TF32 is not used on CPU (pinned, " \
-                                      "reported as n/a)\n"
+    assert (
+        capsys.readouterr().err
+        == "error: --tf32: True does not apply on cpu: TF32 is not used on CPU (pinned, "
+        "reported as n/a)\n"
+    )
 
 
 def test_cli_reports_what_compiling_cost(capsys, slow_compiler):
-    assert main(["--compile", "head", "--device", "cpu", "--num-images", "2", "--image-size", "64",
-                 "--backbone", "mobilenet_v3_fpn", "--rois-per-image", "8", "--representation-size", "32",
-                 "--warmup", "1", "--iterations", "2", "--max-iterations", "2"]) == 0
-    assert re.search(r"compile=head: \d+\.\d s in 1 compiling step\(s\), kept out of the medians; 2 graph\(s\), "
-                     r"0 graph break\(s\)", capsys.readouterr().out)
+    assert (
+        main(
+            [
+                "--compile",
+                "head",
+                "--device",
+                "cpu",
+                "--num-images",
+                "2",
+                "--image-size",
+                "64",
+                "--backbone",
+                "mobilenet_v3_fpn",
+                "--rois-per-image",
+                "8",
+                "--representation-size",
+                "32",
+                "--warmup",
+                "1",
+                "--iterations",
+                "2",
+                "--max-iterations",
+                "2",
+            ]
+        )
+        == 0
+    )
+    assert re.search(
+        r"compile=head: \d+\.\d s in 1 compiling step\(s\), kept out of the medians; 2 graph\(s\), "
+        r"0 graph break\(s\)",
+        capsys.readouterr().out,
+    )
 
 
-BAD_OPTIONS = [  # every numeric and choice option refuses a bad value with one line naming it and what is allowed
+# every numeric and choice option refuses a bad value with one line naming it and what is allowed
+BAD_OPTIONS = [
     (["--batch-size", "0"], "--batch-size: 0 is too small; allowed: >= 1"),
     (["--image-size", "100"], "--image-size: 100 is not allowed; allowed: a multiple of 32"),
     (["--image-size", "32"], "--image-size: 32 is too small; allowed: >= 64"),
@@ -218,17 +303,25 @@ BAD_OPTIONS = [  # every numeric and choice option refuses a bad value with one 
     (["--warmup", "-1"], "--warmup: -1 is too small; allowed: >= 0"),
     (["--iterations", "0"], "--iterations: 0 is too small; allowed: >= 1"),
     (["--max-iterations", "0"], "--max-iterations: 0 is too small; allowed: >= 1"),
-    (["--iterations", "10", "--max-iterations", "5"], "--max-iterations: 5 is below --iterations; allowed: >= 10"),
+    (
+        ["--iterations", "10", "--max-iterations", "5"],
+        "--max-iterations: 5 is below --iterations; allowed: >= 10",
+    ),
     (["--max-seconds", "0"], "--max-seconds: 0.0 is too small; allowed: >= 0.001"),
     (["--rel-precision", "0"], "--rel-precision: 0.0 is too small; allowed: >= 0.0001"),
     (["--num-images", "0"], "--num-images: 0 is too small; allowed: >= 1"),
     (["--batch-size", "two"], "--batch-size: expected int, got 'two'"),
     (["--device", "tpu"], "--device: 'tpu' is not allowed; allowed: auto, cpu, cuda"),
-    (["--head", "mlp"], "--head: 'mlp' is not allowed; allowed: linear, conv, conv_as_linear, or package.module:factory"),
+    (
+        ["--head", "mlp"],
+        "--head: 'mlp' is not allowed; allowed: linear, conv, conv_as_linear, or package.module:factory",
+    ),
     (["--amp", "fp8"], "--amp: 'fp8' is not allowed; allowed: off, fp16, bf16"),
     (["--compile", "all"], "--compile: 'all' is not allowed; allowed: off, head, model"),
-    (["--backbone", "vgg16"],
-     "--backbone: 'vgg16' is not allowed; allowed: resnet50_fpn, resnet18_fpn, mobilenet_v3_fpn"),
+    (
+        ["--backbone", "vgg16"],
+        "--backbone: 'vgg16' is not allowed; allowed: resnet50_fpn, resnet18_fpn, mobilenet_v3_fpn",
+    ),
 ]
 
 
@@ -242,8 +335,13 @@ def test_cli_refuses_a_bad_option_with_one_line(capsys, argv, message):
 
 @pytest.mark.slow
 def test_cli_bad_option_as_a_user_runs_it():
-    result = subprocess.run([sys.executable, "-m", "rcnn.bench", "--batch-size", "0"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "rcnn.bench", "--batch-size", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert result.stderr == "error: --batch-size: 0 is too small; allowed: >= 1\n" and result.stdout == ""
 
@@ -267,10 +365,14 @@ def test_compile_steps_are_timed_apart_and_kept_out_of_the_medians(slow_compiler
     # The first step compiles the box head's and the predictor's forwards: a graph each, a second each.
     assert (compiled.compile_steps, compiled.compiled_graphs, compiled.graph_breaks) == (1, 2, 0)
     assert compiled.compile_ms >= 2000 and result.wall_s["compile"] >= 2.0
-    assert result.warmup_iterations == 1 and result.iterations == 2  # QUICK's bounds: compiling is not warm-up
+    assert (
+        result.warmup_iterations == 1 and result.iterations == 2
+    )  # QUICK's bounds: compiling is not warm-up
     assert max(result.samples["step"]) < 1000 and result.median("head_backward") > 0
     row = result.row()
-    assert row["compile_ms"] == compiled.compile_ms and row["graph_breaks"] == 0 and row["wall_compile_s"] >= 2.0
+    assert (
+        row["compile_ms"] == compiled.compile_ms and row["graph_breaks"] == 0 and row["wall_compile_s"] >= 2.0
+    )
     eager = run_trial(TINY_CONFIG, Knobs(head="conv"), SAMPLES, device=CPU, policy=QUICK)
     assert eager.compiled is None and math.isnan(eager.row()["compile_ms"]) and eager.wall_s["compile"] == 0
 
@@ -295,12 +397,17 @@ def test_dynamo_counters_count_graph_breaks_with_their_reasons():
     torch.compile(broken, backend="eager")(torch.ones(3))
     compiled = counters.compiled(compile_ms=5.0, compile_steps=1)
     assert compiled.graph_breaks >= 1 and compiled.compiled_graphs == 2
-    assert compiled.break_reasons.startswith(f"{compiled.graph_breaks} x ") and compiled.break_reasons.count("\n") >= 1
+    assert (
+        compiled.break_reasons.startswith(f"{compiled.graph_breaks} x ")
+        and compiled.break_reasons.count("\n") >= 1
+    )
 
 
 def test_graph_breaks_at_the_timing_probes_hooks_are_listed_not_counted():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-    ModuleSpanProbe(model[0], model[2], Clock(CPU), label="head", eager_hooks=True)  # hooks dynamo must not trace
+    ModuleSpanProbe(
+        model[0], model[2], Clock(CPU), label="head", eager_hooks=True
+    )  # hooks dynamo must not trace
     counters = bench.DynamoCounters()
     torch._dynamo.reset()
     torch.compile(model, backend="eager")(torch.randn(4, 8, requires_grad=True)).sum().backward()

@@ -36,18 +36,26 @@ def test_median_precision_shrinks_with_samples():
 
 
 def test_policy_warms_up_until_settled_and_stops_on_precision():
-    policy = TimingPolicy(warmup=2, max_warmup=8, settle_window=3, settle_tolerance=0.1,
-                          iterations=6, max_iterations=50, max_seconds=60, rel_precision=0.05)
+    policy = TimingPolicy(
+        warmup=2,
+        max_warmup=8,
+        settle_window=3,
+        settle_tolerance=0.1,
+        iterations=6,
+        max_iterations=50,
+        max_seconds=60,
+        rel_precision=0.05,
+    )
     assert not policy.warmed_up([500.0, 120.0])
-    assert not policy.warmed_up([500.0, 120.0, 100.0])       # still settling
+    assert not policy.warmed_up([500.0, 120.0, 100.0])  # still settling
     assert policy.warmed_up([500.0, 120.0, 100.0, 101.0, 100.5])
     assert policy.warmed_up([500.0, 400.0, 300.0, 200.0, 150.0, 120.0, 110.0, 105.0])  # max_warmup
     steady = list(np.random.default_rng(4).normal(100, 1, 6))
-    assert policy.done([steady], elapsed_s=1.0)              # tight: precision met at the minimum
+    assert policy.done([steady], elapsed_s=1.0)  # tight: precision met at the minimum
     noisy = [100.0, 180.0, 60.0, 150.0, 90.0, 200.0]
     assert not policy.done([noisy], elapsed_s=1.0)
-    assert policy.done([noisy], elapsed_s=61.0)               # time budget
-    assert not policy.done([steady[:5]], elapsed_s=100.0)    # never below the minimum count
+    assert policy.done([noisy], elapsed_s=61.0)  # time budget
+    assert not policy.done([steady[:5]], elapsed_s=100.0)  # never below the minimum count
 
 
 def test_one_bootstrap_for_one_paired_and_many_samples():
@@ -56,15 +64,19 @@ def test_one_bootstrap_for_one_paired_and_many_samples():
     after = before * 0.5 + rng.normal(0.0, 0.5, 30)  # halved, pair by pair
     ratio = lambda a, b, axis=-1: np.median(a / b, axis=axis)
     paired = bootstrap_ci((after, before), ratio, paired=True)
-    assert paired[0] < 0.5 < paired[1] and paired[1] - paired[0] < 0.02  # pairing removes the spread of before
-    assert all(np.isnan(bootstrap_ci(([1.0, 2.0],), np.mean)))      # too few values
+    assert (
+        paired[0] < 0.5 < paired[1] and paired[1] - paired[0] < 0.02
+    )  # pairing removes the spread of before
+    assert all(np.isnan(bootstrap_ci(([1.0, 2.0],), np.mean)))  # too few values
     assert all(np.isnan(bootstrap_ci(([3.0] * 9, [3.0] * 9), ratio)))  # nothing varies
 
 
 def test_geomean_of_ratios_resamples_each_setting():
     rng = np.random.default_rng(6)
-    pairs = [(rng.normal(20.0, 1.0, 30), rng.normal(10.0, 0.5, 30)),
-             (rng.normal(80.0, 4.0, 30), rng.normal(10.0, 0.5, 30))]
+    pairs = [
+        (rng.normal(20.0, 1.0, 30), rng.normal(10.0, 0.5, 30)),
+        (rng.normal(80.0, 4.0, 30), rng.normal(10.0, 0.5, 30)),
+    ]
     ratio, low, high = geomean_ratio(pairs)
     assert ratio == pytest.approx(4.0, rel=0.05) and low < ratio < high and high / low < 1.2
     assert geomean_ratio([([2.0] * 9, [1.0] * 9), ([8.0] * 9, [1.0] * 9)])[0] == pytest.approx(4.0)

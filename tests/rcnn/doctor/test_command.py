@@ -6,9 +6,8 @@ import pandas as pd
 import pytest
 
 from rcnn.doctor import command as doctor
-from rcnn.doctor.columns import OUTSIDE, ROOT
+from rcnn.doctor.columns import MODULE_COLUMNS, OUTSIDE, ROOT, WHY_COLUMNS
 from rcnn.fix import AUTO_MARGIN
-from rcnn.doctor.columns import MODULE_COLUMNS, WHY_COLUMNS
 from tests.conftest import ROOT as REPO
 
 QUICK = ["--batch-size", "2", "--image-size", "64", "--max-seconds", "2", "--device", "cpu"]
@@ -42,7 +41,8 @@ def test_tables_for_a_users_model(project, capsys):
     assert modules.loc["fc6", "forward_gflop"] * 1e9 == pytest.approx(2 * 2 * 16 * 49 * 64)
     assert modules.loc["fc6", "backward_gflop"] * 1e9 == pytest.approx(2 * 2 * 2 * 16 * 49 * 64)
     assert modules.loc["fc6", "peak_fraction"] == pytest.approx(
-        modules.loc["fc6", "backward_tflops"] / env["ceilings"]["matmul_tflops"]["fp32"])
+        modules.loc["fc6", "backward_tflops"] / env["ceilings"]["matmul_tflops"]["fp32"]
+    )
     # Every flagged module has its why: both gradients timed alone, the implementation named.
     assert set(why.index) == set(modules.index[modules["flag"] != ""])
     assert (why.loc["fc6", ["input_grad_ms", "weight_grad_ms", "gemm_ms"]] > 0).all()
@@ -64,26 +64,54 @@ def test_out_is_rewritten_but_never_a_foreign_folder(project, capsys):
     assert doctor.main(["tests.fixtures.models:sleepy", *QUICK, "--out", "out"]) == 0  # its own: rewritten
 
 
-@pytest.mark.parametrize("args, message", [
-    (["torchvision:nope"], "error: MODEL: torchvision:nope is not a torchvision"),
-    (["no_such_package.models:make"], "error: MODEL: cannot import 'no_such_package.models'"),
-    (["tests.fixtures.models:raises"], "error: MODEL: tests.fixtures.models:raises() raised RuntimeError"),
-    (["tests.fixtures.models:flat"], "error: MODEL: tests.fixtures.models:flat failed on its synthetic batch"),
-    (["detector:fc"], "error: MODEL: detector:fc: unknown head; allowed: detector:linear"),
-    (["tests.fixtures.models:sleepy", "--batch-size", "0"], "error: --batch-size: 0 is too small; allowed: >= 1"),
-    (["tests.fixtures.models:sleepy", "--image-size", "8"], "error: --image-size: 8 is too small; allowed: >= 16"),
-    (["detector:conv", "--image-size", "100"],
-     "error: --image-size: 100 is not allowed; allowed: a multiple of 32 (the detector's FPN)"),
-    (["detector:conv", "--backbone", "vgg"], "error: --backbone: 'vgg' is not allowed; allowed: resnet50_fpn"),
-    (["tests.fixtures.models:sleepy", "--amp", "fp8"], "error: --amp: 'fp8' is not allowed; allowed: off, fp16, bf16"),
-    (["tests.fixtures.models:sleepy", "--amp", "fp16", "--device", "cpu"],
-     "error: --amp: fp16 does not apply on cpu"),
-    (["tests.fixtures.models:sleepy", "--top", "0"], "error: --top: 0 is too small; allowed: >= 1"),
-    (["tests.fixtures.models:sleepy", "--out", "/"], "error: --out: / resolves outside the project"),
-    ([":sleepy"], "error: MODEL: ':sleepy' is not a model spec"),
-    (["broken_module:make"], "error: MODEL: cannot import 'broken_module' (SyntaxError: "),
-    (["tests.fixtures.models:sleepy", "--mlflow"], "error: MLFLOW_TRACKING_URI: /elsewhere/mlflow.db resolves outside"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["torchvision:nope"], "error: MODEL: torchvision:nope is not a torchvision"),
+        (["no_such_package.models:make"], "error: MODEL: cannot import 'no_such_package.models'"),
+        (
+            ["tests.fixtures.models:raises"],
+            "error: MODEL: tests.fixtures.models:raises() raised RuntimeError",
+        ),
+        (
+            ["tests.fixtures.models:flat"],
+            "error: MODEL: tests.fixtures.models:flat failed on its synthetic batch",
+        ),
+        (["detector:fc"], "error: MODEL: detector:fc: unknown head; allowed: detector:linear"),
+        (
+            ["tests.fixtures.models:sleepy", "--batch-size", "0"],
+            "error: --batch-size: 0 is too small; allowed: >= 1",
+        ),
+        (
+            ["tests.fixtures.models:sleepy", "--image-size", "8"],
+            "error: --image-size: 8 is too small; allowed: >= 16",
+        ),
+        (
+            ["detector:conv", "--image-size", "100"],
+            "error: --image-size: 100 is not allowed; allowed: a multiple of 32 (the detector's FPN)",
+        ),
+        (
+            ["detector:conv", "--backbone", "vgg"],
+            "error: --backbone: 'vgg' is not allowed; allowed: resnet50_fpn",
+        ),
+        (
+            ["tests.fixtures.models:sleepy", "--amp", "fp8"],
+            "error: --amp: 'fp8' is not allowed; allowed: off, fp16, bf16",
+        ),
+        (
+            ["tests.fixtures.models:sleepy", "--amp", "fp16", "--device", "cpu"],
+            "error: --amp: fp16 does not apply on cpu",
+        ),
+        (["tests.fixtures.models:sleepy", "--top", "0"], "error: --top: 0 is too small; allowed: >= 1"),
+        (["tests.fixtures.models:sleepy", "--out", "/"], "error: --out: / resolves outside the project"),
+        ([":sleepy"], "error: MODEL: ':sleepy' is not a model spec"),
+        (["broken_module:make"], "error: MODEL: cannot import 'broken_module' (SyntaxError: "),
+        (
+            ["tests.fixtures.models:sleepy", "--mlflow"],
+            "error: MLFLOW_TRACKING_URI: /elsewhere/mlflow.db resolves outside",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(project, capsys, monkeypatch, args, message):
     (project / "broken_module.py").write_text("def make(:\n")
     monkeypatch.syspath_prepend(str(project))
@@ -99,8 +127,8 @@ def test_slow_for_its_flops_needs_both_a_low_speed_and_a_share_of_the_flops():
     import torch
 
     from rcnn.doctor.diagnosis import diagnose
-    from rcnn.measure.stats import TimingPolicy
     from rcnn.doctor.workloads import build_workload
+    from rcnn.measure.stats import TimingPolicy
 
     cpu = torch.device("cpu")
     workload = build_workload("tests.fixtures.models:box_head_like", batch_size=2, image_size=64, device=cpu)
@@ -116,31 +144,81 @@ def test_slow_for_its_flops_needs_both_a_low_speed_and_a_share_of_the_flops():
 
 @pytest.mark.slow
 def test_the_command_as_a_user_runs_it(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "rcnn.doctor", "tests.fixtures.models:box_head_like", *QUICK,
-                           "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rcnn.doctor",
+            "tests.fixtures.models:box_head_like",
+            *QUICK,
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2 and "resolves outside the project" in done.stderr  # tmp_path is not in it
-    done = subprocess.run([sys.executable, "-m", "rcnn.doctor", "detector:conv", "--image-size", "128",
-                           "--max-seconds", "3", "--device", "cpu", "--top", "5"], cwd=REPO, capture_output=True,
-                          text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rcnn.doctor",
+            "detector:conv",
+            "--image-size",
+            "128",
+            "--max-seconds",
+            "3",
+            "--device",
+            "cpu",
+            "--top",
+            "5",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     assert "- roi_heads.box_head.0 [gemm-in-disguise:covers-input" in done.stdout
 
 
 @pytest.mark.slow
 def test_the_conv_heads_7x7_conv_is_its_slowest_module_and_flagged(project):
-    assert doctor.main(["detector:conv", "--image-size", "128", "--max-seconds", "5", "--device", "cpu",
-                        "--out", "conv"]) == 0
+    assert (
+        doctor.main(
+            ["detector:conv", "--image-size", "128", "--max-seconds", "5", "--device", "cpu", "--out", "conv"]
+        )
+        == 0
+    )
     modules = pd.read_csv(project / "conv" / "modules.csv", keep_default_na=False).set_index("module")
     box_head = modules.filter(regex=r"^roi_heads\.box_(head|predictor)\.", axis=0)
     assert box_head["backward_ms"].idxmax() == "roi_heads.box_head.0"
     assert modules.loc["roi_heads.box_head.0", "flag"].startswith("gemm-in-disguise:covers-input")
-    assert modules.loc["roi_heads.box_head.0", "calls"] == 1 and modules.loc["rpn.head.conv.0.0", "calls"] == 5  # every FPN level
+    assert (
+        modules.loc["roi_heads.box_head.0", "calls"] == 1 and modules.loc["rpn.head.conv.0.0", "calls"] == 5
+    )  # every FPN level
 
 
 @pytest.mark.gpu
 def test_on_a_gpu_the_kernels_are_named(project):
-    assert doctor.main(["tests.fixtures.models:box_head_like", "--batch-size", "8", "--image-size", "64",
-                        "--max-seconds", "2", "--device", "cuda", "--out", "out"]) == 0
+    assert (
+        doctor.main(
+            [
+                "tests.fixtures.models:box_head_like",
+                "--batch-size",
+                "8",
+                "--image-size",
+                "64",
+                "--max-seconds",
+                "2",
+                "--device",
+                "cuda",
+                "--out",
+                "out",
+            ]
+        )
+        == 0
+    )
     why = pd.read_csv(project / "out" / "why.csv").set_index("module")
     assert why.loc["fc6", "input_grad_ms"] > 0 and len(why.loc["fc6", "weight_grad_impl"]) > 0
 
@@ -165,10 +243,15 @@ def test_fix_measures_the_model_before_and_after(project, capsys):
     fixed = json.loads((project / "out" / "env.json").read_text())["fix"]
     assert list(swaps.index) == ["fc6", "fc7"] and set(swaps["kind"]) == {"covers-input"}
     assert (swaps[["conv_ms", "gemm_ms"]] > 0).all().all()
-    for name, swap in swaps.iterrows():  # mode auto: swapped where the GEMM was faster, and then it runs as one
+    for (
+        name,
+        swap,
+    ) in swaps.iterrows():  # mode auto: swapped where the GEMM was faster, and then it runs as one
         assert swap["swapped"] == (swap["gemm_ms"] < AUTO_MARGIN * swap["conv_ms"])
         assert (after.loc[name, "type"] == "Conv2dAsLinear") == swap["swapped"]
-    assert fixed["eligible"] == 2 and fixed["swapped"] == swaps["swapped"].sum() and fixed["paired_steps"] >= 2
+    assert (
+        fixed["eligible"] == 2 and fixed["swapped"] == swaps["swapped"].sum() and fixed["paired_steps"] >= 2
+    )
     for phase in ("forward", "backward", "forward_backward"):
         p = fixed[phase]
         assert p["ratio"] == pytest.approx(p["after_ms"] / p["before_ms"])
