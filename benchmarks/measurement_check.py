@@ -94,8 +94,7 @@ def system_metrics_blocks(
     """Step times (ms) of one detector in alternating blocks of about ``block_s`` seconds (and at least two
     sampling intervals), each block a nested MLflow run of a scratch store: with MLflow's system metrics
     sampled every ``interval`` s on it and on its parent run (as a sweep samples its parent and each trial),
-    and
-    without. ``rounds`` blocks of each."""
+    and without. ``rounds`` blocks of each."""
     import mlflow
 
     with tempfile.TemporaryDirectory() as store, backend_flags(knobs):

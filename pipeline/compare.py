@@ -49,8 +49,7 @@ def machine_name(env: dict, folder: Path) -> str:
 
 def per_head(trials: pd.DataFrame) -> pd.DataFrame:
     """Median over the complete trials of each head, among the headline's settings (results.headline_scope),
-    of
-    the timed phases, in ms."""
+    of the timed phases, in ms."""
     done = complete(trials)
     medians = done[headline_scope(done)].groupby("head")[PHASE_COLUMNS].median()
     return medians.reindex(head_order(medians.index))

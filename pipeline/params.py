@@ -29,8 +29,7 @@ from rcnn.rules import Rule, UserError, ValueNotAllowed, at_least
 class YamlLoader(yaml.SafeLoader):
     """YAML 1.2's booleans and floats, as DVC reads and rewrites params.yaml (``dvc exp run -S``). In YAML
     1.1, PyYAML's default, ``off``, ``on``, ``yes`` and ``no`` are booleans too, so ``amp: off`` as DVC writes
-    it
-    back would read False; and ``1e-3`` (no dot) would be a string."""
+    it back would read False; and ``1e-3`` (no dot) would be a string."""
 
 
 _BOOL, _FLOAT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:float"
@@ -58,8 +57,7 @@ class ParamsError(UserError, ValueError):
 @contextlib.contextmanager
 def keyed(prefix: str) -> Iterator[None]:
     """Report the library's ValueNotAllowed (keyed as the library knows it: ``amp``) as a ParamsError naming
-    the
-    params.yaml key (``prefix`` + that key: ``sweep.space.amp``)."""
+    the params.yaml key (``prefix`` + that key: ``sweep.space.amp``)."""
     try:
         yield
     except ValueNotAllowed as err:
@@ -163,8 +161,7 @@ class SweepParams:
 class TimingParams:
     """Warm-up and stopping (rcnn.measure.stats.TimingPolicy, whose defaults these are): at least ``warmup``
     untimed steps, more until step times settle; at least ``iterations`` timed steps, more until the backward
-    medians'
-    95% CI half-width is ``rel_precision`` of the median, ``max_iterations`` or ``max_seconds``."""
+    medians' 95% CI half-width is ``rel_precision`` of the median, ``max_iterations`` or ``max_seconds``."""
 
     warmup: int = _field(TimingPolicy.warmup, stats.WARMUP)
     max_warmup: int = _field(TimingPolicy.max_warmup, stats.MAX_WARMUP)

@@ -376,8 +376,7 @@ BY_VALUE_QUESTIONS = {
 def by_value_lines(comparisons: pd.DataFrame, done: pd.DataFrame) -> list[str]:
     """One line per BY_VALUE knob swept with two values or more: the conv/linear box-head backward gap at each
     value (geometric mean over the paired settings among the headline's, 95% CI), and whether a value other
-    than
-    the default closes it. ``done``: the complete trials, to say which settings were pooled."""
+    than the default closes it. ``done``: the complete trials, to say which settings were pooled."""
     lines = []
     for knob, question in BY_VALUE_QUESTIONS.items():
         rows = pooled_rows(comparisons, knob)
@@ -521,8 +520,7 @@ def module_section(modules: pd.DataFrame, top: int = 5) -> list[str]:
 
 def compile_section(trials: pd.DataFrame) -> list[str]:
     """Knob compile side by side with eager: per setting and head, box-head backward with its CI and step time
-    at
-    each compile value, and what compiling cost (kept out of the medians)."""
+    at each compile value, and what compiling cost (kept out of the medians)."""
     done = complete(trials)
     values = list(dict.fromkeys(done["compile"].astype(str)))
     if values == ["off"]:

@@ -242,8 +242,7 @@ def ms_per_image(trials: pd.DataFrame) -> pd.Series:
 
 def fastest(trials: pd.DataFrame) -> dict | None:
     """The complete trial with the least time per image (ties: the first in the table): its knobs, ms per
-    image
-    and ms per step; None when no trial completed."""
+    image and ms per step; None when no trial completed."""
     done = complete(trials).dropna(subset=["step_ms"])
     if done.empty:
         return None

@@ -92,8 +92,7 @@ interrupts = Interrupts()  # one per process, as its SIGINT handler is
 @contextlib.contextmanager
 def sigint_blocked() -> Iterator[None]:
     """Hold SIGINT back in this thread and in the processes it starts meanwhile (they inherit the signal
-    mask):
-    it stays pending until unblocked, then arrives."""
+    mask): it stays pending until unblocked, then arrives."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield

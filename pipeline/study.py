@@ -208,8 +208,7 @@ class WorkQueue:
 
     def heartbeat(self, trial: optuna.Trial) -> contextlib.AbstractContextManager:
         """While inside, a thread records ``trial``'s heartbeat, as ``study.optimize`` does for its own
-        trials;
-        a no-op without heartbeats."""
+        trials; a no-op without heartbeats."""
         from optuna.storages._heartbeat import get_heartbeat_thread  # private: kept inside this class
 
         return get_heartbeat_thread(trial._trial_id, self._storage)
@@ -261,8 +260,7 @@ class WorkQueue:
 
     def fail_interrupted(self, trial: optuna.Trial) -> None:
         """Ctrl-C stopped ``trial``: fail it as interrupted and queue its point again now, so a rerun measures
-        it
-        whatever the storage (recover_interrupted, at the next start, covers a journal only)."""
+        it whatever the storage (recover_interrupted, at the next start, covers a journal only)."""
         trial.set_user_attr("error", CTRL_C)
         self.requeue(self.fail(trial))
 

@@ -140,8 +140,7 @@ LIBRARY = Path(__file__).parents[1] / "rcnn"  # the study name hashes every modu
 
 def study_name(params: Params, grid: dict, fingerprint: dict, data_dir: Path) -> str:
     """Experiment name plus a hash of the model, timing, grid, environment, data and library code, and the
-    code
-    of users' heads (the module defining each factory): a change to any re-measures."""
+    code of users' heads (the module defining each factory): a change to any re-measures."""
     code = "".join(f"{p.relative_to(LIBRARY)}\n{p.read_text()}" for p in sorted(LIBRARY.rglob("*.py")))
     with keyed("sweep.space."):
         code += "".join(source_of(head, "head") for head in grid["head"] if head not in HEAD_NAMES)
@@ -444,8 +443,7 @@ class Sweep:
 @contextlib.contextmanager
 def killed_on_interrupt() -> Iterator[None]:
     """On Ctrl-C inside, end the active MLflow run KILLED: the enclosing ``with mlflow.start_run`` would mark
-    it
-    FAILED, as for an error. Enter it inside that ``with``, so it sees the exception first."""
+    it FAILED, as for an error. Enter it inside that ``with``, so it sees the exception first."""
     try:
         yield
     except KeyboardInterrupt:

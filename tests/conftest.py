@@ -54,8 +54,7 @@ def merged(base: dict, override: dict) -> dict:
 
 def copy_project(dest: Path) -> Path:
     """The project's files as a new user's clone holds them (tracked or new, not ignored; no .git) in
-    ``dest``,
-    with the tiny params merged into its params.yaml."""
+    ``dest``, with the tiny params merged into its params.yaml."""
     listed = (
         subprocess.run(
             ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],

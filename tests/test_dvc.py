@@ -76,8 +76,7 @@ def test_the_closure_follows_every_import_form(tmp_path, monkeypatch):
 
 def scratch_project(folder: Path) -> Path:
     """A copy of the project's files (tracked or new, not ignored) as a new git repository with one commit,
-    the
-    tiny params and the .venv linked in."""
+    the tiny params and the .venv linked in."""
     copy_project(folder)
     (folder / ".venv").symlink_to(ROOT / ".venv")
     for argv in (

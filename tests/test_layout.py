@@ -1,6 +1,5 @@
 """The library's rooms import one way: detector -> doctor -> fix -> measure -> the shared plumbing, never
-back,
-and none of them imports the pipeline or its tools."""
+back, and none of them imports the pipeline or its tools."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The README's commands name modules, flags, make targets, stages, params keys and scripts that exist: each
-runs
-in a dry form (``--help``, ``make -n``), so a rename that leaves the README behind fails here."""
+runs in a dry form (``--help``, ``make -n``), so a rename that leaves the README behind fails here."""
 
 from __future__ import annotations
 

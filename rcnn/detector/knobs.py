@@ -96,8 +96,7 @@ def compile_modules(model: nn.Module, target: str) -> list[nn.Module]:
     the head's probe times it as it times the eager head.
 
     Resets dynamo first: its cache, keyed by code, would otherwise count an earlier trial's modules towards
-    its
-    recompile limit and fall back to eager. Compiling happens on the first calls."""
+    its recompile limit and fall back to eager. Compiling happens on the first calls."""
     if target == "off":
         return []
     modules = [model.roi_heads.box_head, model.roi_heads.box_predictor] if target == "head" else [model]

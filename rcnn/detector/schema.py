@@ -103,8 +103,7 @@ MEASURED_COLUMNS = (
 
 def _tf32_before_the_knob(table):
     """tf32 before it was a knob: sweep.allow_tf32, false by default, on CUDA; not used on a CPU (and unknown
-    in
-    the tables without a device column: n/a)."""
+    in the tables without a device column: n/a)."""
     return table["device"].map({"cuda": False}).fillna("n/a") if "device" in table else "n/a"
 
 

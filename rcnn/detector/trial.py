@@ -141,8 +141,7 @@ class DynamoCounters:
     def compiled(self, compile_ms: float, compile_steps: int) -> Compiled:
         """What compiling cost since this was made, the steps that compiled given. The breaks at the timing
         probe's hooks (kept eager under compile: model; dynamo's reason names the hook) are listed, not
-        counted:
-        they are the measurement's, not the model's."""
+        counted: they are the measurement's, not the model's."""
         breaks = {reason: n - self.start_breaks.get(reason, 0) for reason, n in self.breaks().items()}
         breaks = {reason: n for reason, n in sorted(breaks.items(), key=lambda item: -item[1]) if n}
         probes = {reason for reason in breaks if ModuleSpanProbe.__name__ in reason}

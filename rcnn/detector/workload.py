@@ -19,8 +19,7 @@ def detector_workload(
     head: str, *, batch_size: int, image_size: int, device: torch.device, backbone: str | None = None
 ) -> tuple[nn.Module, Any, Loss]:
     """This project's Faster R-CNN with box head ``head`` (a built-in name or package.module:factory), a batch
-    of
-    synthetic scenes and the detection loss; ``backbone`` None is DetectorConfig's."""
+    of synthetic scenes and the detection loss; ``backbone`` None is DetectorConfig's."""
     if HEAD.problem(head):
         raise ModelError(
             f"detector:{head}: unknown head; allowed: "

@@ -239,8 +239,7 @@ def fix(
     """Linearize ``workload``'s model in place (rcnn.fix, mode auto, at the batch, dtype and layout it trains
     with) and measure it by module again; then step a copy of the original and the fixed model in turn, a
     fresh order each round, until ``policy`` says stop (load and drift hit both alike), and set each phase's
-    times
-    after against before."""
+    times after against before."""
     original = copy.deepcopy(workload.model)
 
     def forward() -> None:

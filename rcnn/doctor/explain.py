@@ -1,7 +1,6 @@
 """Why a flagged module's backward is slow: run alone at the shape, dtype and layout it saw, split into the
 input gradient and the weight gradient, with the backend implementation that ran each (oneDNN's primitives on
-CPU,
-the kernels on CUDA) and the time the same FLOPs take at the matmul peak."""
+CPU, the kernels on CUDA) and the time the same FLOPs take at the matmul peak."""
 
 from __future__ import annotations
 

@@ -51,8 +51,7 @@ class Clock:
 
 def median_ms(timed: Callable[[], float], *, repeats: int = 5, burn_in: int = 2) -> float:
     """The median of ``repeats`` calls of ``timed`` (each returning its ms) after ``burn_in`` untimed ones,
-    which
-    let kernel choice and primitive caches settle."""
+    which let kernel choice and primitive caches settle."""
     for _ in range(burn_in):
         timed()
     return sorted(timed() for _ in range(repeats))[repeats // 2]

@@ -108,8 +108,7 @@ def tf32(enabled: bool) -> Iterator[None]:
 
 def compile_forward(*modules: nn.Module) -> None:
     """torch.compile each module's forward, on the instance: ``nn.Module.__call__`` still runs its hooks
-    eagerly
-    around the compiled code."""
+    eagerly around the compiled code."""
     torch._dynamo.reset()
     for module in modules:
         module.forward = torch.compile(module.forward, mode=COMPILE_MODE)

@@ -23,8 +23,7 @@ class Seen:
 
     def autocasts(self, module: nn.Module) -> bool:
         """Whether running ``module`` alike needs autocast: it computed in fp16 or bf16 with other weights
-        (its
-        input may be fp16 or bf16 already, from the module before it)."""
+        (its input may be fp16 or bf16 already, from the module before it)."""
         half = (torch.float16, torch.bfloat16)
         return self.output_dtype in half and any(p.dtype != self.output_dtype for p in module.parameters())
 

@@ -1,6 +1,5 @@
 """The machine a measurement ran on: its stable facts (a fingerprint) and its measured ceilings (matmul and
-copy
-peaks), and where a timing sits against them."""
+copy peaks), and where a timing sits against them."""
 
 from __future__ import annotations
 
@@ -78,8 +77,7 @@ def matmul_size(device: torch.device) -> int:
 
 def ceilings(device: torch.device) -> dict:
     """Measured peaks: matmul TFLOP/s for each dtype the sweep can use on ``device`` (fp32 without TF32; on
-    CUDA
-    also ``tf32``, fp32 with it: knob tf32), copy GB/s."""
+    CUDA also ``tf32``, fp32 with it: knob tf32), copy GB/s."""
     cuda = device.type == "cuda"
     peak = lambda dtype: round(measure_matmul_tflops(device, dtype, n=matmul_size(device)), 3)  # noqa: E731
     with tf32(False):

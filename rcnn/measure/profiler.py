@@ -1,6 +1,5 @@
 """What runs inside a named range (a module chain's backward, say): a torch.profiler capture reduced to a
-table
-of the top operators and device kernels."""
+table of the top operators and device kernels."""
 
 from __future__ import annotations
 

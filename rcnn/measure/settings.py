@@ -21,6 +21,5 @@ AMP = Rule(choices=AMP_DTYPES)
 
 def peak_dtype(amp: str, tf32: object) -> str:
     """The dtype whose measured matmul peak (rcnn.measure.machine.ceilings) a setting's FLOP/s compare
-    against:
-    fp32 with TF32 on is ``tf32``. ``tf32`` as a table holds it too ('True', 'n/a')."""
+    against: fp32 with TF32 on is ``tf32``. ``tf32`` as a table holds it too ('True', 'n/a')."""
     return "tf32" if str(tf32) == "True" and amp == "off" else AMP_DTYPES[amp]

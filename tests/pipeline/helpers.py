@@ -52,8 +52,7 @@ def kill_mid_trial(
     """SIGKILL ``proc`` (or call ``send(pid)`` instead) in the middle of a trial, once ``trials()`` (its
     trials) holds a completed one and a running one whose MLflow run has started; waits for ``proc`` to end
     and returns the trials as last seen. A process that ends first fails the test with its output (``log``:
-    the
-    file it writes its output to)."""
+    the file it writes its output to)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -230,8 +230,7 @@ def test_a_setting_that_fails_to_compile_is_a_failed_trial_and_the_sweep_goes_on
 def test_a_machine_racing_another_on_the_experiment_tries_again(tmp_path, monkeypatch):
     """Machines starting together insert the same experiment rows; the loser's write fails once (a duplicate
     key on PostgreSQL) and its next attempt finds them. A write that keeps failing stops with one line after
-    three
-    attempts; a refusal at the first."""
+    three attempts; a refusal at the first."""
     tracking = TrackingParams(
         mlflow_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="raced", system_metrics_s=None
     )

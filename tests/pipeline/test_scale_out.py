@@ -1,7 +1,6 @@
 """One study, several workers: processes on one host (journal file), and machines on PostgreSQL with an MLflow
 tracking server, where a worker killed mid-trial has its point re-run through Optuna's heartbeats. Both
-servers
-ask for passwords, which reach the processes through the environment only and are written nowhere."""
+servers ask for passwords, which reach the processes through the environment only and are written nowhere."""
 
 import base64
 import os
