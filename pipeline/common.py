@@ -6,16 +6,14 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pipeline.params import Params, load_params
-from rcnn.cli import Parser
+from rcnn.cli import Parser, run_command
 from rcnn.detector.schema import ResultsError
 from rcnn.outputs import write_atomic
-from rcnn.rules import UserError
 
 
 class Interrupted(KeyboardInterrupt):
@@ -34,24 +32,10 @@ def run_stage(
     parser: argparse.ArgumentParser,
     argv: list[str] | None = None,
 ) -> int:
-    """Parse arguments and params, run the stage and return its exit code (0 unless it returns one). A user
-    error (rcnn.rules.UserError: bad params, data, results files, outputs, unreachable services) exits 2 with
-    one line on stderr, Ctrl-C 130 (as a shell reports SIGINT) with one line; anything else is a bug and
-    propagates with its traceback (exit 1). RCNN_DEBUG=1 shows the traceback of the first two too."""
+    """Parse arguments and params, run the stage and return its exit code (rcnn.cli.run_command): a user error
+    (bad params, data, results files, outputs, unreachable services) exits 2 with one line, Ctrl-C 130."""
     args = parser.parse_args(argv)
-    try:
-        return main(args, load_params(args.params)) or 0
-    except KeyboardInterrupt as err:  # Ctrl-C: one line, not a traceback from wherever it landed
-        if os.environ.get("RCNN_DEBUG"):
-            raise
-        print(str(err) or "interrupted", file=sys.stderr)
-        return 130
-    except UserError as err:
-        if os.environ.get("RCNN_DEBUG"):
-            raise
-        message = str(err).splitlines()[0] if str(err) else type(err).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return 2
+    return run_command(lambda: main(args, load_params(args.params)))
 
 
 def write_json(path: str | Path, obj: Any) -> None:

@@ -21,7 +21,7 @@ from pipeline.analysis import head_order
 from pipeline.common import read_json
 from pipeline.report import ratio_text
 from pipeline.results import complete, fastest, headline_scope, read_env, read_table, scope_text
-from rcnn.cli import Parser
+from rcnn.cli import Parser, run_command
 from rcnn.detector.schema import KNOB_NAMES
 from rcnn.outputs import CSV, PNG, check_folder, check_writable, project_root, text_start, write_atomic
 from rcnn.rules import UserError
@@ -120,19 +120,17 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, default=Path("reports/compare"), help="folder for compare.md, inside the project"
     )
     args = parser.parse_args(argv)
+    return run_command(lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> None:
     if len(args.folders) < 2:
-        print("error: folders: give at least two results folders to compare", file=sys.stderr)
-        return 2
-    try:
-        check_folder(args.out, WRITTEN, root=project_root(Path.cwd()), what="--out")
-        check_writable(args.out / "compare.md")
-        text = compare(args.folders, args.out)
-    except UserError as err:
-        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
-        return 2
+        raise UserError("folders: give at least two results folders to compare")
+    check_folder(args.out, WRITTEN, root=project_root(Path.cwd()), what="--out")
+    check_writable(args.out / "compare.md")
+    text = compare(args.folders, args.out)
     write_atomic(args.out / "compare.md", text)
     print(f"wrote {args.out / 'compare.md'}")
-    return 0
 
 
 if __name__ == "__main__":

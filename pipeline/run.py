@@ -18,8 +18,9 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.params import ParamsError, YamlLoader, load_params
-from rcnn.cli import Parser
+from pipeline.params import YamlLoader, load_params
+from rcnn.cli import Parser, run_command
+from rcnn.rules import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = ".pipeline-run"  # marks a work folder this command made, whose params.yaml it may replace
@@ -49,20 +50,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--python", default=sys.executable, help="interpreter for the stages")
     args = parser.parse_args(argv)
-    try:
-        load_params(args.params)  # fail here, before any stage, on a bad file
-    except ParamsError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return run_command(lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    load_params(args.params)  # fail here, before any stage, on a bad file
     workdir = Path(args.workdir)
     if workdir.exists() and any(workdir.iterdir()) and not (workdir / MARKER).is_file():
-        print(
-            f"error: --workdir: {workdir} is not empty and was not made by pipeline.run (no {MARKER}); "
-            "allowed: "
-            "a new or empty folder, or an earlier run's work folder",
-            file=sys.stderr,
+        raise UserError(
+            f"--workdir: {workdir} is not empty and was not made by pipeline.run (no {MARKER}); allowed: "
+            "a new or empty folder, or an earlier run's work folder"
         )
-        return 2
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / MARKER).write_text(
         "a work folder of python -m pipeline.run: its params.yaml and outputs are replaced\n"

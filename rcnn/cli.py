@@ -1,9 +1,15 @@
-"""The argument parser every command uses (rcnn's tools and the pipeline's stages): one-line errors."""
+"""What every command shares (rcnn's tools, the pipeline's stages, the benchmarks): the argument parser and
+the wrapper that turns a user's mistake into one line and an exit code."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from collections.abc import Callable
 from typing import NoReturn
+
+from rcnn.rules import UserError
 
 
 class Parser(argparse.ArgumentParser):
@@ -15,3 +21,31 @@ class Parser(argparse.ArgumentParser):
         # argparse words an option's error 'argument --x: ...'; ours read '<key>: ...' as params.yaml's do.
         line = message.removeprefix("argument ").splitlines()[0] if message else "bad arguments"
         self.exit(2, f"error: {line}\n")
+
+
+def debugging() -> bool:
+    """RCNN_DEBUG=1 (any value but empty or 0): commands show the traceback of a user error too."""
+    return os.environ.get("RCNN_DEBUG", "") not in ("", "0")
+
+
+def run_command(body: Callable[[], int | None], *, user_errors: tuple[type[BaseException], ...] = ()) -> int:
+    """Run a command's body and return its exit code (0 unless it returns one).
+
+    A UserError (or one of ``user_errors``) prints ``error: <its first line>`` on stderr and returns 2;
+    Ctrl-C prints its one line (what was done, how to resume) and returns 130, as a shell reports SIGINT.
+    Anything else is a bug and propagates with its traceback. With RCNN_DEBUG set, user errors and Ctrl-C
+    propagate too, their causes chained: a user's own code that raised keeps its traceback.
+    """
+    try:
+        return body() or 0
+    except KeyboardInterrupt as err:
+        if debugging():
+            raise
+        print(str(err) or "interrupted", file=sys.stderr)
+        return 130
+    except (UserError, *user_errors) as err:
+        if debugging():
+            raise
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return 2

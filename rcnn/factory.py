@@ -21,7 +21,7 @@ def import_factory(spec: str, key: str) -> Callable[..., Any]:
             key,
             f"cannot import {module_name!r} ({first_line(err)}); allowed: an importable "
             "package.module:factory (on PYTHONPATH, or installed)",
-        ) from None
+        ) from err
     factory = getattr(module, attribute, None)
     if factory is None:
         raise ValueNotAllowed(
@@ -43,7 +43,7 @@ def call_factory(spec: str, key: str, *args: Any, **kwargs: Any) -> Any:
     try:
         return factory(*args, **kwargs)
     except Exception as err:
-        raise ValueNotAllowed(key, f"{spec}() raised {first_line(err)}") from None
+        raise ValueNotAllowed(key, f"{spec}() raised {first_line(err)}") from err
 
 
 def source_of(spec: str, key: str) -> str:

@@ -192,7 +192,7 @@ def _seen_by_module(model: nn.Module, forward: Callable[[], Any]) -> dict[str, S
             f"linearize: the model's forward failed on the example ({type(err).__name__}: "
             f"{str(err).splitlines()[0] if str(err) else ''}); give inputs the model takes, as "
             "linearize(model, images) or linearize(model, images, targets)"
-        ) from None
+        ) from err
     finally:
         for handle in handles:
             handle.remove()

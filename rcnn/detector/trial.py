@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from rcnn.cli import Parser
+from rcnn.cli import Parser, run_command
 from rcnn.detector.data import Sample, device_batches, read_coco, synthetic_samples
 from rcnn.detector.heads import build_box_head
 from rcnn.detector.knobs import (
@@ -530,6 +530,11 @@ def main(argv: list[str] | None = None) -> int:
         at_least(args.max_iterations, args.iterations, "--max-iterations", "--iterations")
     except ValueNotAllowed as err:
         parser.error(str(err))
+    return run_command(lambda: _run(args), user_errors=(FloatingPointError,))  # a diverging model: one line
+
+
+def _run(args: argparse.Namespace) -> None:
+    """One trial as the flags set it, printed."""
     try:
         device = resolve_device(args.device)
         if args.data:
@@ -574,11 +579,7 @@ def main(argv: list[str] | None = None) -> int:
             {"onednn": "--no-onednn"}.get(key, f"--{key.replace('_', '-')}")
             for key in err.key.split(" with ")
         )
-        print(f"error: {flags}: {err.problem}", file=sys.stderr)
-        return 2
-    except (UserError, FloatingPointError) as err:  # anything else is a bug: its traceback shows
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        raise UserError(f"{flags}: {err.problem}") from err
     print(
         f"{knobs} on {device}, {result.rois} RoIs per step, {result.warmup_iterations} warm-up and "
         f"{result.iterations} timed steps, precision {result.precision:.1%} (met: {result.precision_met})"
@@ -593,12 +594,10 @@ def main(argv: list[str] | None = None) -> int:
         c = result.compiled
         print(
             f"compile={knobs.compile}: {c.compile_ms / 1e3:.1f} s in {c.compile_steps} compiling step(s), "
-            "kept out "
-            f"of the medians; {c.compiled_graphs} graph(s), {c.graph_breaks} graph break(s)"
+            f"kept out of the medians; {c.compiled_graphs} graph(s), {c.graph_breaks} graph break(s)"
         )
     if knobs.linearize:
         print(f"linearize swapped: {result.swapped or 'nothing (no GEMM in disguise was faster as a GEMM)'}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from rcnn.cli import Parser
+from rcnn.cli import Parser, run_command
 from rcnn.doctor.columns import OUTSIDE
 from rcnn.doctor.diagnosis import Diagnosis, Fixed, diagnose, fix
 from rcnn.doctor.workloads import build_workload
@@ -35,7 +35,7 @@ from rcnn.measure.machine import fingerprint, matmul_size, measure_matmul_tflops
 from rcnn.measure.settings import AMP, AMP_DTYPES, DEVICE
 from rcnn.measure.stats import MAX_SECONDS, TimingPolicy
 from rcnn.outputs import check_sqlite_url, claim_folder, project_root, write_atomic
-from rcnn.rules import Rule, UserError, ValueNotAllowed, first_line
+from rcnn.rules import Rule, ValueNotAllowed, first_line
 
 FILES = re.compile(
     r"modules(_fixed)?\.csv|why\.csv|fix\.csv|env\.json"
@@ -199,38 +199,35 @@ def tracking_uri() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        if args.out:  # before anything is measured: a folder it may fill
-            claim_folder(args.out, FILES, root=project_root(Path.cwd()), what="--out")
-        device = resolve_device(args.device)
-        if args.mlflow:
-            check_sqlite_url(tracking_uri(), root=project_root(Path.cwd()), what="MLFLOW_TRACKING_URI")
-        if device.type == "cuda":
-            set_tf32(
-                args.allow_tf32
-            )  # cuDNN defaults to TF32 and matmul not: the same for both, and the peak
-        if reason := amp_unavailable(args.amp, device):
-            raise ValueNotAllowed("--amp", f"{args.amp} does not apply on {device.type}: {reason}")
-        zoo_options = {"backbone": args.backbone} if args.backbone else {}
-        workload = build_workload(
-            args.model,
-            batch_size=args.batch_size,
-            image_size=args.image_size,
-            frames=args.frames,
-            device=device,
-            channels_last=args.channels_last,
-            **zoo_options,
-        )
-        dtype = AMP_DTYPES[args.amp]
-        peak = round(measure_matmul_tflops(device, DTYPES[dtype], n=matmul_size(device)), 3)
-        policy = TimingPolicy(max_seconds=args.max_seconds)
-        diagnosis = diagnose(workload, device=device, amp=args.amp, policy=policy, peak_tflops=peak)
-        fixed = (
-            fix(workload, device=device, amp=args.amp, policy=policy, peak_tflops=peak) if args.fix else None
-        )
-    except (UserError, FloatingPointError) as err:
-        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
-        return 2
+    return run_command(lambda: _run(args), user_errors=(FloatingPointError,))  # a diverging model: one line
+
+
+def _run(args: argparse.Namespace) -> None:
+    """Measure, print, then write --out and log to MLflow; every check of the user's input comes first."""
+    if args.out:  # before anything is measured: a folder it may fill
+        claim_folder(args.out, FILES, root=project_root(Path.cwd()), what="--out")
+    device = resolve_device(args.device)
+    if args.mlflow:
+        check_sqlite_url(tracking_uri(), root=project_root(Path.cwd()), what="MLFLOW_TRACKING_URI")
+    if device.type == "cuda":  # cuDNN defaults to TF32 and matmul not: the same for both, and the peak
+        set_tf32(args.allow_tf32)
+    if reason := amp_unavailable(args.amp, device):
+        raise ValueNotAllowed("--amp", f"{args.amp} does not apply on {device.type}: {reason}")
+    zoo_options = {"backbone": args.backbone} if args.backbone else {}
+    workload = build_workload(
+        args.model,
+        batch_size=args.batch_size,
+        image_size=args.image_size,
+        frames=args.frames,
+        device=device,
+        channels_last=args.channels_last,
+        **zoo_options,
+    )
+    dtype = AMP_DTYPES[args.amp]
+    peak = round(measure_matmul_tflops(device, DTYPES[dtype], n=matmul_size(device)), 3)
+    policy = TimingPolicy(max_seconds=args.max_seconds)
+    diagnosis = diagnose(workload, device=device, amp=args.amp, policy=policy, peak_tflops=peak)
+    fixed = fix(workload, device=device, amp=args.amp, policy=policy, peak_tflops=peak) if args.fix else None
     env = {
         "fingerprint": fingerprint(device),
         "ceilings": {"matmul_tflops": {dtype: peak}},
@@ -261,13 +258,8 @@ def main(argv: list[str] | None = None) -> int:
             write_atomic(out / name, table.to_csv(index=False))
         write_atomic(out / "env.json", json.dumps(env, indent=2, sort_keys=True, default=str) + "\n")
         print(f"\nwrote {', '.join(str(out / name) for name in [*tables, 'env.json'])}")
-    if args.mlflow:
-        try:
-            print(f"MLflow run {_log_mlflow(args, diagnosis, env)}")
-        except UserError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-    return 0
+    if args.mlflow:  # after the tables are printed and written: a server that refuses loses none of them
+        print(f"MLflow run {_log_mlflow(args, diagnosis, env)}")
 
 
 if __name__ == "__main__":

@@ -154,7 +154,7 @@ def diagnose(
                 f"{workload.name} failed on its synthetic batch ({first_line(err)}); "
                 "allowed: a model of the kind its spec names, or a factory returning (model, "
                 "make_batch); if it ran out of memory, a smaller --batch-size or --image-size",
-            ) from None
+            ) from err
         warm = [totals["forward_ms"] + totals["backward_ms"]]
         while not policy.warmed_up(warm):
             _, totals = step()

@@ -161,9 +161,7 @@ def _factory(
         try:
             batch, loss = make_batch(batch_size, device)
         except Exception as err:
-            raise ModelError(
-                f"{spec}'s make_batch({batch_size}, {device}) raised {first_line(err)}"
-            ) from None
+            raise ModelError(f"{spec}'s make_batch({batch_size}, {device}) raised {first_line(err)}") from err
         return model, batch, loss
     raise ModelError(
         f"{spec}() returned {type(made).__name__}; allowed: an nn.Module, or (model, make_batch)"

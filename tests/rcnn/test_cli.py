@@ -1,0 +1,73 @@
+"""Every command's wrapper: a user's mistake is one line and exit 2, Ctrl-C one line and 130, a bug a
+traceback; RCNN_DEBUG shows the traceback of the first two, with the user's own code that raised."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rcnn.cli import run_command
+from rcnn.rules import UserError, ValueNotAllowed
+from tests.conftest import ROOT
+
+
+def test_a_user_error_is_one_line_and_exit_2(capsys, monkeypatch):
+    monkeypatch.delenv("RCNN_DEBUG", raising=False)
+
+    def body():
+        raise ValueNotAllowed("--batch-size", "0 is too small; allowed: >= 1\nsecond line")
+
+    assert run_command(body) == 2
+    assert capsys.readouterr().err == "error: --batch-size: 0 is too small; allowed: >= 1\n"
+    assert run_command(lambda: 3) == 3 and run_command(lambda: None) == 0
+
+
+def test_ctrl_c_is_its_line_and_130_and_a_bug_keeps_its_traceback(capsys, monkeypatch):
+    monkeypatch.delenv("RCNN_DEBUG", raising=False)
+
+    def interrupted():
+        raise KeyboardInterrupt("interrupted: 1 of 2 trials complete")
+
+    assert run_command(interrupted) == 130
+    assert capsys.readouterr().err == "interrupted: 1 of 2 trials complete\n"
+    with pytest.raises(ZeroDivisionError):
+        run_command(lambda: 1 / 0)
+    with pytest.raises(FloatingPointError):  # a user error only where the command says so
+        run_command(lambda: (_ for _ in ()).throw(FloatingPointError("nan")))
+    assert (
+        run_command(
+            lambda: (_ for _ in ()).throw(FloatingPointError("nan")), user_errors=(FloatingPointError,)
+        )
+        == 2
+    )
+
+
+@pytest.mark.parametrize("debug", ["1", "yes"])
+def test_rcnn_debug_lets_user_errors_through(monkeypatch, debug):
+    monkeypatch.setenv("RCNN_DEBUG", debug)
+
+    def bad():
+        raise UserError("bad")
+
+    with pytest.raises(UserError):
+        run_command(bad)
+    monkeypatch.setenv("RCNN_DEBUG", "0")
+    assert run_command(bad) == 2
+
+
+def test_a_users_model_that_raised_keeps_its_traceback_under_rcnn_debug():
+    argv = [sys.executable, "-m", "rcnn.doctor", "tests.fixtures.models:raises", "--device", "cpu"]
+    plain = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 2 and plain.stderr.count("\n") == 1, plain.stderr
+    debug = subprocess.run(
+        argv,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RCNN_DEBUG": "1"},
+    )
+    assert debug.returncode == 1
+    assert "tests/fixtures/models.py" in debug.stderr  # the user's own line that raised
+    assert "The above exception was the direct cause" in debug.stderr
