@@ -1,5 +1,7 @@
-"""The README's commands name modules, flags, make targets, stages, params keys and scripts that exist: each
-runs in a dry form (``--help``, ``make -n``), so a rename that leaves the README behind fails here."""
+"""The README's and the manual's (docs/*.md) commands name modules, flags, make targets, stages, params keys
+and scripts that exist: each runs in a dry form (``--help``, ``make -n``), so a rename that leaves a page
+behind fails here. Their links, paths and module names point at what exists; the README stays short and
+links every page of the manual."""
 
 from __future__ import annotations
 
@@ -18,6 +20,10 @@ from pipeline.params import YamlLoader, parse_params
 from tests.conftest import ROOT, merged
 
 README = (ROOT / "README.md").read_text()
+MANUAL = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [ROOT / "README.md", *MANUAL]  # every page whose commands are checked
+TEXTS = {path: path.read_text() for path in PAGES}
+README_WORDS = 1500  # the README stays under this many words (as wc -w counts them)
 BIN = Path(sys.executable).parent  # the .venv's: python, dvc, mlflow
 PYTHONS = {"python", "python3", ".venv/bin/python"}
 PROGRAMS = PYTHONS | {"make", "dvc", ".venv/bin/dvc", "mlflow", ".venv/bin/mlflow"}
@@ -83,7 +89,12 @@ def readme_commands(text: str) -> list[list[str]]:
     return list(unique.values())
 
 
+def page(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
 COMMANDS = readme_commands(README)
+PAGE_COMMANDS = [(path, argv) for path in PAGES for argv in readme_commands(TEXTS[path])]
 
 
 def options(argv: list[str]) -> list[str]:
@@ -203,8 +214,12 @@ def check(argv: list[str]) -> None:
         check_script(argv)
 
 
-@pytest.mark.parametrize("argv", COMMANDS, ids=[shlex.join(argv)[:70] for argv in COMMANDS])
-def test_a_readme_command_names_what_exists(argv):
+@pytest.mark.parametrize(
+    "path, argv",
+    PAGE_COMMANDS,
+    ids=[f"{page(path)}: {shlex.join(argv)[:70]}" for path, argv in PAGE_COMMANDS],
+)
+def test_a_readme_command_names_what_exists(path, argv):
     for start, reason in SKIPPED.items():
         if shlex.join(argv).startswith(start):
             pytest.skip(reason)
@@ -212,20 +227,42 @@ def test_a_readme_command_names_what_exists(argv):
 
 
 def test_the_readme_commands_are_found():
-    """The extraction itself: each kind of command the README shows is among those checked."""
+    """The extraction itself: each kind of command the README and the manual show is among those checked,
+    the quick start's in the README itself, and every page of the manual has commands to check."""
     starts = {shlex.join(argv[:2]) for argv in COMMANDS}
     assert {
         "make repro",
         "make test",
         "make test-fast",
+        "make lint",
         "make exp",
+        ".venv/bin/python -m",
+    } <= starts
+    everywhere = {shlex.join(argv[:2]) for _, argv in PAGE_COMMANDS}
+    assert {
         ".venv/bin/dvc exp",
         ".venv/bin/dvc repro",
         ".venv/bin/python -m",
         "python3 -m",
         "mlflow server",
         "scripts/device-check.sh presets/h200.yaml",
-    } <= starts
+    } <= everywhere
+    assert MANUAL, "no docs/*.md"
+    empty = [page(path) for path in MANUAL if not readme_commands(TEXTS[path])]
+    assert not empty, f"no command to check in {', '.join(empty)}"
+
+
+def test_a_manual_page_naming_a_flag_that_does_not_exist_fails():
+    """A page's fenced and inline commands are both checked: a flag no --help lists fails either way."""
+    text = (
+        "Run it:\n\n```bash\n.venv/bin/python -m rcnn.doctor torchvision:vit_b_16 --no-such-flag 3\n```\n\n"
+        "or `.venv/bin/python -m rcnn.bench --head conv --no-such-option`.\n"
+    )
+    found = readme_commands(text)
+    assert [argv[2] for argv in found] == ["rcnn.doctor", "rcnn.bench"]
+    for argv, flag in zip(found, ("--no-such-flag", "--no-such-option")):
+        with pytest.raises(AssertionError, match=f"does not list {flag}"):
+            check(argv)
 
 
 def test_a_renamed_flag_module_target_or_param_fails():
@@ -245,12 +282,178 @@ def test_a_renamed_flag_module_target_or_param_fails():
         check(["scripts/no_such.sh"])
 
 
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+
+
+# What the snippets leave to the reader, made small: a model with the question's 7x7 conv, and its input.
+SNIPPET_PREAMBLE = """
+import torch
+from torch import nn
+model = nn.Sequential(nn.Conv2d(256, 1024, kernel_size=7), nn.Flatten(), nn.ReLU())
+example_images = torch.randn(4, 256, 7, 7)
+"""
+
+
 def test_the_readme_python_snippets_import_what_exists():
-    """Each import in the README's python blocks names a module and attribute that exist."""
-    blocks = re.findall(r"^```python\n(.*?)^```", README, flags=re.S | re.M)
+    """Each import in the python blocks of the README and the manual names a module and attribute that
+    exist."""
+    assert python_blocks(README), "the README shows no python snippet"
+    blocks = [block for path in PAGES for block in python_blocks(TEXTS[path])]
     imports = [
         line for block in blocks for line in block.splitlines() if re.match(r"(from \S+ )?import ", line)
     ]
     assert imports
     result = run(sys.executable, "-c", "\n".join(imports))
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+SNIPPETS = [(path, block) for path in PAGES for block in python_blocks(TEXTS[path])]
+
+
+@pytest.mark.parametrize(
+    "path, block", SNIPPETS, ids=[f"{page(path)}: snippet {i}" for i, (path, _) in enumerate(SNIPPETS)]
+)
+def test_a_python_snippet_runs(path, block):
+    """Each python block runs as written, given a model and its example input where it names them."""
+    result = run(sys.executable, "-c", SNIPPET_PREAMBLE + block)
+    assert result.returncode == 0, f"{page(path)}:\n{block}\n{result.stderr[-2000:]}"
+
+
+def test_the_readme_is_short_and_links_every_page_of_the_manual():
+    words = len(README.split())  # as wc -w counts them
+    assert words < README_WORDS, f"README.md has {words} words; it stays under {README_WORDS}"
+    linked = {target for target, _ in links(ROOT / "README.md")}
+    unlinked = [page(path) for path in MANUAL if path not in linked]
+    assert not unlinked, f"README.md does not link {', '.join(unlinked)}"
+
+
+def links(path: Path) -> list[tuple[Path, str]]:
+    """The relative links and images of a page: the file each points at, and its #fragment (or "")."""
+    prose = re.sub(r"^\s*```.*?^\s*```", "", TEXTS.get(path) or path.read_text(), flags=re.S | re.M)
+    prose = re.sub(r"`[^`]*`", "", prose)
+    found = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+        if re.match(r"[a-z][\w+.-]*:", target):  # https:, mailto:
+            continue
+        file, _, fragment = target.partition("#")
+        found.append(((path.parent / file).resolve() if file else path, fragment))
+    return found
+
+
+def anchors(path: Path) -> set[str]:
+    """The #fragments of a markdown page's headings, as GitHub makes them."""
+    headings = re.findall(
+        r"^#+\s+(.*?)\s*$", re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M), re.M
+    )
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+@pytest.mark.parametrize("path", PAGES, ids=page)
+def test_every_relative_link_points_to_an_existing_file(path):
+    broken = []
+    for target, fragment in links(path):
+        if not target.exists():
+            broken.append(
+                f"{target.relative_to(ROOT) if target.is_relative_to(ROOT) else target}: no such file"
+            )
+        elif fragment and target.suffix == ".md" and fragment not in anchors(target):
+            broken.append(f"{target.relative_to(ROOT)}#{fragment}: no such heading")
+    assert not broken, f"{page(path)}: " + "; ".join(broken)
+
+
+PROJECT_FOLDERS = ("rcnn", "pipeline", "benchmarks", "tests", "scripts", "presets", "reports", "docs")
+PACKAGES = ("rcnn", "pipeline", "benchmarks", "tests")
+RESOLVE = """
+import importlib, sys
+bad = []
+for name in sys.argv[1:]:
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+            break
+        except ModuleNotFoundError:
+            continue
+    else:
+        bad.append(name)
+        continue
+    try:
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+    except AttributeError:
+        bad.append(name)
+print(" ".join(bad))
+"""
+
+
+def without_links(text: str) -> str:
+    return re.sub(r"\]\([^)]*\)", "]", text)  # links are test_every_relative_link_...'s
+
+
+def missing_paths(text: str) -> list[str]:
+    """The paths into the project's committed folders a text names that do not exist (placeholders and
+    globs left out)."""
+    folders = "|".join(PROJECT_FOLDERS)
+    paths = {
+        found.rstrip(".,:;")
+        for found in re.findall(rf"(?<![\w./-])(?:{folders})/[\w./*<>-]*", without_links(text))
+        if not re.search(r"[<*]", found)
+    }
+    return sorted(path for path in paths if not (ROOT / path).exists())
+
+
+def module_names(text: str) -> list[str]:
+    packages = "|".join(PACKAGES)
+    return sorted(set(re.findall(rf"(?<![\w./:-])(?:{packages})(?:\.[A-Za-z_]\w*)+", without_links(text))))
+
+
+def missing_modules(text: str) -> list[str]:
+    """The dotted names of the project's modules a text names (``rcnn.fix.linearize``) that do not import,
+    down to their attribute."""
+    result = run(sys.executable, "-c", RESOLVE, *module_names(text))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.split()
+
+
+@pytest.mark.parametrize("path", PAGES, ids=page)
+def test_every_project_path_and_module_named_exists(path):
+    """A path into the project's committed folders (``rcnn/doctor/attribution.py``) exists, and a module
+    named with dots (``rcnn.fix.linearize``, ``pipeline.compare``) imports, down to its attribute: a page
+    left naming a module that moved fails here."""
+    missing = missing_paths(TEXTS[path])
+    assert not missing, f"{page(path)} names paths that do not exist: {', '.join(missing)}"
+    missing = missing_modules(TEXTS[path])
+    assert not missing, f"{page(path)} names modules that do not exist: {', '.join(missing)}"
+
+
+def test_a_moved_module_or_path_fails():
+    text = (
+        "`rcnn/schema.py` and `rcnn/detector/schema.py`; `rcnn.attribution` and `rcnn.doctor.attribution`; "
+        "`rcnn.fix.linearize` and `rcnn.fix.no_such_function`; `python -m rcnn.timing`; `pipeline.<stage>`."
+    )
+    assert module_names(README) and module_names(text) == [
+        "rcnn.attribution",
+        "rcnn.doctor.attribution",
+        "rcnn.fix.linearize",
+        "rcnn.fix.no_such_function",
+        "rcnn.timing",
+    ]
+    assert missing_paths(text) == ["rcnn/schema.py"]
+    assert missing_modules(text) == ["rcnn.attribution", "rcnn.fix.no_such_function", "rcnn.timing"]
+
+
+@pytest.mark.slow
+def test_the_readme_doctor_command_runs():
+    """The README's doctor command, as written, with a time bound: it prints the by-module table."""
+    argv = next(argv for argv in COMMANDS if argv[1:3] == ["-m", "rcnn.doctor"])
+    result = subprocess.run(
+        [sys.executable, *argv[1:], "--max-seconds", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=os.environ | {"NO_COLOR": "1", "COLUMNS": "200"},
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "backward_ms" in result.stdout, result.stdout[-2000:]
