@@ -18,24 +18,25 @@ Run by hand (minutes), from the project folder: .venv/bin/python -m benchmarks.d
 from __future__ import annotations
 
 import argparse
-import random
+import itertools
 import sys
+from collections.abc import Callable
 
 import numpy as np
 
-from benchmarks.measurement_check import knobs_for, median_ratio
-from rcnn.cli import Parser
+from rcnn.cli import Parser, run_command
 from rcnn.detector.data import synthetic_samples
-from rcnn.detector.knobs import backend_flags
+from rcnn.detector.knobs import Knobs, backend_flags
 from rcnn.detector.model import DetectorConfig
 from rcnn.detector.schema import BACKBONE, IMAGE_SIZE, ROIS_PER_IMAGE
 from rcnn.detector.trial import Trainer
 from rcnn.doctor.attribution import ModuleTimer
 from rcnn.doctor.columns import OUTSIDE
 from rcnn.measure.device import resolve_device
+from rcnn.measure.loop import in_turn
 from rcnn.measure.settings import DEVICE
-from rcnn.measure.stats import bootstrap_ci
-from rcnn.rules import Rule, ValueNotAllowed
+from rcnn.measure.stats import TimingPolicy, bootstrap_ci, median_ratio
+from rcnn.rules import Rule, UserError, ValueNotAllowed
 
 HEAD_MODULES = ("roi_heads.box_head", "roi_heads.box_predictor")
 
@@ -55,10 +56,31 @@ def main(argv: list[str] | None = None) -> int:
         "--warmup", type=Rule(minimum=1).arg(int), default=3, help="untimed steps of each first"
     )
     args = parser.parse_args(argv)
+    return run_command(lambda: _run(args))
+
+
+def _stepper(trainer: Trainer, timer: ModuleTimer | None) -> Callable[[], dict[str, float]]:
+    """A step function for in_turn: the trainer's next batch; with the doctor's timer, its box-head backward
+    and its unattributed share of the backward as well."""
+    numbers = itertools.count()
+
+    def step() -> dict[str, float]:
+        times = trainer.step(next(numbers), modules=timer)
+        if timer:
+            table, totals = timer.step_table()
+            times["doctor_head_backward"] = sum(table.loc[m, "backward_inclusive_ms"] for m in HEAD_MODULES)
+            times["unattributed"] = table.loc[OUTSIDE, "backward_ms"] / totals["backward_ms"]
+        return times
+
+    return step
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The four checks, printed."""
     try:
         device = resolve_device(args.device)
     except ValueNotAllowed as err:
-        parser.error(f"--device: {err.problem}")
+        raise UserError(f"--device: {err.problem}") from err
     config = DetectorConfig(
         backbone=args.backbone, image_size=args.image_size, rois_per_image=args.rois_per_image
     )
@@ -68,26 +90,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {device}, {config}, {args.rounds} rounds")
 
     names = [(head, doctor) for head in ("linear", "conv") for doctor in (True, False)]
-    rows: dict[tuple[str, bool], list[dict]] = {name: [] for name in names}
-    rng = random.Random(0)
-    knobs = {head: knobs_for(device, head=head) for head in ("linear", "conv")}
+    backend = {"cudnn_benchmark": False} if device.type == "cuda" else {"onednn": True}
+    knobs = {head: Knobs(head=head, **backend) for head in ("linear", "conv")}
     with backend_flags(knobs["linear"]):
         trainers = {
             (head, doctor): Trainer(config, knobs[head], samples, device=device) for head, doctor in names
         }
         timers = {name: ModuleTimer(trainers[name].model, trainers[name].clock) for name in names if name[1]}
-        for number in range(args.warmup + args.rounds):
-            for name in rng.sample(names, len(names)):
-                times = trainers[name].step(number, modules=timers.get(name))
+        try:
+            times = in_turn(
+                {name: _stepper(trainers[name], timers.get(name)) for name in names},
+                TimingPolicy.fixed(args.rounds, warmup=args.warmup),
+            )
+        finally:
+            for name, trainer in trainers.items():
                 if name in timers:
-                    table, totals = timers[name].step_table()
-                    times["doctor_head_backward"] = sum(
-                        table.loc[m, "backward_inclusive_ms"] for m in HEAD_MODULES
-                    )
-                    times["unattributed"] = table.loc[OUTSIDE, "backward_ms"] / totals["backward_ms"]
-                if number >= args.warmup:
-                    rows[name].append(times)
-    series = {name: {key: np.asarray([r[key] for r in rs]) for key in rs[0]} for name, rs in rows.items()}
+                    timers[name].remove()
+                trainer.close()
+    series = {name: {key: np.asarray(v) for key, v in phases.items()} for name, phases in times.items()}
     doctor = {head: series[head, True] for head in ("linear", "conv")}
     plain = {head: series[head, False] for head in ("linear", "conv")}
 

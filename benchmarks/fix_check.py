@@ -15,25 +15,25 @@ from __future__ import annotations
 
 import argparse
 import platform
-import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 
-from benchmarks.measurement_check import median_ratio
-from rcnn.cli import Parser
+from rcnn.cli import Parser, run_command
 from rcnn.doctor.diagnosis import fix
 from rcnn.doctor.workloads import build_workload
 from rcnn.fix import Conv2dAsLinear
 from rcnn.measure.clock import Clock
 from rcnn.measure.device import resolve_device
+from rcnn.measure.loop import in_turn
 from rcnn.measure.machine import cpu_model
 from rcnn.measure.settings import DEVICE
-from rcnn.measure.stats import TimingPolicy
+from rcnn.measure.stats import TimingPolicy, median_ratio
 from rcnn.outputs import check_output, project_root, text_start, write_atomic
 from rcnn.rules import UserError
 
@@ -67,19 +67,14 @@ def conv_against_linear(
     flat = x.detach().flatten(1).requires_grad_()
     clock = Clock(device)
 
-    def step(module: torch.nn.Module, inp: torch.Tensor) -> float:
-        return clock.time(lambda: module(inp).sum().backward())
+    def step(module: torch.nn.Module, inp: torch.Tensor) -> Callable[[], dict[str, float]]:
+        return lambda: {"step": clock.time(lambda: module(inp).sum().backward())}
 
-    pairs = {"conv": (conv, x), "linear": (linear, flat)}
-    times: dict[str, list[float]] = {"conv": [], "linear": []}
-    rng = random.Random(0)
-    for number in range(rounds + 3):
-        for name in rng.sample(list(pairs), 2):
-            ms = step(*pairs[name])
-            if number >= 3:  # burn-in
-                times[name].append(ms)
-    ratio, low, high = median_ratio(np.asarray(times["conv"]), np.asarray(times["linear"]))
-    return float(np.median(times["conv"])), float(np.median(times["linear"])), ratio, low, high
+    steps = {"conv": step(conv, x), "linear": step(linear, flat)}
+    times = in_turn(steps, TimingPolicy.fixed(rounds, warmup=3))  # 3 rounds of burn-in
+    conv_ms, linear_ms = times["conv"]["step"], times["linear"]["step"]
+    ratio, low, high = median_ratio(conv_ms, linear_ms)
+    return float(np.median(conv_ms)), float(np.median(linear_ms)), ratio, low, high
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,16 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seconds", type=float, default=20.0, help="per model, for the paired steps")
     parser.add_argument("--out", default="reports/fix.md", help="the markdown report to write")
     args = parser.parse_args(argv)
+    return run_command(lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Every model's fix measured, the conv against nn.Linear, the report written; every check of the flags
+    comes first."""
     names = args.models.split(",")
     if unknown := [n for n in names if n not in MODELS]:
-        parser.error(f"--models: {', '.join(unknown)} not allowed; allowed: {', '.join(MODELS)}")
-    try:
-        device = resolve_device(args.device)
-        check_output(
-            args.out, text_start("the fix report", TITLE), root=project_root(Path.cwd()), what="--out"
-        )
-    except UserError as err:
-        parser.error(str(err))
+        raise UserError(f"--models: {', '.join(unknown)} not allowed; allowed: {', '.join(MODELS)}")
+    device = resolve_device(args.device)
+    check_output(args.out, text_start("the fix report", TITLE), root=project_root(Path.cwd()), what="--out")
     policy = TimingPolicy(warmup=3, iterations=10, max_iterations=40, max_seconds=args.max_seconds)
     where = cpu_model() if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(f"{device.type} ({where}), torch {torch.__version__}, fp32, batch 2")

@@ -24,25 +24,26 @@ import argparse
 import functools
 import itertools
 import logging
-import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from pipeline.params import TrackingParams
-from rcnn.cli import Parser
+from rcnn.cli import Parser, run_command
 from rcnn.detector.data import Sample, synthetic_samples
 from rcnn.detector.knobs import Knobs, backend_flags
 from rcnn.detector.model import DetectorConfig
-from rcnn.detector.schema import BACKBONE, IMAGE_SIZE, PHASES, ROIS_PER_IMAGE
+from rcnn.detector.schema import BACKBONE, IMAGE_SIZE, ROIS_PER_IMAGE
 from rcnn.detector.trial import Trainer, isolated_head_ms, run_trial
 from rcnn.measure.device import resolve_device
+from rcnn.measure.loop import in_turn
 from rcnn.measure.settings import DEVICE
-from rcnn.measure.stats import ITERATIONS, TimingPolicy, bootstrap_ci, compare
-from rcnn.rules import Rule, ValueNotAllowed
+from rcnn.measure.stats import ITERATIONS, TimingPolicy, compare, median_ratio
+from rcnn.rules import Rule, UserError, ValueNotAllowed
 
 CHECKS = Rule(choices=[c for n in range(1, 6) for c in map("".join, itertools.combinations("12345", n))])
 
@@ -61,25 +62,30 @@ def interleaved(
     warmup: int,
     seed: int = 0,
 ) -> dict[str, dict[str, np.ndarray]]:
-    """Build one detector per entry (knobs, hooks on) and step each once per round in a shuffled order:
-    name -> phase -> per-round times (ms). The backend knobs (oneDNN, cuDNN) must be the same for all."""
-    rng = random.Random(seed)
+    """Build one detector per entry (knobs, hooks on) and step them in turn (rcnn.measure.loop.in_turn: a
+    fresh order each round), ``warmup`` rounds, then ``rounds`` measured ones: name -> phase -> per-round
+    times (ms). The backend knobs (oneDNN, cuDNN) must be the same for all."""
     with backend_flags(next(iter(knobs.values()))[0]):
         trainers = {
             name: Trainer(config, k, samples, device=device, seed=seed, probe=probe)
             for name, (k, probe) in knobs.items()
         }
-        for trainer in trainers.values():
-            for number in range(warmup):
-                trainer.step(number)
-        times = {name: {phase: [] for phase in PHASES} for name in trainers}
-        for number in range(warmup, warmup + rounds):
-            for name in rng.sample(list(trainers), len(trainers)):
-                for phase, ms in trainers[name].step(number).items():
-                    times[name][phase].append(ms)
-        for trainer in trainers.values():
-            trainer.close()
+        try:
+            times = in_turn(
+                {name: _stepper(trainer) for name, trainer in trainers.items()},
+                TimingPolicy.fixed(rounds, warmup=warmup),
+                seed=seed,
+            )
+        finally:
+            for trainer in trainers.values():
+                trainer.close()
     return {name: {phase: np.asarray(v) for phase, v in phases.items()} for name, phases in times.items()}
+
+
+def _stepper(trainer: Trainer) -> Callable[[], dict[str, float]]:
+    """A step function for in_turn: the trainer's next batch each call."""
+    numbers = itertools.count()
+    return lambda: trainer.step(next(numbers))
 
 
 def system_metrics_blocks(
@@ -117,16 +123,6 @@ def system_metrics_blocks(
                     times[sampled].append(trainer.step(block)["step"])
         trainer.close()
     return times[True], times[False]
-
-
-def median_ratio(numerator: np.ndarray, denominator: np.ndarray) -> tuple[float, float, float]:
-    """median(numerator) / median(denominator) of paired per-round values, with a paired bootstrap 95% CI."""
-
-    def ratio(a, b, axis=-1):
-        return np.median(a, axis=axis) / np.median(b, axis=axis)
-
-    low, high = bootstrap_ci((numerator, denominator), ratio, paired=True)
-    return float(ratio(numerator, denominator)), low, high
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,10 +166,15 @@ def main(argv: list[str] | None = None) -> int:
         help="CPU: run without oneDNN, where the conv head's cost dwarfs step-to-step noise",
     )
     args = parser.parse_args(argv)
+    return run_command(lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The checks the flags ask for, printed."""
     try:
         device = resolve_device(args.device)
     except ValueNotAllowed as err:
-        parser.error(f"--device: {err.problem}")
+        raise UserError(f"--device: {err.problem}") from err
     knobs = functools.partial(knobs_for, device, onednn=not args.no_onednn)
     config = DetectorConfig(
         backbone=args.backbone, image_size=args.image_size, rois_per_image=args.rois_per_image

@@ -7,20 +7,12 @@ import pandas as pd
 import scipy.stats
 
 from pipeline.results import complete, head_order, headline_scope, ms_per_image
-from rcnn.detector.schema import OTHER_KNOBS
+from rcnn.detector.schema import KNOBS, OTHER_KNOBS
 from rcnn.measure.stats import bootstrap_ci
 
-# PyTorch's own defaults (TF32: cuDNN's is on, matmul's off; the knob sets both alike, and off is the fp32
-# baseline).
-DEFAULTS = {
-    "cudnn_benchmark": False,
-    "onednn": True,
-    "amp": "off",
-    "channels_last": False,
-    "linearize": False,
-    "tf32": False,
-    "compile": "off",
-}
+# PyTorch's own defaults, where a knob's effect starts (TF32: cuDNN's is on, matmul's off; the knob sets both
+# alike, and off is the fp32 baseline); batch size has none: its smallest swept value.
+DEFAULTS = {knob.name: knob.baseline for knob in KNOBS[1:] if knob.baseline is not None}
 
 
 def baseline_first(knob: str, values: list) -> list:

@@ -18,7 +18,7 @@ from rcnn.measure.device import resolve_device
 from rcnn.measure.machine import ceilings, fingerprint
 from rcnn.outputs import check_output, check_writable, json_object, project_root
 
-ENV_FILE = json_object("an env.json", "fingerprint", "ceilings", "device")  # "device": the older flat format
+ENV_FILE = json_object("an env.json", "fingerprint", "ceilings")  # how --out is recognised as one it wrote
 
 
 def stage(args: argparse.Namespace, params: Params) -> None:

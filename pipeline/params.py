@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from rcnn.detector import schema
-from rcnn.detector.schema import KNOB_NAMES
+from rcnn.detector.schema import KNOB_NAMES, KNOBS, Knob
 from rcnn.measure import settings, stats
 from rcnn.measure.stats import TimingPolicy
 from rcnn.rules import Rule, UserError, ValueNotAllowed, at_least
@@ -97,34 +97,24 @@ class ModelParams:
     representation_size: int = _field(1024, schema.REPRESENTATION_SIZE)
 
 
-@dataclass(frozen=True)
-class SpaceParams:
-    head: tuple[str, ...] = _field(schema.HEAD_NAMES, schema.HEAD)
-    cudnn_benchmark: tuple[bool, ...] = (False, True)
-    onednn: tuple[bool, ...] = (True, False)
-    amp: tuple[str, ...] = _field(("off", "bf16"), settings.AMP)
-    channels_last: tuple[bool, ...] = (False, True)
-    batch_size: tuple[int, ...] = _field((1, 2), schema.BATCH_SIZE)
-    linearize: tuple[bool, ...] = (False, True)
-    tf32: tuple[bool, ...] = (False, True)  # CUDA only
-    compile: tuple[str, ...] = _field(("off",), schema.COMPILE)
-
-    def as_dict(self) -> dict[str, list]:
-        return {name: list(getattr(self, name)) for name in KNOB_NAMES}
+def _space_field(knob: Knob) -> tuple[str, Any, Any]:
+    return knob.name, tuple[knob.kind, ...], _field(knob.space, knob.rule)
 
 
-@dataclass(frozen=True)
-class ProfileAt:
-    """A setting whose heads get a kernel profile; a knob left null takes its first swept value."""
+def _profile_field(knob: Knob) -> tuple[str, Any, Any]:
+    return knob.name, knob.kind | None, _field(None, knob.rule)
 
-    cudnn_benchmark: bool | None = None
-    onednn: bool | None = None
-    amp: str | None = _field(None, settings.AMP)
-    channels_last: bool | None = None
-    batch_size: int | None = _field(None, schema.BATCH_SIZE)
-    linearize: bool | None = None
-    tf32: bool | None = None
-    compile: str | None = _field(None, schema.COMPILE)
+
+# sweep.space: the values each knob (rcnn.detector.schema.KNOBS) sweeps; its declaration gives the default.
+SpaceParams = dataclasses.make_dataclass(
+    "SpaceParams",
+    [_space_field(knob) for knob in KNOBS],
+    frozen=True,
+    namespace={"as_dict": lambda self: {name: list(getattr(self, name)) for name in KNOB_NAMES}},
+)
+# sweep.profile_at: a setting whose heads get a kernel profile; a knob left null takes its first swept value.
+ProfileAt = dataclasses.make_dataclass("ProfileAt", [_profile_field(knob) for knob in KNOBS[1:]], frozen=True)
+SpaceParams.__module__ = ProfileAt.__module__ = __name__
 
 
 @dataclass(frozen=True)
@@ -138,19 +128,14 @@ class SweepParams:
     timeout_s: float | None = _field(None, Rule(minimum=1))  # no new trial starts after this many seconds
     trial_timeout_s: float | None = _field(
         None, Rule(minimum=1)
-    )  # a trial still running then stops: status timeout
+    )  # a trial still running then: status timeout
     fail_on_trial_error: bool = False  # exit 3 when a trial of this run failed or timed out
     storage: str = "optuna.journal"  # a journal file path (one host), or postgresql://... (many machines)
-    workers: int = _field(
-        1, Rule(minimum=1)
-    )  # processes on this host sharing the study (and its CPU threads or GPUs)
-    heartbeat_s: int = _field(
-        60, Rule(minimum=1)
-    )  # RDB storage: a trial silent for 3x this is failed and queued again
+    # Processes on this host sharing the study (and its CPU threads or GPUs).
+    workers: int = _field(1, Rule(minimum=1))
+    heartbeat_s: int = _field(60, Rule(minimum=1))  # RDB storage: a trial silent for 3x this is queued again
     cross_check: bool = True  # also time each head alone with torch.utils.benchmark, at profile_at
-    profile_steps: int = _field(
-        3, Rule(minimum=0)
-    )  # torch.profiler steps per head at profile_at; 0: no kernel tables
+    profile_steps: int = _field(3, Rule(minimum=0))  # torch.profiler steps per head at profile_at; 0: none
     profile_at: tuple[ProfileAt, ...] = (
         ProfileAt(),
     )  # these settings run first, so a time budget keeps them
@@ -272,18 +257,9 @@ def _refuse_embedded_password(raw: Any) -> None:
             )
 
 
-# Keys that were replaced: what to write instead.
-REPLACED = {
-    ("sweep", "allow_tf32"): "the swept knob sweep.space.tf32 ([false], [true] or [false, true]; CUDA only)"
-}
-
-
 def parse_params(raw: Any) -> Params:
     """Validate an already-loaded params mapping; missing keys take the defaults above."""
     _refuse_embedded_password(raw)
-    for (section, key), instead in REPLACED.items():
-        if isinstance(raw, dict) and isinstance(raw.get(section), dict) and key in raw[section]:
-            raise ParamsError(f"{section}.{key}: no longer a key; use {instead}")
     params = _build(Params, raw, "")
     if params.sweep.n_trials is None and params.sweep.sampler != "grid":
         raise ParamsError(

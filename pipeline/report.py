@@ -52,10 +52,12 @@ from rcnn.detector.schema import (
     COMPARISON_COLUMNS,
     COMPILE_COLUMNS,
     KERNEL_COLUMNS,
+    KNOBS,
     MODULE_TABLE_COLUMNS,
     OTHER_KNOBS,
     SWEEP_WALL_PARTS,
     ResultsError,
+    setting_label,
 )
 from rcnn.doctor.columns import OUTSIDE
 from rcnn.measure.settings import peak_dtype
@@ -121,22 +123,6 @@ def load_results(
         if modules
         else pd.DataFrame(columns=MODULE_TABLE_COLUMNS),
     )
-
-
-def setting_label(row: pd.Series | dict, skip: tuple[str, ...] = ()) -> str:
-    parts = []
-    for knob, name in (("cudnn_benchmark", "bench"), ("onednn", "oneDNN"), ("tf32", "TF32")):
-        if str(row.get(knob, "n/a")) != "n/a" and knob not in skip:
-            parts.append(f"{name} {'on' if str(row[knob]) == 'True' else 'off'}")
-    parts.append(f"amp {row['amp']}")
-    parts.append("NHWC" if str(row["channels_last"]) == "True" else "NCHW")
-    if "batch_size" not in skip:
-        parts.append(f"bs {row['batch_size']}")
-    if str(row.get("linearize")) == "True":
-        parts.append("linearized")
-    if str(row.get("compile", "off")) != "off" and "compile" not in skip:
-        parts.append(f"compiled {row['compile']}")
-    return ", ".join(parts)
 
 
 # Figures: each writes its data (the CSV dvc plots reads) and draws it with a title, units and a legend.
@@ -367,10 +353,7 @@ def linearize_lines(trials: pd.DataFrame) -> list[str]:
 
 
 CLOSES_GAP = 1.25  # a ratio to linear whose CI lies below this closes the gap (the conv head's is 3.5x-8x)
-BY_VALUE_QUESTIONS = {
-    "compile": "does torch.compile close the conv/linear gap?",
-    "tf32": "does TF32 close the conv/linear gap?",
-}
+BY_VALUE_QUESTIONS = {knob.name: knob.question for knob in KNOBS if knob.question}
 
 
 def by_value_lines(comparisons: pd.DataFrame, done: pd.DataFrame) -> list[str]:

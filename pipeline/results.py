@@ -14,7 +14,6 @@ import pandas as pd
 
 from pipeline.common import read_json
 from rcnn.detector.schema import (
-    ADDED_COLUMNS,
     COMPARISON_COLUMNS,
     HEAD_NAMES,
     KNOB_NAMES,
@@ -102,9 +101,6 @@ def read_table(path: str | Path, columns: tuple[str, ...], stage: str) -> pd.Dat
         raise ResultsError(f"{path}: cannot read it as the {stage} table ({err.strerror or err})") from None
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
         raise ResultsError(f"{path}: not a {stage} table ({str(err).splitlines()[0]})") from None
-    for column, value in ADDED_COLUMNS.items():  # a table from before the column: what it meant
-        if column in columns and column not in table.columns:
-            table[column] = value(table) if callable(value) else value
     missing = [c for c in columns if c not in table.columns]
     if missing:
         raise ResultsError(

@@ -83,9 +83,8 @@ class AsLinear:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.gemm:
             return super().forward(x)
-        shapes = self.__dict__.setdefault(
-            "_gemm_at", {}
-        )  # input shape -> GEMM or not: decided once per shape
+        # input shape -> GEMM or not: decided once per shape
+        shapes = self.__dict__.setdefault("_gemm_at", {})
         key = (tuple(x.shape), self.gemm)
         if key not in shapes:
             found = gemm_kind(self, key[0])
@@ -99,7 +98,19 @@ class Conv1dAsLinear(AsLinear, nn.Conv1d):
 
 class Conv2dAsLinear(AsLinear, nn.Conv2d):
     """An nn.Conv2d computed as one matrix product where its input allows (AsLinear): by default where its
-    kernel covers its whole input, as the question's 7x7 box-head conv on 7x7 RoI features."""
+    kernel covers its whole input, as the question's 7x7 box-head conv on 7x7 RoI features.
+
+    A drop-in for ``nn.Conv2d``: the same arguments, parameters, state_dict and checkpoints, and an instance
+    of ``nn.Conv2d``. Where the input is larger than the kernel it runs as the convolution.
+
+    Args:
+        in_channels, out_channels, kernel_size, ...: as ``nn.Conv2d``.
+
+    Example:
+        >>> head = Conv2dAsLinear(256, 1024, kernel_size=7)  # was nn.Conv2d(256, 1024, kernel_size=7)
+        >>> head(torch.randn(512, 256, 7, 7)).shape  # F.linear(x.flatten(1), weight.flatten(1), bias)
+        torch.Size([512, 1024, 1, 1])
+    """
 
 
 class Conv3dAsLinear(AsLinear, nn.Conv3d):
@@ -268,12 +279,31 @@ def linearize_with(
 
 
 def linearize(model: nn.Module, *example_args: Any, mode: str = "auto", **example_kwargs: Any) -> list[Swap]:
-    """Swap, in place, each convolution of ``model`` that is a GEMM in disguise at the shape it sees in
-    ``model(*example_args, **example_kwargs)`` for the same convolution computed as one matrix product; in
-    ``mode="auto"`` only where that is faster, timed at that shape, dtype, layout and device. Call it where
-    the model trains (after ``.to(device)``, inside autocast if you train with it). Returns a Swap per
-    eligible
-    module. Raises ValueError, swapping nothing, when there is no example or the forward fails on it."""
+    """Swap, in place, each convolution of ``model`` that is a GEMM in disguise at the shape it sees in one
+    forward for the same convolution computed as one matrix product (rcnn.disguise names the kinds).
+
+    Call it where the model trains: after ``.to(device)`` and ``channels_last``, inside autocast if you train
+    with it, before or after building the optimizer (the Parameter objects stay the same).
+
+    Args:
+        model: any module; changed in place, each swapped convolution to its AsLinear subclass.
+        *example_args, **example_kwargs: a batch the model takes, ``model(*example_args, **example_kwargs)``;
+            one forward runs on it (buffers such as BatchNorm's running stats are left as they were).
+        mode: ``"auto"`` swaps where the GEMM's forward + backward is faster than the convolution's at that
+            shape, dtype, layout and device (by AUTO_MARGIN); ``"always"`` swaps every eligible one.
+
+    Returns:
+        One Swap per eligible convolution: its name, kind, input shape, whether it was swapped, and in mode
+        auto the forward + backward ms of either path.
+
+    Raises:
+        ValueError: no example, an unknown mode, or the forward failed on the example (nothing swapped).
+
+    Example:
+        >>> swaps = linearize(model, images)  # before the training loop
+        >>> [s.module for s in swaps if s.swapped]
+        ['roi_heads.box_head.0']
+    """
     if not example_args and not example_kwargs:
         raise ValueError(
             "linearize needs an example input to see each convolution's input shape: linearize(model, images)"

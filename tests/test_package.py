@@ -1,15 +1,22 @@
 """The library installs on its own: a wheel built from the project, installed into a fresh virtual environment
 (torch reused from this one, nothing of Optuna, MLflow or DVC needed), works from another folder."""
 
+import json
 import shutil
 import subprocess
 import sys
 import sysconfig
 import venv
 
+import pandas as pd
 import pytest
 
 from tests.conftest import ROOT
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: only the tools' absence is checked
+    tomllib = None
 
 
 @pytest.mark.slow
@@ -61,16 +68,28 @@ def test_the_wheel_installs_and_runs_from_anywhere(tmp_path):
         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
         timeout=600,
     )
+    # The fix, from the installed wheel: the one 7x7 conv that covers its input is swapped for the same
+    # product as a GEMM, and the model computes what it did before.
+    done = run("-c", FIX_SCRIPT)
+    assert done.returncode == 0, done.stderr
+    fixed = json.loads(done.stdout)
+    assert fixed["rcnn"].startswith(str(env / site.split(str(env) + "/")[1]) + "/rcnn/")
+    assert fixed["swaps"] == [["0", "covers-input", [2, 4, 7, 7], True]]
+    assert fixed["class"] == "Conv2dAsLinear" and fixed["max_abs_diff"] < 1e-5
+
+    # Exactly the dependencies pyproject declares: none of the pipeline's tools.
     done = run(
         "-c",
-        "import rcnn, torch; from rcnn.fix import linearize; "
-        "m = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 7), torch.nn.Flatten()); "
-        "print(rcnn.__file__); print(linearize(m, torch.randn(2, 4, 7, 7), mode='always'))",
+        "import json; from importlib.metadata import requires; print(json.dumps(requires('roi-head-sweep')))",
     )
-    assert done.returncode == 0, done.stderr
-    assert str(env) in done.stdout and "covers-input" in done.stdout
-    done = run("-c", "from importlib.metadata import requires; print(requires('roi-head-sweep'))")
-    assert "torch" in done.stdout and not any(tool in done.stdout for tool in ("mlflow", "optuna", "dvc"))
+    required = json.loads(done.stdout)
+    assert not any(tool in " ".join(required) for tool in ("mlflow", "optuna", "dvc"))
+    if tomllib:
+        declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+        assert sorted(required) == sorted(declared)
+
+    # The doctor from another folder: its table on stdout is the top 3 of the modules.csv it writes, whose
+    # backward shares add up to the step's backward.
     done = run(
         "-m",
         "rcnn.doctor",
@@ -83,6 +102,36 @@ def test_the_wheel_installs_and_runs_from_anywhere(tmp_path):
         "3",
         "--device",
         "cpu",
+        "--out",
+        "doctor",
     )
     assert done.returncode == 0, done.stderr
-    assert "Top 3 modules" in done.stdout
+    modules = pd.read_csv(elsewhere / "doctor" / "modules.csv")
+    assert modules["backward_share"].sum() == pytest.approx(1, abs=0.01)
+    top = modules[modules["module"] != "(outside modules)"].nlargest(3, "backward_ms")["module"]
+    table = done.stdout.split("Top 3 modules")[1].split("\n\n")[0].splitlines()[2:]  # after the header
+    shown = [line.split()[0] for line in table if not line.strip().startswith("(outside")]
+    assert shown == top.tolist()
+    env_json = json.loads((elsewhere / "doctor" / "env.json").read_text())
+    assert (env_json["model"], env_json["image_size"], env_json["fingerprint"]["device"]) == (
+        "torchvision:resnet18",
+        64,
+        "cpu",
+    )
+
+
+FIX_SCRIPT = """
+import json, rcnn, torch
+from rcnn.fix import linearize
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 7), torch.nn.Flatten())
+x = torch.randn(2, 4, 7, 7)
+before = m(x)
+swaps = linearize(m, x, mode="always")
+print(json.dumps({
+    "rcnn": rcnn.__file__,
+    "swaps": [[s.module, s.kind, list(s.input_shape), s.swapped] for s in swaps],
+    "class": type(m[0]).__name__,
+    "max_abs_diff": (m(x) - before).abs().max().item(),
+}))
+"""

@@ -214,6 +214,7 @@ def check(argv: list[str]) -> None:
         check_script(argv)
 
 
+@pytest.mark.slow  # each runs a command's --help in a subprocess (torch's import: seconds)
 @pytest.mark.parametrize(
     "path, argv",
     PAGE_COMMANDS,
@@ -311,6 +312,7 @@ def test_the_readme_python_snippets_import_what_exists():
 SNIPPETS = [(path, block) for path in PAGES for block in python_blocks(TEXTS[path])]
 
 
+@pytest.mark.slow  # each runs in a subprocess
 @pytest.mark.parametrize(
     "path, block", SNIPPETS, ids=[f"{page(path)}: snippet {i}" for i, (path, _) in enumerate(SNIPPETS)]
 )
@@ -416,6 +418,7 @@ def missing_modules(text: str) -> list[str]:
     return result.stdout.split()
 
 
+@pytest.mark.slow  # imports every module named, in a subprocess
 @pytest.mark.parametrize("path", PAGES, ids=page)
 def test_every_project_path_and_module_named_exists(path):
     """A path into the project's committed folders (``rcnn/doctor/attribution.py``) exists, and a module
@@ -427,6 +430,7 @@ def test_every_project_path_and_module_named_exists(path):
     assert not missing, f"{page(path)} names modules that do not exist: {', '.join(missing)}"
 
 
+@pytest.mark.slow
 def test_a_moved_module_or_path_fails():
     text = (
         "`rcnn/schema.py` and `rcnn/detector/schema.py`; `rcnn.attribution` and `rcnn.doctor.attribution`; "

@@ -4,28 +4,43 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from rcnn.detector.schema import DEVICE_KNOBS
+from rcnn.detector.schema import DEVICE_KNOBS, KNOBS, Knob
 from rcnn.measure.device import amp_unavailable, compile_forward, compile_unavailable, tf32
 from rcnn.rules import ValueNotAllowed
 
 
-@dataclass(frozen=True)
-class Knobs:
-    head: str = "linear"
-    cudnn_benchmark: bool | None = None  # None: not applicable on this device
-    onednn: bool | None = None  # CPU convolutions through oneDNN (torch.backends.mkldnn)
-    amp: str = "off"
-    channels_last: bool = False
-    batch_size: int = 2
-    linearize: bool = False  # rcnn.fix.linearize, mode auto, after the detector is built
-    tf32: bool | None = None  # CUDA: TF32 for matmul and cuDNN alike
-    compile: str = "off"  # torch.compile of: off | head (box head and predictor) | model
+def _knob_field(knob: Knob) -> tuple[str, Any, Any]:
+    # A device knob defaults to None, not applicable, until a device is known (knobs_for).
+    default = "linear" if knob.name == "head" else None if knob.device else knob.bench_default
+    return knob.name, knob.kind | None if knob.device else knob.kind, field(default=default)
+
+
+# One knob setting of the detector: a field per rcnn.detector.schema.KNOBS entry, in its order (None: n/a).
+Knobs = make_dataclass("Knobs", [_knob_field(k) for k in KNOBS], frozen=True)
+Knobs.__module__ = __name__  # where pickle finds it (make_dataclass's module= needs Python 3.12)
+
+
+def knobs_for(device: torch.device, **values: Any) -> Knobs:
+    """A Knobs on ``device``: each knob not given takes its default, a device knob its baseline on its own
+    device and None (n/a) elsewhere. A device knob given away from its baseline elsewhere is kept, so that
+    Trainer refuses it with its reason."""
+    out = {}
+    for knob in KNOBS:
+        value = values.pop(knob.name, None)
+        if knob.device and knob.device != device.type and value in (None, knob.baseline):
+            value = None
+        elif value is None:
+            value = "linear" if knob.name == "head" else knob.bench_default
+        out[knob.name] = value
+    if values:
+        raise TypeError(f"knobs_for: unknown knobs {sorted(values)}")
+    return Knobs(**out)
 
 
 @dataclass(frozen=True)

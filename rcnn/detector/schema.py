@@ -8,40 +8,161 @@ without loading torch. A rule (rcnn.rules.Rule) says what a value allows, here b
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
 from rcnn.doctor.columns import MODULE_COLUMNS
+from rcnn.measure.settings import AMP
 from rcnn.rules import Rule, UserError
 
-# --- The knobs a sweep varies, in the tables' column order.
-KNOB_NAMES = (
-    "head",
-    "cudnn_benchmark",
-    "onednn",
-    "amp",
-    "channels_last",
-    "batch_size",
-    "linearize",
-    "tf32",
-    "compile",
-)
-OTHER_KNOBS = KNOB_NAMES[1:]  # a "setting": every knob but the head
-# Backend switches, each used on one device type only: knob -> (device type, backend).
-DEVICE_KNOBS = {"cudnn_benchmark": ("cuda", "cuDNN"), "onednn": ("cpu", "oneDNN"), "tf32": ("cuda", "TF32")}
-HEAD_NAMES = (
-    "linear",
-    "conv",
-    "conv_as_linear",
-)  # rcnn.detector.heads builds each; tables and figures use this order
-COMPILE_TARGETS = (
-    "off",
-    "head",
-    "model",
-)  # torch.compile of nothing, the box head and predictor, the detector
+# The heads rcnn.detector.heads builds, in the order of the tables and figures.
+HEAD_NAMES = ("linear", "conv", "conv_as_linear")
+# torch.compile of nothing, of the box head and predictor, or of the whole detector.
+COMPILE_TARGETS = ("off", "head", "model")
 
 # A user's head: a factory the detector calls with in_channels, resolution, representation_size, num_classes.
 FACTORY = (r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", "package.module:factory")
 HEAD = Rule(choices=HEAD_NAMES, other=FACTORY)
 COMPILE = Rule(choices=COMPILE_TARGETS)
 BATCH_SIZE = Rule(minimum=1)
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One knob a sweep varies, declared once. params.yaml's ``sweep.space`` and ``profile_at`` fields, the
+    trials' columns, rcnn.bench's flag, the grid, the knob effects' baseline and the report's setting labels
+    all derive from ``KNOBS``; what a value needs of the machine is rcnn.detector.knobs.why_not."""
+
+    name: str
+    space: tuple  # params.yaml's default sweep.space.<name>: the values swept unless told otherwise
+    help: str  # rcnn.bench's help for its flag
+    rule: Rule | None = None  # what a value allows (None: a bool)
+    baseline: Any = None  # PyTorch's default, where a knob's effect starts; None: the smallest swept
+    default: Any = None  # one trial's value unless set (rcnn.bench); None: the baseline
+    device: str | None = None  # the one device type whose backend it switches; elsewhere pinned, n/a
+    backend: str = ""  # that backend's name, for the reason it does not apply elsewhere
+    flag: str = ""  # rcnn.bench's flag; a bool knob's turns it away from its baseline (--no-onednn)
+    label: Callable[[Any], str] = str  # a value in a setting's label ("" says nothing)
+    question: str = ""  # the verdict asks it of every value swept, pooling the settings at each
+
+    @property
+    def kind(self) -> type:
+        """The type of a value: bool, int or str."""
+        return type(self.space[0])
+
+    @property
+    def bench_default(self) -> Any:
+        return self.baseline if self.default is None else self.default
+
+
+def _on_off(name: str) -> Callable[[Any], str]:
+    return lambda value: f"{name} {'on' if value else 'off'}"
+
+
+# The knobs, in the tables' column order; the head first, then the knobs of a "setting".
+KNOBS = (
+    Knob(
+        "head", HEAD_NAMES, "box head to time", rule=HEAD, default="conv", flag="--head", label=lambda v: ""
+    ),
+    Knob(
+        "cudnn_benchmark",
+        (False, True),
+        "let cuDNN autotune conv algorithms (CUDA only)",
+        baseline=False,
+        device="cuda",
+        backend="cuDNN",
+        flag="--cudnn-benchmark",
+        label=_on_off("bench"),
+    ),
+    Knob(
+        "onednn",
+        (True, False),
+        "CPU: disable oneDNN (torch.backends.mkldnn)",
+        baseline=True,
+        device="cpu",
+        backend="oneDNN",
+        flag="--no-onednn",
+        label=_on_off("oneDNN"),
+    ),
+    Knob(
+        "amp",
+        ("off", "bf16"),
+        "autocast dtype (fp16 adds GradScaler)",
+        rule=AMP,
+        baseline="off",
+        flag="--amp",
+        label=lambda v: f"amp {v}",
+    ),
+    Knob(
+        "channels_last",
+        (False, True),
+        "model (and so its activations) in NHWC",
+        baseline=False,
+        flag="--channels-last",
+        label=lambda v: "NHWC" if v else "NCHW",
+    ),
+    Knob(
+        "batch_size",
+        (1, 2),
+        "images per training step",
+        rule=BATCH_SIZE,
+        default=2,
+        flag="--batch-size",
+        label=lambda v: f"bs {v}",
+    ),
+    Knob(
+        "linearize",
+        (False, True),
+        "run convolutions that are GEMMs in disguise as GEMMs where faster (rcnn.fix, mode auto)",
+        baseline=False,
+        flag="--linearize",
+        label=lambda v: "linearized" if v else "",
+    ),
+    Knob(
+        "tf32",
+        (False, True),
+        "CUDA: TF32 for matmul and cuDNN alike",
+        baseline=False,
+        device="cuda",
+        backend="TF32",
+        flag="--tf32",
+        label=_on_off("TF32"),
+        question="does TF32 close the conv/linear gap?",
+    ),
+    Knob(
+        "compile",
+        ("off",),
+        "torch.compile the box head and predictor, or the whole detector (compile steps timed apart)",
+        rule=COMPILE,
+        baseline="off",
+        flag="--compile",
+        label=lambda v: "" if v == "off" else f"compiled {v}",
+        question="does torch.compile close the conv/linear gap?",
+    ),
+)
+KNOB = {knob.name: knob for knob in KNOBS}
+KNOB_NAMES = tuple(KNOB)
+OTHER_KNOBS = KNOB_NAMES[1:]  # a "setting": every knob but the head
+# Backend switches, each used on one device type only: knob -> (device type, backend).
+DEVICE_KNOBS = {k.name: (k.device, k.backend) for k in KNOBS if k.device}
+
+
+def setting_label(setting: Mapping[str, Any], skip: tuple[str, ...] = ()) -> str:
+    """A setting in words, each knob's label in turn ('oneDNN on, amp off, NCHW, bs 2'); a knob that is n/a
+    (or absent) or in ``skip`` says nothing. Values may be a table's strings ('True', 'n/a')."""
+    words = []
+    for knob in KNOBS[1:]:
+        value = setting.get(knob.name, "n/a")
+        if knob.name in skip or str(value) == "n/a" or value is None:
+            continue
+        if knob.kind is bool:
+            value = str(value) == "True"
+        elif knob.kind is int:
+            value = int(value)
+        if word := knob.label(value):
+            words.append(word)
+    return ", ".join(words)
 
 
 # --- The detector (rcnn.detector.model.DetectorConfig).
@@ -69,8 +190,7 @@ STAT_COLUMNS = {
 }  # rcnn.measure.stats.Stats field -> column pattern, per phase
 
 # What knob compile costs before the steady state, kept out of the medians: the first steps, which compile
-# (and
-# recompile), their total ms and count; the graphs compiled and the graph breaks dynamo reports.
+# (and recompile), their total ms and count; the graphs compiled and the graph breaks dynamo reports.
 COMPILE_COLUMNS = ("compile_ms", "compile_steps", "compiled_graphs", "graph_breaks")
 # Where a trial's wall time goes, and the parts of a sweep's beyond its trials.
 TRIAL_WALL_PARTS = ("build", "compile", "warmup", "measure", "profile", "cross_check", "logging")
@@ -99,23 +219,6 @@ MEASURED_COLUMNS = (
     *COMPILE_COLUMNS,  # knob compile: NaN when off
     *WALL_COLUMNS,  # where the trial's wall time went (s)
 )
-
-
-def _tf32_before_the_knob(table):
-    """tf32 before it was a knob: sweep.allow_tf32, false by default, on CUDA; not used on a CPU (and unknown
-    in the tables without a device column: n/a)."""
-    return table["device"].map({"cuda": False}).fillna("n/a") if "device" in table else "n/a"
-
-
-# Columns added after tables were first written, with the value an older table meant (read_table fills them;
-# a callable takes the table). Measurements a table predates are unknown (NaN).
-ADDED_COLUMNS = {
-    "linearize": False,
-    "swapped": "",
-    "compile": "off",
-    "tf32": _tf32_before_the_knob,
-    **{c: float("nan") for c in (*COMPILE_COLUMNS, *WALL_COLUMNS)},
-}
 RECORD_COLUMNS = ("mlflow_run_id", "worker", "error")
 TRIAL_COLUMNS = (*SETUP_COLUMNS, *MEASURED_COLUMNS, *RECORD_COLUMNS)
 COMPARISON_COLUMNS = (

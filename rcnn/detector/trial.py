@@ -6,11 +6,14 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import sys
-import time
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 
 from rcnn.cli import Parser, run_command
@@ -20,6 +23,7 @@ from rcnn.detector.knobs import (
     Knobs,
     backend_flags,
     compile_modules,
+    knobs_for,
     memory_format,
     why_not,
     why_not_together,
@@ -27,11 +31,11 @@ from rcnn.detector.knobs import (
 from rcnn.detector.model import BACKBONE_CHANNELS, ROI_RESOLUTION, DetectorConfig, build_detector
 from rcnn.detector.schema import (
     BACKBONE,
-    BATCH_SIZE,
-    COMPILE,
     COMPILE_COLUMNS,
-    HEAD,
     IMAGE_SIZE,
+    KNOB,
+    KNOB_NAMES,
+    KNOBS,
     NUM_IMAGES,
     OTHER_KNOBS,
     PHASES,
@@ -39,6 +43,7 @@ from rcnn.detector.schema import (
     ROIS_PER_IMAGE,
     STAT_COLUMNS,
     WATCHED,
+    setting_label,
 )
 from rcnn.doctor.attribution import ModuleTimer
 from rcnn.doctor.diagnosis import diagnose
@@ -46,8 +51,9 @@ from rcnn.doctor.workloads import Workload, detection_loss
 from rcnn.fix import linearize_with
 from rcnn.measure.clock import BACKWARD_RANGE, Clock, ModuleSpanProbe, PeakMemory, Stopwatch
 from rcnn.measure.device import autocast, compile_forward, grad_scaler, resolve_device
+from rcnn.measure.loop import in_turn, warm_up_then_measure
 from rcnn.measure.profiler import capture, range_table
-from rcnn.measure.settings import AMP, DEVICE
+from rcnn.measure.settings import DEVICE
 from rcnn.measure.stats import (
     ITERATIONS,
     MAX_ITERATIONS,
@@ -57,8 +63,10 @@ from rcnn.measure.stats import (
     Stats,
     TimingPolicy,
     median_precision,
+    median_ratio,
     summarize,
 )
+from rcnn.measure.step import train_step
 from rcnn.rules import UserError, ValueNotAllowed, at_least
 
 
@@ -159,12 +167,10 @@ class DynamoCounters:
         )
 
 
-HEAD_LABEL = (
-    "box_head"  # the probe's name for the box head and predictor: its profiler range is box_head.backward
-)
+# The probe's name for the box head and predictor: its profiler range is box_head.backward.
+HEAD_LABEL = "box_head"
 # Knob linearize's timings of each convolution, kept for the trials that follow in this process: the heads of
-# a
-# setting share the backbone, RPN and FPN, whose convolutions are then timed once (rcnn.fix.linearize_with).
+# a setting share the backbone, RPN and FPN, whose convolutions are then timed once (rcnn.fix.linearize_with).
 LINEARIZE_TIMINGS: dict = {}
 
 
@@ -227,43 +233,25 @@ class Trainer:
             return sum(self.model(images, targets).values())
 
     def step(self, number: int, modules: ModuleTimer | None = None) -> dict[str, float]:
-        """Train on batch ``number`` (cycling); raises FloatingPointError on a non-finite loss. With
-        ``modules``
-        (a ModuleTimer on this model), every module is timed too: read it with ``modules.step_table()``."""
-        clock, knobs = self.clock, self.knobs
+        """Train on batch ``number`` (cycling): one rcnn.measure.step.train_step, with the head's spans added;
+        raises FloatingPointError on a non-finite loss. With ``modules`` (a ModuleTimer on this model), every
+        module is timed too: read it with ``modules.step_table()``."""
         images, targets = self.batches[number % len(self.batches)]
         self.head.reset()
-        forward, backward = (
-            (modules.forward(), modules.backward()) if modules else (nullcontext(), nullcontext())
+        ms = train_step(
+            lambda: sum(self.model(images, targets).values()),
+            self.optimizer,
+            self.scaler,
+            self.clock,
+            amp=self.knobs.amp,
+            device=self.device,
+            forward=modules.forward if modules else nullcontext,
+            backward=modules.backward if modules else nullcontext,
+            where=f"at step {number}",
         )
-        start = clock.mark()
-        with forward, autocast(knobs.amp, self.device):
-            loss = sum(self.model(images, targets).values())
-        forward_end = clock.mark()
-        with backward:
-            self.scaler.scale(loss).backward()
-        backward_end = clock.mark()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        end = clock.mark()
-        clock.sync()
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite loss {loss.item()} at step {number}")
         head_forward, head_backward = self.head.spans_ms() if self.probe else (float("nan"), float("nan"))
-        return dict(
-            zip(
-                PHASES,
-                (
-                    clock.ms(start, forward_end),
-                    clock.ms(forward_end, backward_end),
-                    clock.ms(backward_end, end),
-                    clock.ms(start, end),
-                    head_forward,
-                    head_backward,
-                ),
-            )
-        )
+        ms |= {"head_forward": head_forward, "head_backward": head_backward}
+        return {phase: ms[phase] for phase in PHASES}
 
     @property
     def rois(self) -> int:
@@ -289,10 +277,11 @@ def run_trial(
     probe: bool = True,
     peak_tflops: float | None = None,
 ) -> TrialResult:
-    """Warm up until step times settle, then time training steps until ``policy`` says stop; with
-    ``profile_steps``, then profile that many more steps and keep the head-backward kernel table, and time
-    that many with every module instrumented (rcnn.doctor, against the matmul peak ``peak_tflops``; eager
-    settings only: its modes and hooks would change what dynamo compiles).
+    """Warm up until step times settle, then time training steps until ``policy`` says stop
+    (rcnn.measure.loop.warm_up_then_measure); with ``profile_steps``, then profile that many more steps and
+    keep the head-backward kernel table, and time that many with every module instrumented (rcnn.doctor,
+    against the matmul peak ``peak_tflops``; eager settings only: its modes and hooks would change what dynamo
+    compiles).
 
     With knob compile, the steps that compile (the first, and any that recompile) are timed on their own
     (``compiled``), never as warm-up or measured steps. Batches are on the device before the first step, so
@@ -307,15 +296,15 @@ def run_trial(
             trainer = Trainer(config, knobs, samples, device=device, seed=seed, probe=probe)
         dynamo = DynamoCounters()
         try:
-            warm: list[float] = []
             compiling: list[float] = []
-            times: dict[str, list[float]] = {phase: [] for phase in PHASES}
+            numbers = itertools.count()
 
             def step(part: str) -> dict[str, float] | None:
-                """One step timed as ``part`` of the wall time; one that compiled is compile time (None)."""
+                """One step timed as ``part`` of the wall time; one that compiled is compile time (None: no
+                sample, neither warm-up nor measured)."""
                 graphs = dynamo.graphs()
                 with wall(part) as timed:
-                    ms = trainer.step(len(warm) + len(compiling) + len(times["step"]))
+                    ms = trainer.step(next(numbers))
                     if dynamo.graphs() == graphs:
                         return ms
                     timed.name = "compile"
@@ -326,14 +315,10 @@ def run_trial(
                     )
                 return None
 
-            while not policy.warmed_up(warm):  # burn-in: compiling, allocator, kernel choice, autotuning
-                if ms := step("warmup"):
-                    warm.append(ms["step"])
-            memory.reset()
-            started = time.perf_counter()
-            while not policy.done([times[p] for p in watched], time.perf_counter() - started):
-                for phase, value in (step("measure") or {}).items():  # a step that recompiled is not measured
-                    times[phase].append(value)
+            # Warm-up is the burn-in: compiling, allocator, kernel choice, autotuning.
+            measured = warm_up_then_measure(step, policy, watched=watched, before_measuring=memory.reset)
+            warm = measured.warmup
+            times = {phase: measured.series(phase) for phase in PHASES}
             compiled = dynamo.compiled(sum(compiling), len(compiling)) if knobs.compile != "off" else None
             kernels, modules = [], []
             with wall("profile"):
@@ -343,13 +328,7 @@ def run_trial(
                     events = capture(lambda: trainer.step(0), device, profile_steps)
                     kernels = range_table(events, BACKWARD_RANGE.format(label=HEAD_LABEL), profile_steps)
                 if profile_steps and knobs.compile == "off":
-                    by_module = TimingPolicy(
-                        warmup=1,
-                        max_warmup=1,
-                        iterations=profile_steps,
-                        max_iterations=profile_steps,
-                        max_seconds=float("inf"),
-                    )
+                    by_module = TimingPolicy.fixed(profile_steps, warmup=1)
                     workload = Workload(
                         f"detector:{knobs.head}", trainer.model, trainer.batches[0], detection_loss
                     )
@@ -430,41 +409,97 @@ def isolated_head_ms(
     return timings[0], timings[1] - timings[0]
 
 
+COMPARED = ("head_backward", "backward", "step")  # the phases several heads are set against each other in
+
+
+def heads_in_turn(
+    config: DetectorConfig,
+    knobs: list[Knobs],
+    samples: list[Sample],
+    *,
+    device: torch.device,
+    policy: TimingPolicy,
+    seed: int = 0,
+) -> dict[str, dict[str, list[float]]]:
+    """Each knob setting's detector (one per head, the other knobs alike) built side by side and stepped in
+    turn, a fresh order each round, until ``policy`` says stop (rcnn.measure.loop.in_turn): head -> phase ->
+    one time per round (ms). The machine's load and drift hit every head alike: two trials run one after
+    the other can rank the heads the wrong way round on a shared machine."""
+    with backend_flags(knobs[0]):
+        trainers = {k.head: Trainer(config, k, samples, device=device, seed=seed) for k in knobs}
+        try:
+            steps = {
+                head: functools.partial(_next_step, t, itertools.count()) for head, t in trainers.items()
+            }
+            return in_turn(steps, policy, watched=WATCHED, seed=seed)
+        finally:
+            for trainer in trainers.values():
+                trainer.close()
+
+
+def _next_step(trainer: Trainer, numbers: Iterator[int]) -> dict[str, float]:
+    return trainer.step(next(numbers))
+
+
+def _print_in_turn(
+    knobs: list[Knobs], times: dict[str, dict[str, list[float]]], device: torch.device
+) -> None:
+    first = knobs[0].head
+    rounds = len(times[first]["step"])
+    print(
+        f"{len(knobs)} heads stepped in turn on {device}, {rounds} rounds, {setting_label(asdict(knobs[0]))}"
+    )
+    print(f"{'head':<28}" + "".join(f"{phase + ' ms':>18}" for phase in COMPARED))
+    for k in knobs:
+        print(f"{k.head:<28}" + "".join(f"{np.median(times[k.head][p]):>18.1f}" for p in COMPARED))
+    for k in knobs[1:]:
+        ratios = []
+        for phase in COMPARED:
+            ratio, low, high = median_ratio(times[k.head][phase], times[first][phase])
+            ratios.append(f"{phase} {ratio:.2f}x [95% CI {low:.2f}, {high:.2f}]")
+        print(f"{k.head} / {first} (paired over rounds): " + "; ".join(ratios))
+
+
+def add_knob_flags(parser: argparse.ArgumentParser) -> None:
+    """A flag for every knob but the head (rcnn.detector.schema.KNOBS): a bool knob's flag turns it away from
+    its baseline; the others take a value, checked by the Rule params.yaml's key uses (same limits, words)."""
+    for knob in KNOBS[1:]:
+        if knob.kind is bool:
+            parser.add_argument(
+                knob.flag,
+                dest=knob.name,
+                action="store_const",
+                const=not knob.baseline,
+                default=knob.bench_default,
+                help=knob.help,
+            )
+        else:
+            parser.add_argument(
+                knob.flag,
+                dest=knob.name,
+                type=knob.rule.arg(knob.kind),
+                metavar=knob.rule.metavar,
+                default=knob.bench_default,
+                help=knob.help,
+            )
+
+
 def _parser() -> argparse.ArgumentParser:
-    # Each value is checked by the library's Rule for it, the one params.yaml's key uses: same limits, same
-    # words.
     p = Parser(
         prog="python -m rcnn.bench",
         description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--head", type=HEAD.arg(), metavar=HEAD.metavar, default="conv", help="box head to time")
-    p.add_argument("--batch-size", type=BATCH_SIZE.arg(int), default=2, help="images per training step")
+    head = KNOB["head"]
     p.add_argument(
-        "--amp",
-        type=AMP.arg(),
-        metavar=AMP.metavar,
-        default="off",
-        help="autocast dtype (fp16 adds GradScaler)",
+        head.flag,
+        action="append",
+        type=head.rule.arg(),
+        metavar=head.rule.metavar,
+        help=f"{head.help} (default: {head.default}); given twice or more, the heads' detectors are stepped "
+        "in turn, a fresh order each round, and each is set against the first with a paired ratio",
     )
-    p.add_argument("--channels-last", action="store_true", help="model (and so its activations) in NHWC")
-    p.add_argument(
-        "--cudnn-benchmark", action="store_true", help="let cuDNN autotune conv algorithms (CUDA only)"
-    )
-    p.add_argument("--no-onednn", action="store_true", help="CPU: disable oneDNN (torch.backends.mkldnn)")
-    p.add_argument(
-        "--compile",
-        type=COMPILE.arg(),
-        metavar=COMPILE.metavar,
-        default="off",
-        help="torch.compile the box head and predictor, or the whole detector (compile steps timed apart)",
-    )
-    p.add_argument("--tf32", action="store_true", help="CUDA: TF32 for matmul and cuDNN alike")
-    p.add_argument(
-        "--linearize",
-        action="store_true",
-        help="run convolutions that are GEMMs in disguise as GEMMs where faster (rcnn.fix, mode auto)",
-    )
+    add_knob_flags(p)
     p.add_argument(
         "--backbone",
         type=BACKBONE.arg(),
@@ -552,17 +587,16 @@ def _run(args: argparse.Namespace) -> None:
             representation_size=args.representation_size,
             num_classes=num_classes,
         )
-        knobs = Knobs(
-            head=args.head,
-            amp=args.amp,
-            channels_last=args.channels_last,
-            batch_size=args.batch_size,
-            linearize=args.linearize,
-            compile=args.compile,
-            tf32=args.tf32 or (False if device.type == "cuda" else None),  # --tf32 on a CPU: refused
-            cudnn_benchmark=args.cudnn_benchmark if device.type == "cuda" else None,
-            onednn=not args.no_onednn if device.type == "cpu" else None,
-        )
+        heads = args.head or [KNOB["head"].default]
+        if len(set(heads)) < len(heads):
+            raise UserError(f"--head: {', '.join(heads)} names a head twice; allowed: each head once")
+        if len(heads) > 1 and args.compile != "off":
+            raise UserError(
+                f"--compile: {args.compile} with several heads; allowed: off (heads stepped in turn run "
+                "eager), or one --head"
+            )
+        values = {name: getattr(args, name) for name in KNOB_NAMES[1:]}
+        knobs = [knobs_for(device, head=head, **values) for head in heads]
         # No --max-warmup: the default cap, raised to --warmup so that stays the least number of warm-up
         # steps.
         policy = TimingPolicy(
@@ -573,13 +607,17 @@ def _run(args: argparse.Namespace) -> None:
             max_seconds=args.max_seconds,
             rel_precision=args.rel_precision,
         )
-        result = run_trial(config, knobs, samples, device=device, policy=policy)
+        if len(knobs) > 1:
+            times = heads_in_turn(config, knobs, samples, device=device, policy=policy)
+        else:
+            result = run_trial(config, knobs[0], samples, device=device, policy=policy)
     except ValueNotAllowed as err:  # keyed by the knob (or knobs: 'amp with onednn'): name each as its flag
-        flags = " with ".join(
-            {"onednn": "--no-onednn"}.get(key, f"--{key.replace('_', '-')}")
-            for key in err.key.split(" with ")
-        )
+        flags = " with ".join(KNOB[key].flag if key in KNOB else key for key in err.key.split(" with "))
         raise UserError(f"{flags}: {err.problem}") from err
+    if len(knobs) > 1:
+        _print_in_turn(knobs, times, device)
+        return
+    knobs = knobs[0]
     print(
         f"{knobs} on {device}, {result.rois} RoIs per step, {result.warmup_iterations} warm-up and "
         f"{result.iterations} timed steps, precision {result.precision:.1%} (met: {result.precision_met})"

@@ -1,15 +1,12 @@
 """The doctor's method: training steps timed by module until the medians settle, FLOPs counted by module,
 flags set against the measured matmul peak, each flagged module's backward run alone (rcnn.doctor.explain);
-and the
-fix measured, the original and the linearized model stepped in turn."""
+and the fix measured, the original and the linearized model stepped in turn. The step, the loops and the
+paired statistic are the measurement core's (rcnn.measure.step, .loop, .stats)."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import random
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -33,8 +30,10 @@ from rcnn.doctor.workloads import Workload
 from rcnn.fix import Swap, linearize_with
 from rcnn.measure.clock import Clock
 from rcnn.measure.device import autocast, grad_scaler
+from rcnn.measure.loop import MEASURE, in_turn, warm_up_then_measure
 from rcnn.measure.settings import AMP_DTYPES
-from rcnn.measure.stats import TimingPolicy, compare, median_precision
+from rcnn.measure.stats import TimingPolicy, median_precision, median_ratio
+from rcnn.measure.step import train_step
 from rcnn.rules import ValueNotAllowed, first_line
 
 
@@ -51,44 +50,46 @@ class Diagnosis:
 def training_step(
     workload: Workload, model: nn.Module, *, device: torch.device, amp: str, timer: ModuleTimer | None = None
 ) -> Callable[[], tuple[pd.DataFrame | None, dict]]:
-    """A function running one training step of ``model`` on the workload's batch: (the timer's table of the
-    step, or None without one; its forward and backward ms), after the device's sync."""
+    """A function running one training step of ``model`` on the workload's batch (rcnn.measure.step's
+    train_step, SGD at rate 0): (the timer's table of the step, or None without one; its forward and backward
+    ms), after the device's sync."""
     clock = timer.clock if timer else Clock(device)
     # The optimizer's arithmetic is the same at any rate; 0 keeps an untrained model on synthetic data from
     # diverging over the measured steps.
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
     scaler = grad_scaler(amp, device)
-    forward, backward = (timer.forward, timer.backward) if timer else (contextlib.nullcontext,) * 2
+    around = {"forward": timer.forward, "backward": timer.backward} if timer else {}
 
     def step() -> tuple[pd.DataFrame | None, dict]:
-        start = clock.mark()
-        with forward(), autocast(amp, device):
-            loss = workload.loss(model, workload.batch)
-        middle = clock.mark()
-        with backward():
-            scaler.scale(loss).backward()
-        end = clock.mark()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        clock.sync()
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite loss {loss.item()}")
+        ms = train_step(
+            lambda: workload.loss(model, workload.batch),
+            optimizer,
+            scaler,
+            clock,
+            amp=amp,
+            device=device,
+            **around,
+        )
         if timer:  # its phases: the spans its table's rows add up to
             return timer.step_table()
-        return None, {"forward_ms": clock.ms(start, middle), "backward_ms": clock.ms(middle, end)}
+        return None, {"forward_ms": ms["forward"], "backward_ms": ms["backward"]}
 
     return step
 
 
-def _typical(tables: list[pd.DataFrame], totals: list[dict]) -> tuple[pd.DataFrame, dict]:
+def _forward_backward(totals: Mapping[str, float]) -> float:
+    return totals["forward_ms"] + totals["backward_ms"]
+
+
+def _typical(tables: list[pd.DataFrame], totals: dict[str, list[float]]) -> tuple[pd.DataFrame, dict]:
     """The middle half of the measured steps (by backward time), averaged row by row: as robust to an outlying
     step as a median, and unlike per-row medians the rows, the OUTSIDE row included, add up to the steps'."""
-    order = sorted(range(len(totals)), key=lambda i: totals[i]["backward_ms"])
+    backward = totals["backward_ms"]
+    order = sorted(range(len(backward)), key=lambda i: backward[i])
     cut = len(order) // 4
     kept = order[cut : len(order) - cut]
     table = pd.concat([tables[i] for i in kept]).groupby(level=0, sort=False).mean()
-    total = {phase: sum(totals[i][phase] for i in kept) / len(kept) for phase in totals[0]}
+    total = {phase: sum(values[i] for i in kept) / len(kept) for phase, values in totals.items()}
     return table, total
 
 
@@ -139,7 +140,7 @@ def diagnose(
     try:
         step = training_step(workload, workload.model, device=device, amp=amp, timer=timer)
         try:  # a model that cannot take its batch fails here, on the first step
-            _, totals = step()
+            _, first = step()
         except (
             RuntimeError,
             ValueError,
@@ -155,16 +156,22 @@ def diagnose(
                 "allowed: a model of the kind its spec names, or a factory returning (model, "
                 "make_batch); if it ran out of memory, a smaller --batch-size or --image-size",
             ) from err
-        warm = [totals["forward_ms"] + totals["backward_ms"]]
-        while not policy.warmed_up(warm):
-            _, totals = step()
-            warm.append(totals["forward_ms"] + totals["backward_ms"])
-        tables, totals = [], []
-        started = time.perf_counter()
-        while not policy.done([[t["backward_ms"] for t in totals]], time.perf_counter() - started):
+        tables: list[pd.DataFrame] = []
+
+        def measured_step(part: str) -> dict:
             table, total = step()
-            tables.append(table)
-            totals.append(total)
+            if part == MEASURE:
+                tables.append(table)
+            return total
+
+        measured = warm_up_then_measure(
+            measured_step,
+            policy,
+            watched=("backward_ms",),
+            settle=_forward_backward,
+            warm=[_forward_backward(first)],  # the first step, run above
+        )
+        totals = measured.samples
         with timer.counting_flops():
             step()
         table, total = _typical(tables, totals)
@@ -198,12 +205,12 @@ def diagnose(
                 )
                 why_rows.append({"module": name, "flag": found[name][0], **alone})
         why = pd.DataFrame(why_rows, columns=list(WHY_COLUMNS))
-        backward = [t["backward_ms"] for t in totals]
+        backward = totals["backward_ms"]
         summary = {
             "forward_ms": total["forward_ms"],
             "backward_ms": total["backward_ms"],
-            "warmup_steps": len(warm),
-            "steps": len(totals),
+            "warmup_steps": len(measured.warmup),
+            "steps": len(backward),
             "precision": median_precision(backward),
             "precision_met": policy.precision_met([backward]),
             "peak_tflops": peak_tflops,
@@ -223,7 +230,7 @@ def diagnose(
 class Fixed:
     swaps: pd.DataFrame  # rcnn.fix.Swap fields: one row per eligible convolution
     after: Diagnosis | None
-    summary: dict[str, Any]  # per phase: the after/before ratio of medians with its bootstrap 95% CI
+    summary: dict[str, Any]  # per phase: the after/before ratio of medians with its paired bootstrap 95% CI
 
 
 def fix(
@@ -237,9 +244,10 @@ def fix(
     by_module: bool = True,
 ) -> Fixed:
     """Linearize ``workload``'s model in place (rcnn.fix, mode auto, at the batch, dtype and layout it trains
-    with) and measure it by module again; then step a copy of the original and the fixed model in turn, a
-    fresh order each round, until ``policy`` says stop (load and drift hit both alike), and set each phase's
-    times after against before."""
+    with) and measure it by module again; then step a copy of the original and the fixed model in turn
+    (rcnn.measure.loop.in_turn: a fresh order each round, warmed up and measured as ``policy`` says; load
+    and drift hit both alike), and set each phase's times after against before: the ratio of medians with a
+    paired bootstrap 95% CI over the rounds (rcnn.measure.stats.median_ratio)."""
     original = copy.deepcopy(workload.model)
 
     def forward() -> None:
@@ -256,38 +264,34 @@ def fix(
         else None
     )
     steps = {
-        "before": training_step(workload, original, device=device, amp=amp),
-        "after": training_step(workload, workload.model, device=device, amp=amp),
+        name: training_step(workload, model, device=device, amp=amp)
+        for name, model in (("before", original), ("after", workload.model))
     }
-    times: dict[str, list[dict]] = {"before": [], "after": []}
-    rng = random.Random(seed)
-    for _ in range(max(policy.warmup, 1)):
-        for name in steps:
-            steps[name]()
-    started = time.perf_counter()
-    while not policy.done(
-        [[t["backward_ms"] for t in times[n]] for n in times], time.perf_counter() - started
-    ):
-        for name in rng.sample(list(steps), len(steps)):
-            times[name].append(steps[name]()[1])
+    times = in_turn(
+        {name: lambda step=step: step()[1] for name, step in steps.items()},
+        policy,
+        watched=("backward_ms",),
+        settle=_forward_backward,
+        seed=seed,
+    )
     summary: dict[str, Any] = {
         "eligible": len(swaps),
         "swapped": int(swaps["swapped"].sum()),
-        "paired_steps": len(times["after"]),
+        "paired_steps": len(times["after"]["backward_ms"]),
     }
-    for phase in ("forward_ms", "backward_ms", "forward_backward_ms"):
+    for phase in ("forward", "backward", "forward_backward"):
         series = {
-            name: [
-                t["forward_ms"] + t["backward_ms"] if phase == "forward_backward_ms" else t[phase] for t in ts
-            ]
+            name: np.add(ts["forward_ms"], ts["backward_ms"])
+            if phase == "forward_backward"
+            else np.asarray(ts[f"{phase}_ms"])
             for name, ts in times.items()
         }
-        c = compare(series["after"], series["before"], seed=seed)
-        summary[phase.removesuffix("_ms")] = {
+        ratio, low, high = median_ratio(series["after"], series["before"], seed=seed)
+        summary[phase] = {
             "before_ms": float(np.median(series["before"])),
             "after_ms": float(np.median(series["after"])),
-            "ratio": c.ratio,
-            "ci_low": c.ci_low,
-            "ci_high": c.ci_high,
+            "ratio": ratio,
+            "ci_low": low,
+            "ci_high": high,
         }
     return Fixed(swaps, after, summary)

@@ -1,5 +1,6 @@
 """Statistics of per-step times, without torch: medians with bootstrap CIs, ratios between two sets of
-times, and the policy that decides when a measurement has warmed up and when it is precise enough.
+times (paired, for variants stepped in turn: ``median_ratio``), and the policy that decides when a
+measurement has warmed up and when it is precise enough.
 
 The defaults of TimingPolicy are the project's timing defaults: params.yaml's ``timing`` section and the
 commands' flags start from them.
@@ -85,6 +86,29 @@ def compare(a: Sequence[float], b: Sequence[float], seed: int = 0) -> Comparison
     return Comparison(ratio=float(np.median(x) / np.median(y)), ci_low=low, ci_high=high, p_value=p_value)
 
 
+def median_ratio(
+    numerator: Sequence[float], denominator: Sequence[float], seed: int = 0
+) -> tuple[float, float, float]:
+    """median(numerator) / median(denominator) of paired values, with a paired bootstrap 95% CI:
+    (ratio, CI low, CI high).
+
+    Value ``i`` of both comes from the same round of variants stepped in turn (rcnn.measure.loop.in_turn), so
+    the rounds, not the values, are resampled: load and drift that hit a round hit both of its values, and
+    the interval is of the ratio of the two variants' typical times under the same conditions. The paired
+    statistic of every in-turn measurement here (the doctor's fix, the benchmarks). The CI is (NaN, NaN)
+    where ``bootstrap_ci`` gives none (fewer than 3 rounds, non-finite values, nothing varies).
+    """
+    x, y = np.asarray(numerator, dtype=float), np.asarray(denominator, dtype=float)
+    if x.shape != y.shape:
+        raise ValueError(f"paired values need the same number of rounds, got {len(x)} and {len(y)}")
+
+    def ratio(a: np.ndarray, b: np.ndarray, axis: int = -1) -> np.ndarray:
+        return _median(a, axis) / _median(b, axis)
+
+    low, high = bootstrap_ci((x, y), ratio, paired=True, seed=seed)
+    return float(ratio(x, y)), low, high
+
+
 def median_precision(samples: Sequence[float]) -> float:
     """Half-width of the distribution-free 95% CI of the median (order statistics), relative to the median.
 
@@ -130,6 +154,17 @@ class TimingPolicy:
     max_iterations: int = 30
     max_seconds: float = 15.0
     rel_precision: float = 0.05
+
+    @classmethod
+    def fixed(cls, iterations: int, warmup: int = 0) -> TimingPolicy:
+        """Exactly ``warmup`` warm-up steps and ``iterations`` measured ones, however the times fall."""
+        return cls(
+            warmup=warmup,
+            max_warmup=warmup,
+            iterations=iterations,
+            max_iterations=iterations,
+            max_seconds=float("inf"),
+        )
 
     def warmed_up(self, step_ms: Sequence[float]) -> bool:
         n = len(step_ms)

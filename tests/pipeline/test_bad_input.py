@@ -209,10 +209,10 @@ CASES = [  # id, params override, what is done to the files, what the one line m
         "sweep.space.tf32: expected bool, got 'on'",
     ),
     (
-        "allow-tf32-replaced",
+        "unknown-sweep-key",
         {"sweep": {"allow_tf32": True}},
         None,
-        "sweep.allow_tf32: no longer a key; use the swept knob sweep.space.tf32",
+        "sweep.allow_tf32: unknown key; allowed: device, sampler",
     ),
     (
         "system-metrics-too-often",

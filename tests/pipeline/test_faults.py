@@ -17,6 +17,7 @@ from optuna.storages.journal import JournalFileBackend
 from pipeline import sweep
 from pipeline.params import ParamsError, TrackingParams
 from pipeline.results import read_trials
+from pipeline.tracking import EXPERIMENT_ATTEMPTS, connect_tracking
 from tests.conftest import ROOT
 from tests.pipeline.helpers import SLOW, kill_mid_trial, prepare
 
@@ -245,14 +246,14 @@ def test_a_machine_racing_another_on_the_experiment_tries_again(tmp_path, monkey
 
         return set_tag
 
-    monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
+    monkeypatch.setattr("pipeline.tracking.time.sleep", lambda s: None)
     previous_uri = mlflow.get_tracking_uri()
     try:
         duplicate = mlflow.exceptions.MlflowException(
             "duplicate key value violates unique constraint\nDETAIL: ...", error_code=BAD_REQUEST
         )
         monkeypatch.setattr(mlflow, "set_experiment_tag", failing(1, duplicate))
-        sweep.connect_tracking(tracking)
+        connect_tracking(tracking)
         assert len(tries) == 2 and "last_sweep_start" in mlflow.get_experiment_by_name("raced").tags
 
         tries.clear()
@@ -262,8 +263,8 @@ def test_a_machine_racing_another_on_the_experiment_tries_again(tmp_path, monkey
             match=r"^tracking.mlflow_uri: cannot use sqlite:///.* with experiment raced "
             r"\(MlflowException: duplicate key value violates unique constraint\)$",
         ):
-            sweep.connect_tracking(tracking)
-        assert len(tries) == sweep.EXPERIMENT_ATTEMPTS
+            connect_tracking(tracking)
+        assert len(tries) == EXPERIMENT_ATTEMPTS
 
         tries.clear()
         refused = mlflow.exceptions.MlflowException(
@@ -271,7 +272,7 @@ def test_a_machine_racing_another_on_the_experiment_tries_again(tmp_path, monkey
         )
         monkeypatch.setattr(mlflow, "set_experiment_tag", failing(99, refused))
         with pytest.raises(ParamsError, match=r"\(MlflowException: no EDIT on experiment raced\)$"):
-            sweep.connect_tracking(tracking)
+            connect_tracking(tracking)
         assert len(tries) == 1  # no second attempt changes a refusal
     finally:
         mlflow.set_tracking_uri(previous_uri)

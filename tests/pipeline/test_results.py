@@ -1,6 +1,7 @@
 import pandas as pd
 import pytest
 
+from pipeline.common import read_json
 from pipeline.results import (
     ALL_SETTINGS,
     comparisons_table,
@@ -8,12 +9,20 @@ from pipeline.results import (
     head_pairs,
     pooled_rows,
     read_env,
+    read_table,
     read_trials,
     summarize_trials,
     trial_row,
     write_trials,
 )
-from rcnn.detector.schema import MEASURED_COLUMNS, TRIAL_COLUMNS, ResultsError
+from rcnn.detector.schema import (
+    COMPARISON_COLUMNS,
+    KERNEL_COLUMNS,
+    MEASURED_COLUMNS,
+    TRIAL_COLUMNS,
+    ResultsError,
+)
+from tests.conftest import ROOT
 from tests.conftest import fake_trials as fixture
 
 
@@ -136,6 +145,34 @@ def test_round_trip_and_bad_files(tmp_path):
     path.write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(ResultsError, match="trials.csv"):
         read_trials(path)
+
+
+def test_a_table_from_before_a_column_is_refused_not_filled(tmp_path):
+    path = tmp_path / "trials.csv"
+    write_trials(fixture()[0], path)
+    read_trials(path).drop(columns=["tf32", "wall_build_s"]).to_csv(path, index=False)
+    with pytest.raises(
+        ResultsError, match="trials.csv: missing columns tf32, wall_build_s; run the sweep stage"
+    ):
+        read_trials(path)
+
+
+def test_the_h200_reference_run_reads_as_the_sweep_writes_it():
+    """reports/h200 (migrated once to the current columns) loads with today's readers, and its tables agree
+    with its summary."""
+    folder = ROOT / "reports" / "h200"
+    trials = read_trials(folder / "trials.csv")
+    assert list(trials.columns) == list(TRIAL_COLUMNS)
+    summary = read_json(folder / "summary.json")
+    assert len(trials) == summary["trials"] == 72
+    assert (trials["status"] == "complete").sum() == summary["complete"]
+    assert (trials["status"] == "not run").sum() == summary["not_run"]
+    assert set(trials["device"]) == {read_env(folder / "env.json")["fingerprint"]["device"]} == {"cuda"}
+    # From before the knobs existed: the heads as written, uncompiled, TF32 off (sweep.allow_tf32's default).
+    assert not trials["linearize"].any() and trials["compile"].eq("off").all() and not trials["tf32"].any()
+    assert trials["swapped"].isna().all() and trials["wall_measure_s"].isna().all()
+    for name, columns in (("comparisons", COMPARISON_COLUMNS), ("kernels", KERNEL_COLUMNS)):
+        assert list(read_table(folder / f"{name}.csv", columns, "sweep").columns) == list(columns)
 
 
 def test_trial_row_refuses_a_misspelt_or_missing_column():

@@ -2,16 +2,24 @@
 
 import hashlib
 import json
+import math
 import subprocess
 import sys
 
 import mlflow
 import pandas as pd
+import psutil
 import pytest
+import torch
+from PIL import Image
 
 from pipeline import data, env, report, sweep
 from pipeline.results import COMPARED_PHASES, read_trials
+from rcnn.detector.model import BACKBONE_CHANNELS, ROI_RESOLUTION
+from rcnn.detector.roofline import head_flops
 from rcnn.detector.schema import SWEEP_WALL_PARTS
+from rcnn.measure.device import amp_unavailable
+from rcnn.measure.settings import AMP_DTYPES
 from tests.conftest import ROOT, TINY_PARAMS
 from tests.pipeline.helpers import SWEEP_FILES
 
@@ -60,7 +68,18 @@ def test_data_and_env_are_reproducible(tmp_path, tiny_params):
     assert digest(tmp_path / "a") == digest(tmp_path / "b")
     envs = [json.loads((tmp_path / f"{name}.json").read_text()) for name in ("a", "b")]
     assert envs[0]["fingerprint"] == envs[1]["fingerprint"]  # stable: what the sweep depends on
-    assert envs[0]["ceilings"]["matmul_tflops"]["fp32"] > 0 and envs[0]["ceilings"]["copy_gbps"] > 0
+    fingerprint, ceilings = envs[0]["fingerprint"], envs[0]["ceilings"]
+    # This process's machine and library, on the device the params name (sweep.device: cpu).
+    assert (fingerprint["device"], fingerprint["torch"], fingerprint["cpu_threads"]) == (
+        "cpu",
+        torch.__version__,
+        torch.get_num_threads(),
+    )
+    assert "gpu" not in fingerprint
+    # A matmul peak for exactly the dtypes the amp settings use on a CPU (no TF32 here), each a measured rate.
+    usable = {dtype for amp, dtype in AMP_DTYPES.items() if amp_unavailable(amp, torch.device("cpu")) is None}
+    assert set(ceilings["matmul_tflops"]) == usable and "fp32" in usable
+    assert all(0 < v < math.inf for v in [*ceilings["matmul_tflops"].values(), ceilings["copy_gbps"]])
     coco = json.loads((tmp_path / "a" / "annotations.json").read_text())
     assert len(coco["images"]) == 4 and len(coco["categories"]) == 2
 
@@ -140,7 +159,30 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
     for phase in ("head_backward", "step"):  # NaN where too few steps for an interval
         low, median, high = (trials[f"{phase}_{s}"] for s in ("ci_low_ms", "ms", "ci_high_ms"))
         assert (low.isna() | ((low <= median) & (median <= high))).all()
-    assert (trials["head_backward_gflop"] > 0).all() and (trials["head_backward_peak_fraction"] > 0).all()
+    # The FLOPs are the head's own for its RoIs (counted apart, on the meta device); TFLOP/s are those FLOPs
+    # over the measured median, and the peak fraction that over env.json's fp32 matmul peak (amp off, CPU).
+    num_classes = len(json.loads((paths["data"] / "annotations.json").read_text())["categories"])
+    peak = json.loads(paths["env"].read_text())["ceilings"]["matmul_tflops"]["fp32"]
+    for row in trials.itertuples():
+        forward, backward = head_flops(
+            row.head,
+            rois=row.rois,
+            in_channels=BACKBONE_CHANNELS,
+            resolution=ROI_RESOLUTION,
+            representation_size=TINY_PARAMS["model"]["representation_size"],
+            num_classes=num_classes,
+        )
+        # Each against the same quantity from the unrounded FLOPs: the table keeps 4 decimals.
+        tflops = (forward / 1e9 / row.head_forward_ms, backward / 1e9 / row.head_backward_ms)
+        assert (row.head_forward_gflop, row.head_backward_gflop) == pytest.approx(
+            (forward / 1e9, backward / 1e9), rel=1e-3, abs=5.1e-5
+        )
+        assert (row.head_forward_tflops, row.head_backward_tflops) == pytest.approx(
+            tflops, rel=1e-3, abs=5.1e-5
+        )
+        assert (row.head_forward_peak_fraction, row.head_backward_peak_fraction) == pytest.approx(
+            (tflops[0] / peak, tflops[1] / peak), rel=1e-3, abs=5.1e-5
+        )
     # cross_check on: every trial has the head timed alone too (its backward is a difference of two noisy
     # times, negative at times on a loaded machine: no sign checked).
     assert trials[["isolated_head_forward_ms", "isolated_head_backward_ms"]].notna().all().all()
@@ -167,10 +209,17 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
     ]
     assert summary["conv_over_linear_head_backward"] == pytest.approx(pooled["ratio"].iloc[0], abs=1e-3)
     assert summary["conv_as_linear_over_linear_head_backward"] is None  # that head was not swept
-    best = summary["best"]
-    assert (best["head"], best["batch_size"]) in set(zip(trials["head"], trials["batch_size"]))
+    best, per_image = summary["best"], trials["step_ms"] / trials["batch_size"]
+    fastest = trials.loc[per_image.idxmin()]  # the least time per image, not per step
+    assert (best["head"], best["batch_size"]) == (fastest["head"], fastest["batch_size"])
+    assert (best["step_ms"], best["ms_per_image"]) == pytest.approx(
+        (fastest["step_ms"], per_image.min()), abs=0.051
+    )  # the summary keeps 1 decimal
     wall = summary["wall"]  # where the run's time went: the parts add up to it, timed steps a share of it
     assert set(wall["parts_s"]) == set(SWEEP_WALL_PARTS) and 0 < wall["measure_share"] < 1
+    assert wall["measure_share"] == pytest.approx(
+        wall["parts_s"]["measure"] / wall["total_s"], abs=0.1 / wall["total_s"] + 1e-3
+    )  # parts and total keep 0.1 s
     assert sum(wall["parts_s"].values()) == pytest.approx(wall["total_s"], rel=0.01, abs=0.3)
     baselines = summary["drift"]["start"]["wall_s"]["measure"] + summary["drift"]["end"]["wall_s"]["measure"]
     assert wall["parts_s"]["measure"] == pytest.approx(trials["wall_measure_s"].sum() + baselines, abs=0.1)
@@ -203,20 +252,28 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
     assert len(parents) == 1 and len(children) == 2 and len(baselines) == 2
     assert (children["tags.mlflow.parentRunId"] == parents["run_id"].iloc[0]).all()
     assert set(children["run_id"]) == set(trials["mlflow_run_id"])
-    assert children["metrics.head_backward_ms"].gt(0).all() and set(children["params.head"]) == {
-        "conv",
-        "linear",
-    }
+    # Each child run's metrics are its row of the trials table (which keeps 4 decimals), its params the knobs.
+    logged = children.set_index("run_id")
+    by_run = trials.set_index("mlflow_run_id").loc[logged.index]
+    for column in ("head_backward_ms", "step_ms", "head_backward_gflop", "iterations"):
+        assert logged[f"metrics.{column}"].tolist() == pytest.approx(by_run[column].tolist(), abs=1e-4)
+    assert logged["params.head"].tolist() == by_run["head"].tolist()
     for run_id in children["run_id"]:  # the profiled trials (here both) carry their by-module table
         assert "modules.csv" in {a.path for a in mlflow.MlflowClient().list_artifacts(run_id)}
     assert set(children["tags.trial"]) == {"0", "1"} and children["tags.torch"].notna().all()
     # System metrics, sampled every second: on the parent run, and on every run that lasted past a sample.
     assert parents["metrics.system/cpu_utilization_percentage"].notna().all()
-    assert parents["metrics.system/system_memory_usage_megabytes"].gt(0).all()
+    used = parents["metrics.system/system_memory_usage_megabytes"]
+    assert used.between(0, psutil.virtual_memory().total / 1e6, inclusive="right").all()  # used <= installed
     lasted = (children["end_time"] - children["start_time"]).dt.total_seconds() > 1.5
     assert lasted.any() and children.loc[lasted, "metrics.system/cpu_utilization_percentage"].notna().all()
     parent_metrics = mlflow.get_run(parents["run_id"].iloc[0]).data.metrics
-    assert parent_metrics["wall_measure_s"] > 0 and 0 < parent_metrics["wall_measure_share"] < 1
+    assert {part: parent_metrics[f"wall_{part}_s"] for part in SWEEP_WALL_PARTS} == wall["parts_s"]
+    assert (parent_metrics["wall_total_s"], parent_metrics["wall_measure_share"]) == (
+        wall["total_s"],
+        wall["measure_share"],
+    )
+    assert parent_metrics["conv_over_linear_head_backward"] == summary["conv_over_linear_head_backward"]
 
     # Rerun with nothing changed: the same study resumes, nothing is measured twice.
     assert sweep.main(sweep_args) == 0
@@ -248,7 +305,13 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
     elsewhere = tiny_params({"tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'other.db'}"}})
     assert sweep.main(["--params", str(elsewhere)] + sweep_args[2:]) == 0
     assert json.loads(paths["summary"].read_text())["complete"] == 2
-    assert (out / "figures" / "head_backward.png").stat().st_size > 1000
+    # Every figure is a PNG the report shows, drawn from the data under plots/ (what dvc plots reads).
+    figures = {p.stem for p in (out / "figures").glob("*.png")}
+    assert "head_backward" in figures and figures == {p.stem for p in (out / "plots").glob("*.csv")}
+    for name in figures:
+        with Image.open(out / "figures" / f"{name}.png") as image:
+            assert image.format == "PNG" and min(image.size) > 100
+        assert f"figures/{name}.png" in text
     assert pd.read_csv(out / "plots" / "head_backward.csv")["head"].tolist() == trials["head"].tolist()
 
 

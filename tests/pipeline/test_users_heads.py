@@ -6,7 +6,7 @@ import shutil
 import pandas as pd
 import pytest
 
-from pipeline import sweep
+from pipeline import sweep, sweep_setup
 from pipeline.params import load_params
 from pipeline.results import read_trials
 from tests.conftest import ROOT
@@ -52,7 +52,7 @@ def test_a_change_to_a_users_head_renames_the_study(tmp_path, tiny_params, monke
     params = load_params(tiny_params())
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "annotations.json").write_text("{}")
-    name = lambda: sweep.study_name(params, {"head": ["myheads:conv"]}, {}, tmp_path / "data")  # noqa: E731
+    name = lambda: sweep_setup.study_name(params, {"head": ["myheads:conv"]}, {}, tmp_path / "data")  # noqa: E731
     before = name()
     assert name() == before
     (tmp_path / "myheads.py").write_text("from tests.fixtures.question_heads import conv  # tuned\n")
@@ -62,11 +62,11 @@ def test_a_change_to_a_users_head_renames_the_study(tmp_path, tiny_params, monke
 def test_an_edit_anywhere_in_the_library_renames_the_study(tmp_path, tiny_params, monkeypatch):
     library = tmp_path / "rcnn"
     shutil.copytree(ROOT / "rcnn", library, ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(sweep, "LIBRARY", library)
+    monkeypatch.setattr(sweep_setup, "LIBRARY", library)
     params = load_params(tiny_params())
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "annotations.json").write_text("{}")
-    name = lambda: sweep.study_name(params, {"head": ["conv"]}, {}, tmp_path / "data")  # noqa: E731
+    name = lambda: sweep_setup.study_name(params, {"head": ["conv"]}, {}, tmp_path / "data")  # noqa: E731
     before = name()
     clock = library / "measure" / "clock.py"
     clock.write_text(clock.read_text() + "# tuned\n")

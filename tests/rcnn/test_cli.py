@@ -56,6 +56,7 @@ def test_rcnn_debug_lets_user_errors_through(monkeypatch, debug):
     assert run_command(bad) == 2
 
 
+@pytest.mark.slow
 def test_a_users_model_that_raised_keeps_its_traceback_under_rcnn_debug():
     argv = [sys.executable, "-m", "rcnn.doctor", "tests.fixtures.models:raises", "--device", "cpu"]
     plain = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)

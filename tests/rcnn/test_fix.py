@@ -257,8 +257,10 @@ def test_no_grad_unbatched_inputs_and_buffers():
     conv = nn.Conv2d(4, 8, 7)
     assert linearize(conv, torch.randn(4, 7, 7), mode="always") == []  # unbatched: not a GEMM as such
     fixed = copy.deepcopy(conv)
-    linearize(fixed, torch.randn(2, 4, 7, 7), mode="always")
-    torch.testing.assert_close(fixed(torch.randn(4, 7, 7).clone()).shape, conv(torch.randn(4, 7, 7)).shape)
+    (swap,) = linearize(fixed, torch.randn(2, 4, 7, 7), mode="always")
+    assert swap.swapped and type(fixed) is Conv2dAsLinear
+    x = torch.randn(4, 7, 7)  # unbatched after the swap: the conv's path, the conv's values
+    torch.testing.assert_close(fixed(x), conv(x))
 
 
 def test_patches_output_has_the_convs_layout():

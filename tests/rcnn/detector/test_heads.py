@@ -78,8 +78,16 @@ def test_unknown_head_names_the_allowed_ones():
         heads("mlp")
 
 
-def test_the_heads_built_are_the_heads_named():
-    assert tuple(HEADS) == HEAD_NAMES  # the tables and figures order heads by HEAD_NAMES
+def test_each_name_builds_the_first_layer_it_names():
+    first = {
+        name: [m for m in heads(name)[0] if not isinstance(m, torch.nn.Flatten)][0] for name in HEAD_NAMES
+    }
+    assert type(first["linear"]) is torch.nn.Linear and first["linear"].in_features == C * R * R
+    assert type(first["conv"]) is torch.nn.Conv2d and first["conv"].kernel_size == (R, R)
+    assert type(first["conv_as_linear"]) is Conv2dAsLinear and isinstance(
+        first["conv_as_linear"], torch.nn.Conv2d
+    )
+    assert {name: m.weight.numel() for name, m in first.items()} == dict.fromkeys(HEAD_NAMES, C * R * R * D)
 
 
 def test_conv_as_linear_runs_as_the_conv_on_inputs_larger_than_its_kernel():

@@ -14,7 +14,7 @@ from rcnn.detector.knobs import (
     why_not,
     why_not_together,
 )
-from rcnn.measure.device import autocast, grad_scaler, resolve_device, set_tf32
+from rcnn.measure.device import autocast, grad_scaler, resolve_device
 from rcnn.rules import ValueNotAllowed
 
 CPU = torch.device("cpu")
@@ -150,13 +150,6 @@ def test_backend_flags_restore_after_a_failing_trial():
     assert (torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled) == (False, True)
 
 
-@pytest.mark.parametrize("enabled", [True, False])
-def test_tf32_is_one_setting_for_matmul_and_cudnn(enabled):
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = not enabled, not enabled
-    set_tf32(enabled)
-    assert torch.backends.cuda.matmul.allow_tf32 is enabled and torch.backends.cudnn.allow_tf32 is enabled
-
-
 @pytest.mark.parametrize("tf32", [None, False, True])
 @pytest.mark.parametrize("before", [False, True])
 def test_backend_flags_set_tf32_for_both_and_restore_each(before, tf32):
@@ -212,16 +205,30 @@ def test_compile_applies_where_a_compiler_is_found():
         assert device.cxx_compiler() == compiler and why_not("compile", "model", CPU) is None
 
 
-def test_compile_modules_compiles_the_forward_and_keeps_the_hooks_eager():
+def test_compile_modules_compiles_the_forward_and_keeps_the_hooks_eager(monkeypatch):
     from rcnn.detector.model import build_detector
     from tests.conftest import TINY_CONFIG
 
+    compiled = []  # what torch.compile was given, and the stand-in it returned
+
+    def recording_compile(fn, mode=None):
+        compiled.append((fn, mode))
+        return lambda *args, **kwargs: ("compiled", fn(*args, **kwargs))
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
     model = build_detector(TINY_CONFIG, "linear")
-    assert knobs.compile_modules(model, "off") == []
+    assert knobs.compile_modules(model, "off") == [] and compiled == []
     heads = knobs.compile_modules(model, "head")
     assert heads == [model.roi_heads.box_head, model.roi_heads.box_predictor]
-    assert all("forward" in vars(m) for m in heads) and "forward" not in vars(model)  # on the instances only
-    assert knobs.compile_modules(build_detector(TINY_CONFIG, "conv"), "model")[0].forward is not None
+    # Each module's own forward, compiled on the instance: nn.Module.__call__ still runs its hooks around it.
+    assert [(fn.__self__, fn.__func__) for fn, _ in compiled] == [(m, type(m).forward) for m in heads]
+    assert {mode for _, mode in compiled} == {device.COMPILE_MODE} and "forward" not in vars(model)
+    seen = []
+    heads[0].register_forward_hook(lambda module, args, out: seen.append(out[0]))
+    assert heads[0](torch.randn(2, 256, 7, 7))[0] == "compiled" and seen == ["compiled"]
+    whole = build_detector(TINY_CONFIG, "conv")
+    compiled.clear()
+    assert knobs.compile_modules(whole, "model") == [whole] and compiled[0][0].__self__ is whole
 
 
 def head_outputs(device: torch.device, amp: str) -> tuple[torch.dtype, torch.dtype]:
@@ -252,9 +259,16 @@ def test_autocast_and_loss_scaling_on_cuda(amp, dtype, scaled):
     assert grad_scaler(amp, CUDA).is_enabled() is scaled  # fp16 gradients underflow without it
 
 
-def test_channels_last_reaches_conv_weights():
-    conv = nn.Conv2d(8, 4, 3)
-    assert conv.to(memory_format=memory_format(Knobs(channels_last=True))).weight.is_contiguous(
-        memory_format=torch.channels_last
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_knob_puts_every_conv_of_the_detector_in_its_layout(channels_last):
+    from rcnn.detector.model import build_detector
+    from tests.conftest import TINY_CONFIG
+
+    model = build_detector(TINY_CONFIG, "conv").to(
+        memory_format=memory_format(Knobs(channels_last=channels_last))
     )
-    assert conv.to(memory_format=memory_format(Knobs(channels_last=False))).weight.is_contiguous()
+    weights = [m.weight for m in model.modules() if isinstance(m, nn.Conv2d) and m.weight.shape[-1] > 1]
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    assert len(weights) > 10 and all(w.is_contiguous(memory_format=layout) for w in weights)
+    box_head_conv = model.roi_heads.box_head[0].weight  # the 7x7 conv: NHWC is not NCHW for it
+    assert box_head_conv.is_contiguous() is not channels_last

@@ -14,6 +14,7 @@ from rcnn.detector.knobs import Knobs, backend_flags
 from rcnn.detector.model import BACKBONES, build_detector
 from rcnn.detector.schema import PHASES
 from rcnn.detector.trial import Trainer, isolated_head_ms, main, run_trial
+from rcnn.doctor.attribution import ModuleTimer
 from rcnn.measure.clock import Clock, ModuleSpanProbe
 from rcnn.measure.stats import TimingPolicy
 from rcnn.rules import ValueNotAllowed
@@ -90,6 +91,27 @@ def test_head_spans_lie_inside_the_forward_and_the_backward(head):
     assert [who for who, _ in log] == ["step", "head", "head", "step", "head", "head", "step", "step"]
     stamps = [stamp for _, stamp in log]
     assert stamps == sorted(stamps)
+
+
+def test_a_trainer_step_is_the_measure_step_with_the_heads_spans_and_the_doctors_modules():
+    knobs = Knobs(head="linear", batch_size=1)
+    with backend_flags(knobs):
+        trainer = Trainer(TINY_CONFIG, knobs, SAMPLES, device=CPU)
+        timer = ModuleTimer(trainer.model, trainer.clock)
+        try:
+            ms = trainer.step(0, modules=timer)
+            table, totals = timer.step_table()
+            trainer.model = lambda images, targets: {"loss": torch.tensor(float("nan"), requires_grad=True)}
+            with pytest.raises(FloatingPointError, match="^non-finite loss nan at step 3$"):
+                trainer.step(3)
+        finally:
+            timer.remove()
+            trainer.close()
+    assert list(ms) == list(PHASES)
+    assert_phases_add_up({phase: [value] for phase, value in ms.items()})
+    # The doctor's forward and backward lie inside the step's, once each.
+    assert 0 < totals["forward_ms"] <= ms["forward"] and 0 < totals["backward_ms"] <= ms["backward"]
+    assert table.loc["roi_heads.box_head", "calls"] == 1
 
 
 # (policy, batch size, warm-up steps, timed steps): the policy's bounds decide how many steps run.
@@ -359,7 +381,12 @@ def slow_compiler(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, mode=None: real(fn, backend=slow_backend))
 
 
-def test_compile_steps_are_timed_apart_and_kept_out_of_the_medians(slow_compiler):
+def test_compile_steps_are_timed_apart_and_kept_out_of_the_medians(slow_compiler, monkeypatch):
+    steps = []  # every step's time, in the order run
+    real_step = Trainer.step
+    monkeypatch.setattr(
+        Trainer, "step", lambda self, *a, **k: steps.append(real_step(self, *a, **k)) or steps[-1]
+    )
     result = run_trial(TINY_CONFIG, Knobs(head="conv", compile="head"), SAMPLES, device=CPU, policy=QUICK)
     compiled = result.compiled
     # The first step compiles the box head's and the predictor's forwards: a graph each, a second each.
@@ -368,7 +395,9 @@ def test_compile_steps_are_timed_apart_and_kept_out_of_the_medians(slow_compiler
     assert (
         result.warmup_iterations == 1 and result.iterations == 2
     )  # QUICK's bounds: compiling is not warm-up
-    assert max(result.samples["step"]) < 1000 and result.median("head_backward") > 0
+    # Step 0 compiled: its time is the compile time alone; step 1 warmed up; steps 2 and 3 are the samples.
+    assert len(steps) == 4 and compiled.compile_ms == steps[0]["step"]
+    assert result.samples["step"] == [s["step"] for s in steps[2:]] and result.median("head_backward") > 0
     row = result.row()
     assert (
         row["compile_ms"] == compiled.compile_ms and row["graph_breaks"] == 0 and row["wall_compile_s"] >= 2.0
@@ -414,3 +443,52 @@ def test_graph_breaks_at_the_timing_probes_hooks_are_listed_not_counted():
     compiled = counters.compiled(compile_ms=5.0, compile_steps=1)
     assert compiled.graph_breaks == 0  # the model itself compiles whole
     assert "(the timing probe, not counted)\n" in compiled.break_reasons
+
+
+def test_several_heads_are_stepped_in_turn_round_by_round(monkeypatch):
+    order = []
+    real_step = Trainer.step
+
+    def logged(self, number, modules=None):
+        order.append((self.knobs.head, number))
+        return real_step(self, number, modules)
+
+    monkeypatch.setattr(Trainer, "step", logged)
+    knobs = [Knobs(head="conv", onednn=True), Knobs(head="linear", onednn=True)]
+    policy = TimingPolicy(warmup=1, max_warmup=1, iterations=4, max_iterations=4)
+    times = bench.heads_in_turn(TINY_CONFIG, knobs, SAMPLES, device=CPU, policy=policy, seed=0)
+    assert list(times) == ["conv", "linear"]
+    assert all(
+        len(times[head][phase]) == 4 for head in times for phase in ("head_backward", "backward", "step")
+    )
+    rounds = [order[i : i + 2] for i in range(0, len(order), 2)]
+    assert len(rounds) == 5 and all({head for head, _ in r} == {"conv", "linear"} for r in rounds)
+    assert len({tuple(head for head, _ in r) for r in rounds}) == 2  # the order changes between rounds
+    for head in ("conv", "linear"):  # each detector steps through its own batches: 0, 1, 2, ...
+        assert [n for h, n in order if h == head] == list(range(5))
+
+
+@pytest.mark.slow
+def test_the_bench_with_two_heads_prints_their_paired_ratio(capsys):
+    argv = ["--head", "conv", "--head", "linear", "--device", "cpu", "--backbone", "mobilenet_v3_fpn",
+            "--image-size", "64", "--num-images", "2", "--rois-per-image", "8", "--representation-size", "32",
+            "--warmup", "1", "--iterations", "3", "--max-iterations", "3"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("2 heads stepped in turn on cpu, 3 rounds, oneDNN on, amp off, NCHW, bs 2\n")
+    line = re.search(
+        r"linear / conv \(paired over rounds\): head_backward ([\d.]+)x \[95% CI ([\d.]+|nan), ", out
+    )
+    assert line, out
+
+
+SEVERAL_HEADS_REFUSED = [
+    (["--head", "conv", "--head", "conv"], "--head: conv, conv names a head twice; allowed: each head once"),
+    (["--head", "conv", "--head", "linear", "--compile", "head"], "--compile: head with several heads"),
+]
+
+
+@pytest.mark.parametrize("argv, message", SEVERAL_HEADS_REFUSED)
+def test_several_heads_refuse_what_cannot_be_stepped_in_turn(capsys, argv, message):
+    assert main([*argv, "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {message}")

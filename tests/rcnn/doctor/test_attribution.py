@@ -3,7 +3,7 @@ import torch
 
 from rcnn.doctor.attribution import ModuleTimer
 from rcnn.doctor.columns import OUTSIDE, ROOT
-from rcnn.doctor.diagnosis import diagnose
+from rcnn.doctor.diagnosis import diagnose, training_step
 from rcnn.doctor.workloads import build_workload
 from rcnn.measure.clock import Clock
 from rcnn.measure.stats import TimingPolicy
@@ -42,6 +42,23 @@ def test_backward_is_charged_to_the_module_that_created_it(monkeypatch, one_thre
     # more.
     assert slept.loc[ROOT, "backward_inclusive_ms"] >= slept.loc["sleepy", "backward_ms"]
     assert slept.loc["sleepy", "backward_inclusive_ms"] == slept.loc["sleepy", "backward_ms"]
+
+
+def test_the_doctors_training_step_is_the_measure_step_at_rate_zero(monkeypatch):
+    monkeypatch.setattr(models, "SLEEP_S", 0.0)
+    workload = build_workload("tests.fixtures.models:sleepy", batch_size=8, image_size=64, device=CPU)
+    weights = {name: p.detach().clone() for name, p in workload.model.named_parameters()}
+    table, totals = training_step(workload, workload.model, device=CPU, amp="off")()
+    assert table is None and set(totals) == {"forward_ms", "backward_ms"} and min(totals.values()) > 0
+    timer = ModuleTimer(workload.model, Clock(CPU))
+    step = training_step(workload, workload.model, device=CPU, amp="off", timer=timer)
+    for _ in range(2):  # the timer's forward and backward wrap each step's, once: the calls of one step
+        table, totals = step()
+        assert table.loc[ROOT, "calls"] == 1 and table.loc["sleepy", "calls"] == 2
+        assert table["backward_ms"].sum() == pytest.approx(totals["backward_ms"])
+    assert all(p.grad is None for p in workload.model.parameters())  # stepped, gradients reset
+    assert all(torch.equal(p, weights[name]) for name, p in workload.model.named_parameters())  # rate 0
+    timer.remove()
 
 
 def test_interleaved_branches_keep_their_own_time(one_thread):

@@ -1,7 +1,15 @@
 import numpy as np
 import pytest
 
-from rcnn.measure.stats import TimingPolicy, bootstrap_ci, compare, geomean_ratio, median_precision, summarize
+from rcnn.measure.stats import (
+    TimingPolicy,
+    bootstrap_ci,
+    compare,
+    geomean_ratio,
+    median_precision,
+    median_ratio,
+    summarize,
+)
 
 
 def test_summarize_median_and_iqr():
@@ -80,3 +88,34 @@ def test_geomean_of_ratios_resamples_each_setting():
     ratio, low, high = geomean_ratio(pairs)
     assert ratio == pytest.approx(4.0, rel=0.05) and low < ratio < high and high / low < 1.2
     assert geomean_ratio([([2.0] * 9, [1.0] * 9), ([8.0] * 9, [1.0] * 9)])[0] == pytest.approx(4.0)
+
+
+def test_the_paired_ratio_of_known_values_is_exact():
+    # Every pair is 2:1, so every paired resample's ratio is 2: the CI is the point.
+    assert median_ratio([2.0, 4.0, 6.0, 8.0, 10.0], [1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 2.0, 2.0)
+    # The ratio of the medians (6 / 2), not the median of the per-round ratios (0.5, 10, 2: 2).
+    assert median_ratio([1.0, 10.0, 6.0], [2.0, 1.0, 3.0])[0] == 3.0
+    ratio, low, high = median_ratio([4.0, 8.0], [2.0, 2.0])  # too few rounds for a CI
+    assert ratio == 3.0 and np.isnan(low) and np.isnan(high)
+    with pytest.raises(ValueError, match="same number of rounds"):
+        median_ratio([1.0, 2.0, 3.0], [1.0, 2.0])
+
+
+def test_pairing_removes_the_drift_both_variants_share():
+    rng = np.random.default_rng(7)
+    drift = np.linspace(10.0, 30.0, 30)  # load that rises over the rounds, hitting both alike
+    before = drift * rng.normal(1.0, 0.01, 30)
+    after = 0.5 * drift * rng.normal(1.0, 0.01, 30)
+    ratio, low, high = median_ratio(after, before)
+    assert low < 0.5 < high and high - low < 0.05
+    unpaired = compare(after, before)  # each side resampled alone: the drift lands in the CI
+    assert unpaired.ci_high - unpaired.ci_low > 5 * (high - low)
+
+
+def test_a_fixed_policy_runs_exactly_its_steps_however_the_times_fall():
+    policy = TimingPolicy.fixed(4, warmup=2)
+    assert [policy.warmed_up([900.0, 1.0][:n]) for n in range(3)] == [False, False, True]  # never settled
+    stops = [policy.done([[5.0] * n], elapsed_s=1e9) for n in range(5)]  # no time limit
+    assert stops == [False] * 4 + [True]
+    assert policy.done([[5.0, 90.0, 1.0, 40.0]], elapsed_s=0.0)  # noisy, no time spent: still the 4th stops
+    assert TimingPolicy.fixed(1).warmed_up([])  # no warm-up at all

@@ -1,0 +1,250 @@
+"""The trial runner: one worker's trials of the study, each measuring one setting of the knobs into a row of
+the trials table (timing statistics, FLOPs against the measured peak, the head timed alone, where the wall
+time went) inside an MLflow child run of the sweep's parent run; and the drift baselines, outside the study.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import time
+from dataclasses import asdict
+
+import mlflow
+import optuna
+import pandas as pd
+import torch
+
+from pipeline.params import Params
+from pipeline.progress import Progress
+from pipeline.stopping import TrialTimeout, interrupts, time_limit
+from pipeline.study import WorkQueue, next_trial
+from pipeline.sweep_setup import Setup
+from pipeline.tracking import killed_on_interrupt
+from rcnn.detector.knobs import Knobs
+from rcnn.detector.model import BACKBONE_CHANNELS, ROI_RESOLUTION, DetectorConfig
+from rcnn.detector.roofline import head_flops
+from rcnn.detector.schema import KNOB_NAMES, TRIAL_WALL_PARTS
+from rcnn.detector.trial import TrialResult, isolated_head_ms, run_trial
+from rcnn.measure.machine import achieved
+from rcnn.measure.settings import peak_dtype
+from rcnn.rules import first_line
+
+
+def matmul_peak(ceilings: dict, knobs: Knobs) -> float | None:
+    """The measured matmul peak (TFLOP/s) a trial's FLOP/s compare against: its dtype's, TF32's where on."""
+    return ceilings.get("matmul_tflops", {}).get(peak_dtype(knobs.amp, knobs.tf32))
+
+
+def measured_columns(
+    result: TrialResult,
+    knobs: Knobs,
+    config: DetectorConfig,
+    ceilings: dict,
+    isolated: tuple[float, float] = (float("nan"), float("nan")),
+) -> dict:
+    """What a trial measured, as the trials table's MEASURED_COLUMNS: timing statistics, the head's FLOPs and
+    where they sit against the peak, and the ``isolated`` head's forward and backward ms (the cross-check)."""
+    forward, backward = head_flops(
+        knobs.head,
+        rois=result.rois,
+        in_channels=BACKBONE_CHANNELS,
+        resolution=ROI_RESOLUTION,
+        representation_size=config.representation_size,
+        num_classes=config.num_classes,
+    )
+    peak = matmul_peak(ceilings, knobs)
+    fwd_tflops, fwd_fraction = achieved(forward, result.median("head_forward"), peak)
+    bwd_tflops, bwd_fraction = achieved(backward, result.median("head_backward"), peak)
+    return result.row() | {
+        "head_forward_gflop": forward / 1e9,
+        "head_backward_gflop": backward / 1e9,
+        "head_forward_tflops": fwd_tflops,
+        "head_backward_tflops": bwd_tflops,
+        "head_forward_peak_fraction": fwd_fraction,
+        "head_backward_peak_fraction": bwd_fraction,
+        "isolated_head_forward_ms": isolated[0],
+        "isolated_head_backward_ms": isolated[1],
+    }
+
+
+class Sweep:
+    """Runs trials of one study, each as an MLflow child run of the sweep's parent run."""
+
+    def __init__(self, params: Params, setup: Setup, parent_run_id: str, progress: Progress) -> None:
+        self.params, self.setup, self.parent_run_id, self.progress = params, setup, parent_run_id, progress
+        self.samples, self.config, self.device = setup.samples, setup.config, setup.device
+        self.ceilings, self.tags, self.profiled = setup.ceilings, setup.tags, setup.profiled
+        self.worker = f"{socket.gethostname()}:{os.getpid()}"
+        self.failures = 0
+        self.policy = params.timing.policy()
+        self.system_metrics = bool(params.tracking.system_metrics_s)
+
+    def measure_in_run(
+        self, knobs: Knobs, run_name: str, tags: dict[str, str], trial: optuna.Trial | None = None
+    ) -> tuple[TrialResult, dict, str]:
+        """Measure ``knobs`` in a nested MLflow run (FAILED with the error if it raises, KILLED on the trial
+        time limit or Ctrl-C) that records the knobs, the measured columns as metrics and any kernel table:
+        (result, measured columns, the run's id)."""
+        setting = {k: v for k, v in asdict(knobs).items() if k != "head"}
+        profile = trial is not None and setting in self.profiled  # the baselines measure drift only
+        started = time.perf_counter()
+        with (
+            mlflow.start_run(
+                run_name=run_name,
+                nested=True,
+                parent_run_id=self.parent_run_id,
+                tags=self.tags | tags | {"worker": self.worker},
+                log_system_metrics=self.system_metrics,
+            ) as run,
+            killed_on_interrupt(),
+        ):
+            if trial is not None:
+                trial.set_user_attr("mlflow_run_id", run.info.run_id)
+                trial.set_user_attr("worker", self.worker)
+            mlflow.log_params(asdict(knobs) | asdict(self.config) | {"threads": torch.get_num_threads()})
+            try:
+                with time_limit(self.params.sweep.trial_timeout_s):
+                    result, row = self.measure(knobs, profile)
+            except TrialTimeout as err:
+                mlflow.set_tags({"error": first_line(err), "status": "timeout"})
+                mlflow.end_run(status="KILLED")
+                raise
+            except Exception as err:
+                mlflow.set_tag("error", first_line(err))
+                raise
+            finally:
+                gc.collect()
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+            # NaN is not a metric; the swapped modules are words
+            mlflow.log_metrics(
+                {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and v == v}
+            )
+            if row["swapped"]:
+                mlflow.set_tag("swapped", row["swapped"])
+            if result.kernels:
+                # An artifact name has no ':': a user's head package.module:factory reads
+                # package.module.factory.
+                mlflow.log_table(
+                    pd.DataFrame(result.kernels), artifact_file=f"kernels/{knobs.head.replace(':', '.')}.json"
+                )
+            if result.modules:
+                mlflow.log_text(pd.DataFrame(result.modules).to_csv(index=False), "modules.csv")
+            if result.compiled and result.compiled.break_reasons:
+                mlflow.log_text(result.compiled.break_reasons, "graph_breaks.txt")
+        # Logging: the run's time that no measuring part took (its MLflow calls, clean-up).
+        row["wall_logging_s"] = (
+            time.perf_counter()
+            - started
+            - sum(v for k, v in row.items() if k.startswith("wall_") and k != "wall_logging_s" and v == v)
+        )
+        self.progress.line(
+            f"  step {result.median('step'):.0f} ms, backward {result.median('backward'):.0f} ms, head "
+            "backward "
+            f"{result.median('head_backward'):.1f} ms ({result.iterations} steps, precision "
+            f"{'n/a' if result.precision == float('inf') else format(result.precision, '.1%')})"
+        )
+        return result, row, run.info.run_id
+
+    def measure(self, knobs: Knobs, profile: bool) -> tuple[TrialResult, dict]:
+        """Time one configuration (kernel tables too if ``profile``): (result, measured columns). Writes no
+        store."""
+        with interrupts.interruptible():  # no store is written in here: Ctrl-C may stop it at once
+            result = run_trial(
+                self.config,
+                knobs,
+                self.samples,
+                device=self.device,
+                policy=self.policy,
+                seed=self.params.sweep.seed,
+                profile_steps=self.params.sweep.profile_steps if profile else 0,
+                peak_tflops=matmul_peak(self.ceilings, knobs),
+            )
+            started = time.perf_counter()
+            isolated = (
+                isolated_head_ms(self.config, knobs, rois=result.rois, device=self.device)
+                if self.params.sweep.cross_check and profile
+                else (float("nan"), float("nan"))
+            )
+            cross_check_s = time.perf_counter() - started
+        return result, measured_columns(result, knobs, self.config, self.ceilings, isolated) | {
+            "wall_cross_check_s": cross_check_s
+        }
+
+    def objective(self, trial: optuna.Trial) -> float:
+        """Measure the trial's knobs and record the row on it; the error is recorded on the trial if it
+        raises."""
+        grid = self.setup.grid
+        knobs = Knobs(**{name: trial.suggest_categorical(name, grid[name]) for name in KNOB_NAMES})
+        self.progress.start(f"trial {trial.number}: {knobs}")
+        try:
+            result, row, _ = self.measure_in_run(
+                knobs, f"trial-{trial.number}", {"trial": str(trial.number)}, trial
+            )
+        except Exception as err:
+            trial.set_user_attr("error", first_line(err))
+            if isinstance(err, TrialTimeout):
+                trial.set_user_attr("status", "timeout")
+            self.failures += 1
+            self.progress.line(f"  {first_line(err)}")
+            raise
+        finally:
+            self.progress.done()
+        trial.set_user_attr("result", row)
+        trial.set_user_attr("samples", result.samples)
+        if result.kernels:
+            trial.set_user_attr("kernels", result.kernels)
+        if result.modules:
+            trial.set_user_attr("modules", result.modules)
+        return result.median("step")
+
+    def work(self, study: optuna.Study, deadline: float) -> int:
+        """Run trials until the sweep has none left for this worker or the deadline (wall clock) passes: no
+        new trial starts after it. Returns the count of trials that failed or timed out. Where heartbeats
+        are on (RDB storage), a worker with nothing queued waits while other machines' trials run, since a
+        dead one's point comes back to the queue."""
+        with interrupts.held():
+            return self._work(WorkQueue(study), deadline)
+
+    def _work(self, queue: WorkQueue, deadline: float) -> int:
+        while time.time() < deadline:
+            interrupts.check()  # a Ctrl-C during the last trial's bookkeeping
+            queue.fail_stale()
+            trial = next_trial(queue, self.params)
+            if trial is None:
+                if not queue.may_refill():
+                    break
+                with interrupts.interruptible():
+                    time.sleep(min(self.params.sweep.heartbeat_s, max(0.0, deadline - time.time())))
+                continue
+            with queue.heartbeat(trial):
+                try:
+                    value = self.objective(trial)
+                except Exception:  # recorded on the trial and its MLflow run; the sweep goes on
+                    queue.fail(trial)
+                    continue
+                except KeyboardInterrupt:  # its MLflow run is KILLED already; the trial waits for the rerun
+                    queue.fail_interrupted(trial)
+                    raise
+            queue.complete(trial, value)
+        return self.failures
+
+    def baseline(self, point: dict, when: str) -> dict[str, float] | None:
+        """Measure the run-order's first point again, outside the study, to see drift over the sweep;
+        None if it fails (its MLflow run says why): drift is then unknown, the sweep goes on."""
+        self.progress.line(f"baseline ({when}): {point}")
+        try:
+            result, row, run_id = self.measure_in_run(
+                Knobs(**point), f"baseline-{when}", {"role": f"baseline-{when}"}
+            )
+        except Exception as err:
+            self.progress.line(f"  baseline failed: {first_line(err)}")
+            return None
+        return {
+            "step_ms": result.median("step"),
+            "head_backward_ms": result.median("head_backward"),
+            "mlflow_run_id": run_id,
+            "wall_s": {part: row[f"wall_{part}_s"] for part in TRIAL_WALL_PARTS},
+        }

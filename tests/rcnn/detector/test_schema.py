@@ -1,0 +1,85 @@
+"""Each knob is declared once (rcnn.detector.schema.KNOBS): params.yaml, the bench's flags, the grid, the
+tables, the knob effects' baseline and the report's labels all follow the declaration."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from rcnn.detector.schema import KNOB, KNOBS, TRIAL_COLUMNS, setting_label
+from tests.conftest import ROOT
+
+DUMMY = (
+    'Knob("dummy", (False, True), "a knob that changes nothing", baseline=False, flag="--dummy", '
+    'label=lambda v: "dummy" if v else "")'
+)
+
+CHECK = """
+import torch
+from pipeline.analysis import DEFAULTS
+from pipeline.params import ProfileAt, SpaceParams, parse_params
+from rcnn.detector.knobs import Knobs, applicable_space, knobs_for
+from rcnn.detector.schema import TRIAL_COLUMNS, setting_label
+from rcnn.detector.trial import _parser
+
+params = parse_params({"sweep": {"space": {"dummy": [True]}, "profile_at": [{"dummy": True}]}})
+assert SpaceParams().dummy == (False, True) and params.sweep.space.dummy == (True,)
+assert params.sweep.profile_at == (ProfileAt(dummy=True),)
+grid, skipped = applicable_space(params.sweep.space.as_dict(), torch.device("cpu"))
+assert grid["dummy"] == [True], grid
+assert _parser().parse_args(["--dummy"]).dummy is True and _parser().parse_args([]).dummy is False
+assert knobs_for(torch.device("cpu"), dummy=True) == Knobs(dummy=True, onednn=True)
+assert "dummy" in TRIAL_COLUMNS and DEFAULTS["dummy"] is False
+assert setting_label({"amp": "off", "dummy": "True"}) == "amp off, dummy", setting_label({"dummy": "True"})
+print("ok")
+"""
+
+
+@pytest.mark.slow  # in a subprocess, on a copy of the library
+def test_a_knob_declared_in_one_place_reaches_params_the_flags_and_the_grid(tmp_path):
+    for folder in ("rcnn", "pipeline"):
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    schema = tmp_path / "rcnn" / "detector" / "schema.py"
+    text = schema.read_text()
+    assert text.count("\n)\nKNOB = ") == 1
+    schema.write_text(text.replace("\n)\nKNOB = ", f"\n    {DUMMY},\n)\nKNOB = "))
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout == "ok\n", done.stderr[-3000:]
+
+
+def test_the_declarations_are_consistent():
+    for knob in KNOBS:
+        assert knob.flag.startswith("--") and knob.help
+        assert all(type(v) is knob.kind for v in knob.space)
+        if knob.rule is not None:
+            assert all(knob.rule.problem(v) is None for v in knob.space)
+        if knob.device:
+            assert knob.kind is bool and knob.backend and knob.baseline is not None
+    assert TRIAL_COLUMNS[6 : 6 + len(KNOBS)] == tuple(KNOB)  # the setup columns, then the knobs in order
+
+
+def test_a_setting_label_says_each_applicable_knob():
+    setting = {
+        "cudnn_benchmark": "n/a",
+        "onednn": "False",
+        "amp": "bf16",
+        "channels_last": "True",
+        "batch_size": "2",
+        "linearize": "True",
+        "tf32": "n/a",
+        "compile": "head",
+    }
+    assert setting_label(setting) == "oneDNN off, amp bf16, NHWC, bs 2, linearized, compiled head"
+    assert setting_label(setting, skip=("batch_size", "compile")) == "oneDNN off, amp bf16, NHWC, linearized"
+    cuda = {
+        **setting,
+        "cudnn_benchmark": True,
+        "onednn": None,
+        "tf32": False,
+        "linearize": False,
+        "compile": "off",
+    }
+    assert setting_label(cuda) == "bench on, amp bf16, NHWC, bs 2, TF32 off"

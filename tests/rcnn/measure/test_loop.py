@@ -1,0 +1,163 @@
+"""rcnn.measure.loop: the one warm-up-then-measure loop and the one in-turn method, with its paired ratio."""
+
+import itertools
+import random
+import time
+
+import pytest
+import torch
+
+from rcnn.measure.clock import Clock
+from rcnn.measure.loop import MEASURE, WARMUP, in_turn, warm_up_then_measure
+from rcnn.measure.stats import TimingPolicy, median_ratio
+
+NOISY = [1.0, 100.0]  # alternating: never settled, a median never known to 5%
+NEVER_PRECISE = TimingPolicy(warmup=1, max_warmup=1, iterations=3, max_iterations=5, max_seconds=float("inf"))
+
+
+def stepper(values, log=None):
+    """A step function for warm_up_then_measure returning {'step': the next of ``values``} (cycling), logging
+    the part it is run in."""
+    cycle = itertools.cycle(values)
+
+    def step(part):
+        if log is not None:
+            log.append(part)
+        return {"step": next(cycle), "other": -1.0}
+
+    return step
+
+
+# -- warm up, then measure
+
+
+def test_measuring_stops_at_max_iterations_when_precision_is_never_met():
+    log = []
+    measured = warm_up_then_measure(stepper(NOISY, log), NEVER_PRECISE, watched=("step",))
+    assert log == [WARMUP] + [MEASURE] * 5
+    assert measured.warmup == [1.0] and measured.samples == {
+        "step": [100.0, 1.0, 100.0, 1.0, 100.0],
+        "other": [-1.0] * 5,
+    }
+    assert measured.skipped == 0
+
+
+def test_measuring_stops_once_the_watched_median_is_precise():
+    policy = TimingPolicy(warmup=0, max_warmup=0, iterations=2, max_iterations=50, max_seconds=float("inf"))
+    measured = warm_up_then_measure(stepper([7.0]), policy, watched=("step",))
+    assert measured.series("step") == [7.0] * 6  # 6: the fewest samples a 95% CI of the median needs
+    # Every watched value must be precise: one noisy value keeps measuring to the bound.
+    noisy = stepper(NOISY)
+    both = warm_up_then_measure(
+        lambda part: {"steady": 7.0, **noisy(part)}, policy, watched=("steady", "step")
+    )
+    assert len(both.series("steady")) == 50
+
+
+def test_measuring_stops_out_of_time_after_the_least_number():
+    policy = TimingPolicy(warmup=0, max_warmup=0, iterations=3, max_iterations=50, max_seconds=0.0)
+    assert len(warm_up_then_measure(stepper(NOISY), policy, watched=("step",)).series("step")) == 3
+
+
+def test_warm_up_runs_until_the_settle_values_settle_counting_those_given():
+    policy = TimingPolicy(
+        warmup=2, max_warmup=8, settle_window=2, settle_tolerance=0.1, iterations=1, max_iterations=1
+    )
+    measured = warm_up_then_measure(stepper([500.0, 120.0, 100.0, 101.0, 3.0]), policy, watched=("step",))
+    assert measured.warmup == [500.0, 120.0, 100.0, 101.0] and measured.series("step") == [3.0]
+    # A first step run apart counts; settle may be a function of the step's values.
+    given = warm_up_then_measure(
+        stepper([100.0, 50.0]),
+        policy,
+        watched=("step",),
+        warm=[100.0],
+        settle=lambda s: s["step"] - s["other"],
+    )
+    assert given.warmup == [100.0, 101.0] and given.series("step") == [50.0]
+
+
+def test_a_step_that_is_no_sample_is_neither_warm_up_nor_measured():
+    calls, log = itertools.count(), []
+
+    def step(part):  # calls 0 and 3 "compile": no sample
+        number = next(calls)
+        log.append(part)
+        return None if number in (0, 3) else {"step": 10.0 + number}
+
+    policy = TimingPolicy.fixed(3, warmup=2)
+    measured = warm_up_then_measure(
+        step, policy, watched=("step",), before_measuring=lambda: log.append("reset")
+    )
+    assert measured.warmup == [11.0, 12.0] and measured.series("step") == [14.0, 15.0, 16.0]
+    assert measured.skipped == 1 + 1 and log == [WARMUP] * 3 + ["reset"] + [MEASURE] * 4
+
+
+def test_a_step_without_a_watched_value_is_refused_rather_than_measured_forever():
+    with pytest.raises(KeyError, match="the step returned no backward; it returned step, other"):
+        warm_up_then_measure(stepper([1.0]), NEVER_PRECISE, watched=("backward",))
+    with pytest.raises(ValueError):
+        warm_up_then_measure(stepper([1.0]), NEVER_PRECISE, watched=())
+
+
+# -- in turn
+
+
+def logging_steps(names, log):
+    """Step functions that log their name and return {'step': how many steps that variant has run}."""
+
+    def step(name, counter):
+        return lambda: log.append(name) or {"step": float(next(counter))}
+
+    return {name: step(name, itertools.count()) for name in names}
+
+
+def test_each_round_steps_every_variant_once_in_a_fresh_random_order():
+    names, log = ["a", "b", "c"], []
+    times = in_turn(logging_steps(names, log), TimingPolicy.fixed(8, warmup=2), seed=3)
+    rounds = [tuple(log[i : i + 3]) for i in range(0, len(log), 3)]
+    assert len(rounds) == 2 + 8 and all(sorted(r) == names for r in rounds)  # once each, every round
+    assert len(set(rounds)) > 1  # the order changes between rounds
+    rng = random.Random(3)  # exactly random.Random(seed).sample, round after round
+    assert rounds == [tuple(rng.sample(names, 3)) for _ in rounds]
+    assert (
+        in_turn(logging_steps(names, other := []), TimingPolicy.fixed(8, warmup=2), seed=4) and other != log
+    )
+    # The warm-up rounds are not measured: each variant's values are its steps 2..9, one per round.
+    assert times == {name: {"step": [float(i) for i in range(2, 10)]} for name in names}
+
+
+def test_warm_up_rounds_go_on_until_every_variant_settles_and_rounds_until_every_one_is_precise():
+    policy = TimingPolicy(
+        warmup=1, max_warmup=10, settle_window=2, settle_tolerance=0.1, iterations=2, max_iterations=40
+    )
+    settled = itertools.cycle([5.0])
+    late = iter([90.0, 60.0, 30.0, 20.0, 10.0, 10.0])  # settles on its 6th step
+    noisy = itertools.cycle(NOISY)
+    steps = {"settled": lambda: {"step": next(settled)}, "late": lambda: {"step": next(late, 10.0)}}
+    times = in_turn(steps, policy)
+    assert next(late, "spent") == "spent"  # all six warm-up values were used: six warm-up rounds
+    assert {len(v["step"]) for v in times.values()} == {6}  # both precise (constant) after the fewest, 6
+    steps["noisy"] = lambda: {"step": next(noisy)}
+    assert {len(v["step"]) for v in in_turn(steps, policy).values()} == {
+        40
+    }  # one noisy variant: to the bound
+
+
+def sleeps(count: int, clock: Clock):
+    """A step that sleeps ``count`` times 2 ms, timed by the clock."""
+
+    def run():
+        for _ in range(count):
+            time.sleep(0.002)
+
+    return lambda: {"step": clock.time(run)}
+
+
+def test_the_paired_ratio_of_a_step_sleeping_twice_as_long_is_two():
+    clock = Clock(torch.device("cpu"))
+    times = in_turn({"twice": sleeps(2, clock), "once": sleeps(1, clock)}, TimingPolicy.fixed(20, warmup=1))
+    ratio, low, high = median_ratio(times["twice"]["step"], times["once"]["step"])
+    # Each sleep overshoots its 2 ms a little and the paired CI is a fraction of a percent wide, so 2 itself
+    # may fall just outside it: the CI must reach 2 to within 2%, and lie far from 1.
+    assert low <= 2 * 1.02 and high >= 2 / 1.02, (ratio, low, high)
+    assert low > 1.5 and ratio == pytest.approx(2, rel=0.05)
