@@ -28,9 +28,8 @@ def reference_setting(trials: pd.DataFrame, preferred: list[dict] | None = None)
     done = complete(trials)
     counts = done.groupby(list(OTHER_KNOBS), dropna=False, sort=False)["head"].nunique()
     for setting in preferred or []:
-        key = tuple(
-            "n/a" if setting.get(k) is None else setting.get(k) for k in OTHER_KNOBS
-        )  # as the table reads
+        # As the table reads
+        key = tuple("n/a" if setting.get(k) is None else setting.get(k) for k in OTHER_KNOBS)
         if key in counts.index and counts[key] == counts.max():
             return dict(zip(OTHER_KNOBS, key))
     return dict(zip(OTHER_KNOBS, counts.idxmax()))

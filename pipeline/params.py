@@ -121,14 +121,12 @@ SpaceParams.__module__ = ProfileAt.__module__ = __name__
 class SweepParams:
     device: str = _field("auto", settings.DEVICE)
     sampler: str = _field("grid", Rule(choices=("grid", "tpe")))
-    n_trials: int | None = _field(
-        None, Rule(minimum=1)
-    )  # None: the whole applicable grid (grid sampler only)
+    # None: the whole applicable grid (grid sampler only)
+    n_trials: int | None = _field(None, Rule(minimum=1))
     seed: int = _field(0, schema.SEED)
     timeout_s: float | None = _field(None, Rule(minimum=1))  # no new trial starts after this many seconds
-    trial_timeout_s: float | None = _field(
-        None, Rule(minimum=1)
-    )  # a trial still running then: status timeout
+    # A trial still running then: status timeout
+    trial_timeout_s: float | None = _field(None, Rule(minimum=1))
     fail_on_trial_error: bool = False  # exit 3 when a trial of this run failed or timed out
     storage: str = "optuna.journal"  # a journal file path (one host), or postgresql://... (many machines)
     # Processes on this host sharing the study (and its CPU threads or GPUs).
@@ -136,9 +134,8 @@ class SweepParams:
     heartbeat_s: int = _field(60, Rule(minimum=1))  # RDB storage: a trial silent for 3x this is queued again
     cross_check: bool = True  # also time each head alone with torch.utils.benchmark, at profile_at
     profile_steps: int = _field(3, Rule(minimum=0))  # torch.profiler steps per head at profile_at; 0: none
-    profile_at: tuple[ProfileAt, ...] = (
-        ProfileAt(),
-    )  # these settings run first, so a time budget keeps them
+    # These settings run first, so a time budget keeps them
+    profile_at: tuple[ProfileAt, ...] = (ProfileAt(),)
     space: SpaceParams = field(default_factory=SpaceParams)
 
 

@@ -453,10 +453,11 @@ MODULES_SHOWN = [
     "peak_fraction",
     "flag",
 ]
+# The 7x7 conv, its nn.Linear
 FIRST_LAYER = {
     "conv": "roi_heads.box_head.0",
     "linear": "roi_heads.box_head.1",
-}  # the 7x7 conv, its nn.Linear
+}
 
 
 def module_section(modules: pd.DataFrame, top: int = 5) -> list[str]:

@@ -17,6 +17,7 @@ from rcnn.detector.schema import (
     COMPARISON_COLUMNS,
     HEAD_NAMES,
     KNOB_NAMES,
+    KNOBS,
     MEASURED_COLUMNS,
     OTHER_KNOBS,
     RECORD_COLUMNS,
@@ -121,7 +122,8 @@ def read_env(path: str | Path) -> dict:
     return env
 
 
-BY_VALUE = ("compile", "tf32")  # knobs whose every value gets pooled rows of its own (the verdict's answers)
+# Knobs whose every value gets pooled rows of its own: those the verdict asks a question of (schema.KNOBS).
+BY_VALUE = tuple(knob.name for knob in KNOBS if knob.question)
 
 
 def headline_compile(done: pd.DataFrame) -> str:
@@ -167,9 +169,8 @@ def comparisons_table(
     done = done[done["trial"].isin([t for t, kept in samples.items() if kept])]
     rows, pooled = [], {}
     pairs = head_pairs(done["head"].unique(), reference)
-    by_value = [
-        k for k in BY_VALUE if done[k].astype(str).replace("n/a", np.nan).nunique() > 1
-    ]  # the swept ones
+    # The swept ones
+    by_value = [k for k in BY_VALUE if done[k].astype(str).replace("n/a", np.nan).nunique() > 1]
     in_scope = {free: set(done["trial"][headline_scope(done, free)]) for free in (None, *by_value)}
     for setting, group in done.groupby(list(OTHER_KNOBS), dropna=False, sort=True):
         knobs = dict(zip(OTHER_KNOBS, setting))

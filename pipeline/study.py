@@ -39,8 +39,8 @@ STATUS = {
     TrialState.FAIL: "failed",
     TrialState.RUNNING: "running",
     TrialState.PRUNED: "pruned",
-    TrialState.WAITING: "not run",
-}  # queued, but the time budget ran out first
+    TrialState.WAITING: "not run",  # queued, but the time budget ran out first
+}
 INTERRUPTED = "interrupted: the process running this trial ended"
 CTRL_C = "interrupted (Ctrl-C)"
 
@@ -217,9 +217,8 @@ class WorkQueue:
         """Fail the trials whose heartbeat went stale (their worker died); the storage's callback
         (requeue_stale) queues their points again. Nothing without heartbeats."""
         with warnings.catch_warnings():
-            warnings.simplefilter(
-                "ignore", optuna.exceptions.ExperimentalWarning
-            )  # heartbeats: stable since 2.9
+            # Heartbeats: stable since 2.9
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(self.study)
 
     def may_refill(self) -> bool:

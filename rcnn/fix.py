@@ -59,9 +59,8 @@ def _patches(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     x = x[(..., *[slice(0, o * k) for o, k in zip(sizes, kernel)])]  # the remainder a conv drops
     x = x.reshape(n, c, *[v for o, k in zip(sizes, kernel) for v in (o, k)])  # (N, C, o1, k1, o2, k2, ...)
     d = len(kernel)
-    rows = x.permute(
-        0, *range(2, 2 + 2 * d, 2), 1, *range(3, 3 + 2 * d, 2)
-    )  # (N, o1, o2, ..., C, k1, k2, ...)
+    # (N, o1, o2, ..., C, k1, k2, ...)
+    rows = x.permute(0, *range(2, 2 + 2 * d, 2), 1, *range(3, 3 + 2 * d, 2))
     out = F.linear(rows.reshape(n * math.prod(sizes), c * math.prod(kernel)), weight.flatten(1), bias)
     out = out.view(n, *sizes, -1).movedim(-1, 1)  # channels-last memory
     return out if channels_last(given) else out.contiguous()  # the conv's layout: as its input's

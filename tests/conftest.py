@@ -103,11 +103,12 @@ def tiny_params(tmp_path: Path):
     return lambda override=None: write_tiny_params(tmp_path, override)
 
 
+# Head bwd, bwd
 FAKE_HEADS = {
     "linear": (10.0, 100.0),
     "conv": (40.0, 130.0),
     "conv_as_linear": (11.0, 101.0),
-}  # head bwd, bwd
+}
 
 
 def fake_trials(scale: float = 1.0, batch_2_cost: float = 2.0) -> tuple[pd.DataFrame, dict]:

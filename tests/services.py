@@ -166,16 +166,18 @@ def mlflow_server(
     yields once healthy, with ``username`` created as a non-admin user with a random password."""
     home = _secret_home("rcnn-mlflow-auth-")
     admin_password = secrets.token_hex(16)
+    # Else every request hashes the password (scrypt, ~0.1 s of CPU)
     (home / "auth.ini").write_text(
         "[mlflow]\ndefault_permission = READ\n"
         f"database_uri = sqlite:///{home / 'auth.db'}\nadmin_username = admin\nadmin_password = "
         f"{admin_password}\n"
         "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
         "auth_cache_ttl_seconds = 60\n"
-    )  # else every request hashes the password (scrypt, ~0.1 s of CPU)
+    )
     port = free_port()
     uri = f"http://127.0.0.1:{port}"
     log = open(artifacts.parent / "mlflow-server.log", "w")  # noqa: SIM115 (the server writes it until it stops)
+    # CSRF
     server_env = (
         os.environ
         | (env or {})
@@ -183,7 +185,8 @@ def mlflow_server(
             "MLFLOW_AUTH_CONFIG_PATH": str(home / "auth.ini"),
             "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16),
         }
-    )  # CSRF
+    )
+    # Its own process group: the server's children stop with it
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -207,7 +210,7 @@ def mlflow_server(
         stderr=subprocess.STDOUT,
         env=server_env,
         start_new_session=True,
-    )  # its own process group: the server's children stop with it
+    )
     try:
         deadline = time.monotonic() + 180
         while True:

@@ -87,9 +87,8 @@ def scratch_project(folder: Path) -> Path:
         ["commit", "-q", "-m", "tiny params"],
     ):
         subprocess.run(["git", *argv], cwd=folder, check=True)
-    (folder / ".git" / "info" / "exclude").write_text(
-        ".venv\n"
-    )  # a link: .gitignore's /.venv/ names a folder
+    # A link: .gitignore's /.venv/ names a folder
+    (folder / ".git" / "info" / "exclude").write_text(".venv\n")
     return folder
 
 

@@ -19,12 +19,13 @@ ROOM_OF = {
     "rcnn.bench": "aliases",
     "rcnn.heads": "aliases",
 }
+# The sweep's; the doctor's --mlflow imports mlflow on its own
 TOOLS = (
     "pipeline",
     "optuna",
     "mlflow",
     "dvc",
-)  # the sweep's; the doctor's --mlflow imports mlflow on its own
+)
 
 
 def room(module: str) -> str:

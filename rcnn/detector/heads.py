@@ -90,11 +90,12 @@ def conv_as_linear_head(**kwargs: int) -> tuple[nn.Module, nn.Module]:
     return _conv_head(Conv2dAsLinear, **kwargs)
 
 
+# rcnn.detector.schema.HEAD_NAMES, in that order
 HEADS: dict[str, Callable[..., tuple[nn.Module, nn.Module]]] = {
     "linear": linear_head,
     "conv": conv_head,
     "conv_as_linear": conv_as_linear_head,
-}  # rcnn.detector.schema.HEAD_NAMES, in that order
+}
 
 
 class Passthrough(nn.Module):

@@ -51,11 +51,12 @@ def _mobilenet_v3_fpn() -> tuple[nn.Module, AnchorGenerator | None, MultiScaleRo
     return backbone, anchors, pool
 
 
+# rcnn.detector.schema.BACKBONE_NAMES; the rules for DetectorConfig's fields are there too
 BACKBONES = {
     "resnet50_fpn": lambda: _resnet_fpn(50),
     "resnet18_fpn": lambda: _resnet_fpn(18),
     "mobilenet_v3_fpn": _mobilenet_v3_fpn,
-}  # rcnn.detector.schema.BACKBONE_NAMES; the rules for DetectorConfig's fields are there too
+}
 
 
 def build_detector(config: DetectorConfig, head: str) -> FasterRCNN:

@@ -181,13 +181,14 @@ SEED = Rule(minimum=0)  # numpy's generators refuse negative seeds
 # --- What one trial measures: per training step, in ms.
 PHASES = ("forward", "backward", "optimizer", "step", "head_forward", "head_backward")
 WATCHED = ("backward", "head_backward")  # measuring stops once these medians are known to the set precision
+# rcnn.measure.stats.Stats field -> column pattern, per phase
 STAT_COLUMNS = {
     "median": "{}_ms",
     "iqr": "{}_iqr_ms",
     "p90": "{}_p90_ms",
     "ci_low": "{}_ci_low_ms",
     "ci_high": "{}_ci_high_ms",
-}  # rcnn.measure.stats.Stats field -> column pattern, per phase
+}
 
 # What knob compile costs before the steady state, kept out of the medians: the first steps, which compile
 # (and recompile), their total ms and count; the graphs compiled and the graph breaks dynamo reports.

@@ -85,9 +85,8 @@ class TrialResult:
     swapped: str = ""  # the modules knob linearize swapped (rcnn.fix), space-separated
     compiled: Compiled | None = None  # knob compile: what compiling cost (None: off)
     wall_s: dict[str, float] = field(default_factory=dict)  # seconds per part (build, compile, warmup, ...)
-    kernels: list[dict] = field(
-        default_factory=list
-    )  # rcnn.measure.profiler table when the trial was profiled
+    # rcnn.measure.profiler table when the trial was profiled
+    kernels: list[dict] = field(default_factory=list)
     modules: list[dict] = field(default_factory=list)  # rcnn.doctor's table (MODULE_COLUMNS rows), idem
 
     def median(self, phase: str) -> float:

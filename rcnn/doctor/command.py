@@ -37,9 +37,8 @@ from rcnn.measure.stats import MAX_SECONDS, TimingPolicy
 from rcnn.outputs import check_sqlite_url, claim_folder, project_root, write_atomic
 from rcnn.rules import Rule, ValueNotAllowed, first_line
 
-FILES = re.compile(
-    r"modules(_fixed)?\.csv|why\.csv|fix\.csv|env\.json"
-)  # what --out holds: the doctor's only
+# What --out holds: the doctor's only
+FILES = re.compile(r"modules(_fixed)?\.csv|why\.csv|fix\.csv|env\.json")
 TOP = Rule(minimum=1)
 FRAMES = Rule(minimum=1)
 BATCH_SIZE = Rule(minimum=1)

@@ -96,9 +96,8 @@ def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, repe
     """Median TFLOP/s of an n x n x n matrix product on random data (zeros can run faster)."""
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     clock = Clock(device)
-    ms = median_ms(
-        lambda: clock.time(lambda: a @ b), repeats=repeats
-    )  # burn-in: library handles, kernel choice
+    # Burn-in: library handles, kernel choice
+    ms = median_ms(lambda: clock.time(lambda: a @ b), repeats=repeats)
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 

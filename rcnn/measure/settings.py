@@ -5,17 +5,19 @@ from __future__ import annotations
 
 from rcnn.rules import Rule
 
+# rcnn.measure.device.resolve_device's names; auto picks CUDA when there is a GPU
 DEVICES = (
     "auto",
     "cpu",
     "cuda",
-)  # rcnn.measure.device.resolve_device's names; auto picks CUDA when there is a GPU
+)
 DEVICE = Rule(choices=DEVICES)
+# Autocast setting -> the dtype its matmuls run in
 AMP_DTYPES = {
     "off": "fp32",
     "fp16": "fp16",
     "bf16": "bf16",
-}  # autocast setting -> the dtype its matmuls run in
+}
 AMP = Rule(choices=AMP_DTYPES)
 
 

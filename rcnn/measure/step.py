@@ -16,12 +16,13 @@ import torch
 from rcnn.measure.clock import Clock
 from rcnn.measure.device import autocast
 
+# train_step's keys; step is the other three's span
 STEP_PHASES = (
     "forward",
     "backward",
     "optimizer",
     "step",
-)  # train_step's keys; step is the other three's span
+)
 
 # A context manager factory entered around one phase of each step: ModuleTimer.forward / .backward of the
 # doctor hook in this way (this room imports nothing of the doctor's).

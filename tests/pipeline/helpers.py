@@ -20,6 +20,7 @@ SLOW = {
     "timing": {"warmup": 1, "max_warmup": 1, "iterations": 25, "max_iterations": 25, "max_seconds": 60},
     "sweep": {"profile_steps": 0, "cross_check": False},
 }
+# The sweep stage's options, files under tmp_path
 SWEEP_FILES = {
     "data": "data",
     "env": "env.json",
@@ -28,7 +29,7 @@ SWEEP_FILES = {
     "kernels": "kernels.csv",
     "modules": "modules.csv",
     "summary": "summary.json",
-}  # the sweep stage's options, files under tmp_path
+}
 
 
 def prepare(tmp_path: Path, tiny_params: Callable[[dict | None], Path], override: dict | None) -> list[str]:

@@ -21,13 +21,14 @@ from tests.conftest import write_tiny_params
 from tests.pipeline.helpers import SWEEP_FILES
 
 OUTPUTS = {key: SWEEP_FILES[key] for key in WRITTEN}  # the files the sweep stage writes, by option
+# As the sweep writes them
 EARLIER = {
     "trials": "trial,status,mlflow_run_id\n0,complete,abc\n",
     "comparisons": "numerator,denominator,phase,ratio\n",
     "kernels": "trial,kind,name,ms\n",
     "modules": "trial,module,backward_ms,flag\n",
     "summary": '{"trials": 1, "complete": 1}\n',
-}  # as the sweep writes them
+}
 
 
 @pytest.fixture(scope="module")
@@ -348,9 +349,8 @@ def checked_keys(cls: type = Params, prefix: str = "") -> dict[str, Rule]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         key, hint = prefix + f.name, hints[f.name]
-        nested = [
-            t for t in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(t)
-        ]  # sweep.profile_at: a tuple
+        # sweep.profile_at: a tuple
+        nested = [t for t in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(t)]
         if nested:
             keys |= checked_keys(nested[0], key + ".")
         elif f.metadata.get("rule") is not None:
@@ -446,6 +446,5 @@ def test_a_tracking_server_refusing_the_credentials_stops_the_sweep_at_once(
     )
     assert time.monotonic() - started < 30  # no MLflow retries
     journal = tmp_path / "optuna.journal"
-    assert (
-        not (journal.exists() and journal.read_bytes()) and not (tmp_path / "trials.csv").exists()
-    )  # no study made
+    # No study made
+    assert not (journal.exists() and journal.read_bytes()) and not (tmp_path / "trials.csv").exists()

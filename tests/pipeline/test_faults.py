@@ -84,11 +84,12 @@ CTRL_C = {  # how Ctrl-C reaches the sweep: a terminal signals its whole process
 @pytest.mark.slow
 @pytest.mark.parametrize("workers, send", CTRL_C.values(), ids=CTRL_C.keys())
 def test_ctrl_c_stops_with_one_line_and_the_rerun_resumes(tmp_path, tiny_params, capsys, workers, send):
+    # 4 points
     args = prepare(
         tmp_path,
         tiny_params,
         SLOW | {"sweep": SLOW["sweep"] | {"workers": workers, "space": {"batch_size": [1, 2]}}},
-    )  # 4 points
+    )
     with (tmp_path / "stderr.txt").open("w") as stderr:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pipeline.sweep", *args],

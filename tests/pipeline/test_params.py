@@ -177,9 +177,8 @@ def test_a_url_holding_a_password_is_refused_without_echoing_it(key, value, wher
     assert (
         message.startswith(f"{key}: the URL holds a password") and "dvc.lock" in message and where in message
     )
-    assert (
-        PASSWORD not in message and "dbhost" not in message and "\n" not in message
-    )  # neither it nor the URL
+    # Neither it nor the URL
+    assert PASSWORD not in message and "dbhost" not in message and "\n" not in message
 
 
 def test_the_password_check_comes_before_every_other(tmp_path):

@@ -251,9 +251,8 @@ def test_the_verdict_answers_whether_compile_closes_the_gap(speedup, answer):
     )
     section = "\n".join(compile_section(trials))
     assert "| compile " in section and "5" in section and "no eager trial" not in section
-    assert (
-        by_value_lines(comparisons_table(*fake_trials()), fake_trials()[0]) == []
-    )  # compile not swept: no line
+    # Compile not swept: no line
+    assert by_value_lines(comparisons_table(*fake_trials()), fake_trials()[0]) == []
     assert "Not swept here" in compile_section(fake_trials()[0])[0]
 
 
@@ -337,9 +336,8 @@ def test_every_pooled_gap_pools_the_headlines_settings():
     per_onednn = as_written.groupby(as_written["onednn"].astype(str))["ratio"].apply(
         lambda r: float(np.exp(np.log(r).mean()))
     )
-    assert per_onednn.to_dict() == pytest.approx(
-        {"True": 4.0, "False": 12.0}, rel=0.02
-    )  # the per-setting rows
+    # The per-setting rows
+    assert per_onednn.to_dict() == pytest.approx({"True": 4.0, "False": 12.0}, rel=0.02)
     lines = verdict_of(trials, samples)
     assert lines[0].startswith("- conv / linear, box-head backward: **6.9")  # sqrt(4 x 12): the fix left out
     assert "among the headline's, the settings with linearize false;" in lines[1]
@@ -390,6 +388,5 @@ def test_compare_medians_pool_the_headlines_settings():
     as_written = trials[(trials["status"] == "complete") & (trials["linearize"].astype(str) == "False")]
     expected = as_written[as_written["head"] == "conv"]["head_backward_ms"].median()
     assert compare.per_head(trials).loc["conv", "head_backward_ms"] == pytest.approx(expected)
-    assert (
-        expected > trials[trials["head"] == "conv"]["head_backward_ms"].median()
-    )  # the fixed ones would lower it
+    # The fixed ones would lower it
+    assert expected > trials[trials["head"] == "conv"]["head_backward_ms"].median()

@@ -120,9 +120,8 @@ def test_head_pairs_take_users_heads_after_the_built_in_ones():
     user = "tests.fixtures.question_heads:conv"
     users_linear = "tests.fixtures.question_heads:linear"
     assert head_pairs(["conv", user, "linear"]) == [("conv", "linear"), (user, "linear")]
-    assert head_pairs([user, users_linear], reference=users_linear) == [
-        (user, users_linear)
-    ]  # the sweep's first
+    # The sweep's first
+    assert head_pairs([user, users_linear], reference=users_linear) == [(user, users_linear)]
     assert head_pairs([user, users_linear]) == [(users_linear, user)]
     assert head_order(["b:x", "conv", "a:y"]) == ["conv", "a:y", "b:x"]
     assert head_pairs([]) == []
@@ -197,9 +196,8 @@ def test_trial_row_refuses_a_misspelt_or_missing_column():
         "error": "x",
     }
     row = trial_row(None, **setup)
-    assert list(row) == list(TRIAL_COLUMNS) and all(
-        row[c] != row[c] for c in MEASURED_COLUMNS
-    )  # NaN: nothing measured
+    # NaN: nothing measured
+    assert list(row) == list(TRIAL_COLUMNS) and all(row[c] != row[c] for c in MEASURED_COLUMNS)
     measured = dict.fromkeys(MEASURED_COLUMNS, 1.0)
     assert trial_row(measured, **setup)["step_ms"] == 1.0
     with pytest.raises(ValueError, match="unknown \\['stepms'\\]"):

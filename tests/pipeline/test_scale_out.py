@@ -202,12 +202,13 @@ def test_two_machines_on_postgresql_and_an_mlflow_server(tmp_path, tiny_params, 
 
         # No password anywhere: the project's files (params, data, results, the artifact store, the server and
         # worker logs), the processes' output, the MLflow runs' params and tags, the database server's log.
+        # A logged header
         secrets = [
             db.password,
             tracking.password,
             tracking.admin_password,
             base64.b64encode(f"{tracking.username}:{tracking.password}".encode()).decode(),
-        ]  # a logged header
+        ]
         files = {str(p): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
         outputs = {
             "sweep stage": output.encode(),

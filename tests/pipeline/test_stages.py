@@ -23,9 +23,8 @@ from rcnn.measure.settings import AMP_DTYPES
 from tests.conftest import ROOT, TINY_PARAMS
 from tests.pipeline.helpers import SWEEP_FILES
 
-pytestmark = (
-    pytest.mark.slow
-)  # every test runs a stage: in a subprocess, a sweep, or the env stage's measurements
+# Every test runs a stage: in a subprocess, a sweep, or the env stage's measurements
+pytestmark = pytest.mark.slow
 
 
 def digest(folder):
@@ -212,14 +211,16 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
     best, per_image = summary["best"], trials["step_ms"] / trials["batch_size"]
     fastest = trials.loc[per_image.idxmin()]  # the least time per image, not per step
     assert (best["head"], best["batch_size"]) == (fastest["head"], fastest["batch_size"])
+    # The summary keeps 1 decimal
     assert (best["step_ms"], best["ms_per_image"]) == pytest.approx(
         (fastest["step_ms"], per_image.min()), abs=0.051
-    )  # the summary keeps 1 decimal
+    )
     wall = summary["wall"]  # where the run's time went: the parts add up to it, timed steps a share of it
     assert set(wall["parts_s"]) == set(SWEEP_WALL_PARTS) and 0 < wall["measure_share"] < 1
+    # Parts and total keep 0.1 s
     assert wall["measure_share"] == pytest.approx(
         wall["parts_s"]["measure"] / wall["total_s"], abs=0.1 / wall["total_s"] + 1e-3
-    )  # parts and total keep 0.1 s
+    )
     assert sum(wall["parts_s"].values()) == pytest.approx(wall["total_s"], rel=0.01, abs=0.3)
     baselines = summary["drift"]["start"]["wall_s"]["measure"] + summary["drift"]["end"]["wall_s"]["measure"]
     assert wall["parts_s"]["measure"] == pytest.approx(trials["wall_measure_s"].sum() + baselines, abs=0.1)

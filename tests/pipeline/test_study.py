@@ -347,9 +347,8 @@ def test_a_second_sweep_stage_on_the_journal_is_refused_at_once_and_the_first_go
     assert f"is in use by a running sweep stage (pid {first.pid} on" in second.stderr
     assert first.returncode == 0, output
     trials = read_trials(tmp_path / "trials.csv")
-    assert (
-        len(trials) == 4 and trials["status"].eq("complete").all()
-    )  # none failed by the refused second stage
+    # None failed by the refused second stage
+    assert len(trials) == 4 and trials["status"].eq("complete").all()
     print(f"second stage refused in {waited:.1f} s; first completed {len(trials)} of 4 trials")
 
 

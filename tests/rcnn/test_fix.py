@@ -12,11 +12,12 @@ CASES = [
     (lambda: nn.Conv1d(6, 10, 5), (3, 6, 5), "covers-input"),
     (lambda: nn.Conv2d(6, 10, 7), (3, 6, 7, 7), "covers-input"),
     (lambda: nn.Conv3d(6, 10, (2, 3, 3)), (3, 6, 2, 3, 3), "covers-input"),
+    # A remainder of 2 dropped, as the conv does
     (
         lambda: nn.Conv1d(6, 10, 4, stride=4),
         (3, 6, 18),
         "patches",
-    ),  # a remainder of 2 dropped, as the conv does
+    ),
     (lambda: nn.Conv2d(6, 10, 4, stride=4), (3, 6, 16, 18), "patches"),
     (lambda: nn.Conv3d(6, 10, (2, 4, 4), stride=(2, 4, 4)), (3, 6, 4, 8, 9), "patches"),
     (lambda: nn.Conv1d(6, 10, 1), (3, 6, 9), "pointwise"),

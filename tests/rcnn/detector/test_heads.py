@@ -105,9 +105,8 @@ def test_a_users_head_by_factory(spec):
     box_head, predictor = build_box_head(
         spec, in_channels=8, resolution=7, representation_size=16, num_classes=3
     )
-    scores, deltas = predictor(
-        box_head(torch.randn(5, 8, 7, 7))
-    )  # one module: the predictor passes it through
+    # One module: the predictor passes it through
+    scores, deltas = predictor(box_head(torch.randn(5, 8, 7, 7)))
     assert scores.shape == (5, 4) and deltas.shape == (5, 16)
 
 

@@ -126,9 +126,8 @@ def test_resolve_device():
             resolve_device("cuda")
 
 
-FLAG_STATES = list(
-    itertools.product([False, True], repeat=2)
-)  # (cudnn.benchmark, mkldnn.enabled) before a trial
+# (cudnn.benchmark, mkldnn.enabled) before a trial
+FLAG_STATES = list(itertools.product([False, True], repeat=2))
 
 
 @pytest.mark.parametrize("cudnn_benchmark, onednn", list(itertools.product([None, False, True], repeat=2)))
@@ -153,10 +152,11 @@ def test_backend_flags_restore_after_a_failing_trial():
 @pytest.mark.parametrize("tf32", [None, False, True])
 @pytest.mark.parametrize("before", [False, True])
 def test_backend_flags_set_tf32_for_both_and_restore_each(before, tf32):
+    # PyTorch's: differ
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = (
         before,
         not before,
-    )  # PyTorch's: differ
+    )
     with backend_flags(Knobs(tf32=tf32)):  # None (n/a, a CPU): off
         assert torch.backends.cuda.matmul.allow_tf32 is torch.backends.cudnn.allow_tf32 is (tf32 is True)
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (before, not before)

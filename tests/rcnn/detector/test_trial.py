@@ -203,9 +203,8 @@ def test_isolated_head_is_timed_under_the_knobs(monkeypatch, head):
         TINY_CONFIG, Knobs(head=head, onednn=False), rois=16, device=CPU, min_run_time=0.05
     )
     assert seen == {False} and torch.backends.mkldnn.enabled
-    assert forward > 0 and math.isfinite(
-        backward
-    )  # a difference of two noisy medians: its sign is not checked
+    # A difference of two noisy medians: its sign is not checked
+    assert forward > 0 and math.isfinite(backward)
 
 
 def test_settings_that_do_not_apply_are_refused_before_any_work(monkeypatch):
@@ -392,9 +391,8 @@ def test_compile_steps_are_timed_apart_and_kept_out_of_the_medians(slow_compiler
     # The first step compiles the box head's and the predictor's forwards: a graph each, a second each.
     assert (compiled.compile_steps, compiled.compiled_graphs, compiled.graph_breaks) == (1, 2, 0)
     assert compiled.compile_ms >= 2000 and result.wall_s["compile"] >= 2.0
-    assert (
-        result.warmup_iterations == 1 and result.iterations == 2
-    )  # QUICK's bounds: compiling is not warm-up
+    # QUICK's bounds: compiling is not warm-up
+    assert result.warmup_iterations == 1 and result.iterations == 2
     # Step 0 compiled: its time is the compile time alone; step 1 warmed up; steps 2 and 3 are the samples.
     assert len(steps) == 4 and compiled.compile_ms == steps[0]["step"]
     assert result.samples["step"] == [s["step"] for s in steps[2:]] and result.median("head_backward") > 0
@@ -434,9 +432,8 @@ def test_dynamo_counters_count_graph_breaks_with_their_reasons():
 
 def test_graph_breaks_at_the_timing_probes_hooks_are_listed_not_counted():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-    ModuleSpanProbe(
-        model[0], model[2], Clock(CPU), label="head", eager_hooks=True
-    )  # hooks dynamo must not trace
+    # Hooks dynamo must not trace
+    ModuleSpanProbe(model[0], model[2], Clock(CPU), label="head", eager_hooks=True)
     counters = bench.DynamoCounters()
     torch._dynamo.reset()
     torch.compile(model, backend="eager")(torch.randn(4, 8, requires_grad=True)).sum().backward()

@@ -194,9 +194,10 @@ def test_the_conv_heads_7x7_conv_is_its_slowest_module_and_flagged(project):
     box_head = modules.filter(regex=r"^roi_heads\.box_(head|predictor)\.", axis=0)
     assert box_head["backward_ms"].idxmax() == "roi_heads.box_head.0"
     assert modules.loc["roi_heads.box_head.0", "flag"].startswith("gemm-in-disguise:covers-input")
+    # Every FPN level
     assert (
         modules.loc["roi_heads.box_head.0", "calls"] == 1 and modules.loc["rpn.head.conv.0.0", "calls"] == 5
-    )  # every FPN level
+    )
 
 
 @pytest.mark.gpu

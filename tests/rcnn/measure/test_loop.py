@@ -138,9 +138,8 @@ def test_warm_up_rounds_go_on_until_every_variant_settles_and_rounds_until_every
     assert next(late, "spent") == "spent"  # all six warm-up values were used: six warm-up rounds
     assert {len(v["step"]) for v in times.values()} == {6}  # both precise (constant) after the fewest, 6
     steps["noisy"] = lambda: {"step": next(noisy)}
-    assert {len(v["step"]) for v in in_turn(steps, policy).values()} == {
-        40
-    }  # one noisy variant: to the bound
+    # One noisy variant: to the bound
+    assert {len(v["step"]) for v in in_turn(steps, policy).values()} == {40}
 
 
 def sleeps(count: int, clock: Clock):

@@ -72,9 +72,8 @@ def test_one_bootstrap_for_one_paired_and_many_samples():
     after = before * 0.5 + rng.normal(0.0, 0.5, 30)  # halved, pair by pair
     ratio = lambda a, b, axis=-1: np.median(a / b, axis=axis)
     paired = bootstrap_ci((after, before), ratio, paired=True)
-    assert (
-        paired[0] < 0.5 < paired[1] and paired[1] - paired[0] < 0.02
-    )  # pairing removes the spread of before
+    # Pairing removes the spread of before
+    assert paired[0] < 0.5 < paired[1] and paired[1] - paired[0] < 0.02
     assert all(np.isnan(bootstrap_ci(([1.0, 2.0],), np.mean)))  # too few values
     assert all(np.isnan(bootstrap_ci(([3.0] * 9, [3.0] * 9), ratio)))  # nothing varies
 
