@@ -132,16 +132,15 @@ def _run(args: argparse.Namespace) -> int:
     ab_diff = plain["conv"]["backward"] - plain["linear"]["backward"]
     ratio, low, high = median_ratio(doctor_diff, ab_diff)
     print(
-        f"{'3 conv - linear: doctor head diff / A-B backward diff':<52}{ratio:>10.3f}  0.85-1.15 (CI "
-        f"{low:.3f}-"
-        f"{high:.3f}; {np.median(doctor_diff):.1f} vs {np.median(ab_diff):.1f} ms)"
+        f"{'3 conv - linear: doctor head diff / A-B backward diff':<52}{ratio:>10.3f}  0.85-1.15 "
+        f"(CI {low:.3f}-{high:.3f}; {np.median(doctor_diff):.1f} vs {np.median(ab_diff):.1f} ms)"
     )
     for head in ("linear", "conv"):
         ratio, low, high = median_ratio(doctor[head]["step"], plain[head]["step"])
         print(
-            f"{f'4 overhead: step with / without the doctor, {head}':<52}{ratio:>10.3f}  <= 1.05 (CI "
-            f"{low:.3f}-"
-            f"{high:.3f}; {np.median(doctor[head]['step']):.1f} vs {np.median(plain[head]['step']):.1f} ms)"
+            f"{f'4 overhead: step with / without the doctor, {head}':<52}{ratio:>10.3f}  <= 1.05 "
+            f"(CI {low:.3f}-{high:.3f}; {np.median(doctor[head]['step']):.1f} vs "
+            f"{np.median(plain[head]['step']):.1f} ms)"
         )
     return 0
 

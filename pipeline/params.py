@@ -161,8 +161,7 @@ class TrackingParams:
     mlflow_uri: str = "sqlite:///mlflow.db"
     experiment: str = "roi-head-backward"
     # MLflow's system metrics (CPU, memory, GPU) on every run, sampled this often (s); null: none. A run
-    # shorter
-    # than one interval gets none: keep it under a trial's length.
+    # shorter than one interval gets none: keep it under a trial's length.
     system_metrics_s: float | None = _field(2.0, Rule(minimum=1))
 
 

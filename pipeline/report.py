@@ -291,14 +291,15 @@ def gap_lines(effects: pd.DataFrame) -> list[str]:
 def verdict(r: Results, effects: pd.DataFrame) -> list[str]:
     s = r.summary
     closes = s.get("conv_as_linear_over_linear_head_backward_ci_high")
-    pooled = headline_compile(complete(r.trials))
-    scope = "" if pooled == "off" else f" (no eager trial: these pool the settings with compile {pooled})"
+    done = complete(r.trials)
+    pooled = headline_compile(done)
+    scope = f" (over {scope_text(done)}{'' if pooled == 'off' else ': no eager trial'})"
     lines = [
         f"- conv / linear, box-head backward: **{ratio_text(s, 'conv_over_linear_head_backward')}**; "
         f"whole backward {ratio_text(s, 'conv_over_linear_backward')}; "
         f"whole step {ratio_text(s, 'conv_over_linear_step')}{scope}.",
-        "- knobs and the gap (conv/linear box-head backward, geometric mean over the paired settings among "
-        f"the headline's, {scope_text(complete(r.trials))}; each knob's own line lets it vary):",
+        "- knobs and the gap (conv/linear box-head backward, geometric mean over the paired settings, "
+        f"{scope_text(done)} as the headline; each knob's own line lets that knob vary):",
         *(gap_lines(effects) or ["    - no knob varied with both heads complete"]),
         "- conv_as_linear / linear, box-head backward: "
         f"**{ratio_text(s, 'conv_as_linear_over_linear_head_backward')}**"

@@ -93,7 +93,7 @@ def open_storage(sweep: SweepParams) -> optuna.storages.BaseStorage:
             raise ParamsError(
                 f"sweep.storage: cannot open {url} ({first_line(err)}); allowed: a journal file "
                 "path or a reachable database URL such as postgresql://user@host/db"
-            ) from None
+            ) from err
 
 
 @contextlib.contextmanager

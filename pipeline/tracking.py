@@ -52,7 +52,7 @@ def connect_tracking(tracking: TrackingParams) -> None:
             raise ParamsError(
                 f"tracking.mlflow_uri: no MLflow server answers at {uri} ({err}); "
                 "start one (mlflow server) or use a local store such as sqlite:///mlflow.db"
-            ) from None
+            ) from err
         check_credentials(uri)
     mlflow.set_tracking_uri(uri)
     if tracking.system_metrics_s:
@@ -77,7 +77,7 @@ def connect_tracking(tracking: TrackingParams) -> None:
                 raise ParamsError(
                     f"tracking.mlflow_uri: cannot use {uri} with experiment {tracking.experiment} "
                     f"({first_line(err)})"
-                ) from None
+                ) from err
             time.sleep(0.5 + random.random())
 
 

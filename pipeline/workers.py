@@ -175,8 +175,7 @@ def work_on_this_host(
     ) as pool:
         try:
             # Workers spawn (in submit) with SIGINT blocked, so a Ctrl-C while they import torch makes no
-            # traceback:
-            # worker_process unblocks it where it stops them cleanly.
+            # traceback: worker_process unblocks it where it stops them cleanly.
             with sigint_blocked():
                 futures = [
                     pool.submit(worker_process, args, params, i, threads, parent_run_id, deadline, total)

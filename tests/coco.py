@@ -8,10 +8,8 @@ import numpy as np
 from PIL import Image
 
 # A COCO folder with everyday quirks: image id -> (file, how it is stored, width x height, its annotations).
-# Category ids 1, 7, 90 map to labels 1, 2, 3; category 5 is unknown. bbox is x, y, w, h in the image's
-# pixels.
+# Category ids 1, 7, 90 map to labels 1, 2, 3; category 5 is unknown. bbox: x, y, w, h in the image's pixels.
 QUIRKY = [
-    # Crowd
     (
         1,
         "rgb.png",
@@ -20,11 +18,10 @@ QUIRKY = [
         [
             {"category_id": 7, "bbox": [4, 4, 8, 8]},
             {"category_id": 1, "bbox": [10, 10, 0, 5]},  # zero width
-            {"category_id": 1, "bbox": [0, 0, 10, 10], "iscrowd": 1},
+            {"category_id": 1, "bbox": [0, 0, 10, 10], "iscrowd": 1},  # crowd
         ],
     ),
     (2, "crowd_only.png", 32, 32, [{"category_id": 7, "bbox": [1, 1, 9, 9], "iscrowd": 1}]),
-    # Zero height
     (
         3,
         "gray.png",
@@ -32,11 +29,10 @@ QUIRKY = [
         16,
         [
             {"category_id": 90, "bbox": [20, 4, 20, 8]},  # past the right border: clipped
-            {"category_id": 90, "bbox": [1, 1, 5, 0]},
+            {"category_id": 90, "bbox": [1, 1, 5, 0]},  # zero height
         ],
     ),
     (4, "no_annotation.png", 32, 32, []),  # never written: only images with a usable box are opened
-    # Negative width
     (
         5,
         "rgba.png",
@@ -44,7 +40,7 @@ QUIRKY = [
         16,
         [
             {"category_id": 1, "bbox": [-4, -4, 10, 10]},  # past the top-left corner: clipped
-            {"category_id": 1, "bbox": [5, 5, -3, 4]},
+            {"category_id": 1, "bbox": [5, 5, -3, 4]},  # negative width
         ],
     ),
     (
@@ -57,7 +53,6 @@ QUIRKY = [
             {"category_id": 7, "bbox": [0, 0, 32, 32]},
         ],
     ),
-    # Malformed: not finite
     (
         7,
         "deep.png",
@@ -68,7 +63,7 @@ QUIRKY = [
             {"category_id": 5, "bbox": [1, 1, 3, 3]},  # unknown category
             {"category_id": 1, "bbox": [1, 2, 3]},  # malformed: 3 numbers
             {"category_id": 1, "bbox": [1, 2, "3", 4]},  # malformed: a string
-            {"category_id": 1, "bbox": [1, 2, math.nan, 4]},
+            {"category_id": 1, "bbox": [1, 2, math.nan, 4]},  # malformed: not finite
         ],
     ),
     (8, "cmyk.jpg", 32, 32, [{"category_id": 7, "bbox": [8, 8, 16, 16]}]),

@@ -177,13 +177,12 @@ def mlflow_server(
     port = free_port()
     uri = f"http://127.0.0.1:{port}"
     log = open(artifacts.parent / "mlflow-server.log", "w")  # noqa: SIM115 (the server writes it until it stops)
-    # CSRF
     server_env = (
         os.environ
         | (env or {})
         | {
             "MLFLOW_AUTH_CONFIG_PATH": str(home / "auth.ini"),
-            "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16),
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16),  # CSRF
         }
     )
     # Its own process group: the server's children stop with it

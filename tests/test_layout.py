@@ -69,3 +69,16 @@ def test_a_wrong_way_import_is_caught(tmp_path):
     plumbing = tmp_path / "rules.py"
     plumbing.write_text("from rcnn.doctor.columns import ROOT\n")
     assert wrong_way("rcnn.rules", plumbing)[0].startswith("rcnn.rules (plumbing) imports rcnn.doctor")
+
+
+def test_the_doctors_zoos_name_modules_of_a_room_above_it():
+    """The doctor finds a zoo (the detector) by a 'module:builder' string, not an import: each must resolve
+    to a builder in a room that may import the doctor."""
+    import importlib
+
+    from rcnn.doctor.workloads import ZOOS
+
+    for spec in ZOOS.values():
+        module, _, builder = spec.partition(":")
+        assert ROOMS.index(room(module)) > ROOMS.index("doctor"), spec
+        assert callable(getattr(importlib.import_module(module), builder)), spec

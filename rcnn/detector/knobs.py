@@ -17,7 +17,7 @@ from rcnn.rules import ValueNotAllowed
 
 def _knob_field(knob: Knob) -> tuple[str, Any, Any]:
     # A device knob defaults to None, not applicable, until a device is known (knobs_for).
-    default = "linear" if knob.name == "head" else None if knob.device else knob.bench_default
+    default = None if knob.device else knob.trial_default
     return knob.name, knob.kind | None if knob.device else knob.kind, field(default=default)
 
 
@@ -36,7 +36,7 @@ def knobs_for(device: torch.device, **values: Any) -> Knobs:
         if knob.device and knob.device != device.type and value in (None, knob.baseline):
             value = None
         elif value is None:
-            value = "linear" if knob.name == "head" else knob.bench_default
+            value = knob.trial_default
         out[knob.name] = value
     if values:
         raise TypeError(f"knobs_for: unknown knobs {sorted(values)}")
@@ -64,10 +64,8 @@ def why_not(knob: str, value: Any, device: torch.device) -> str | None:
 def why_not_together(point: dict[str, Any], device: torch.device) -> tuple[tuple[str, ...], str] | None:
     """Knob combinations that do not apply although each value does: (the knobs involved, reason), or None."""
     if device.type == "cpu" and point.get("amp") == "bf16" and point.get("onednn") is False:
-        return (
-            "amp",
-            "onednn",
-        ), "bf16 convolutions without oneDNN run a reference path (a step takes minutes)"
+        reason = "bf16 convolutions without oneDNN run a reference path (a step takes minutes)"
+        return ("amp", "onednn"), reason
     return None
 
 

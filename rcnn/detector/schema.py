@@ -39,7 +39,7 @@ class Knob:
     help: str  # rcnn.bench's help for its flag
     rule: Rule | None = None  # what a value allows (None: a bool)
     baseline: Any = None  # PyTorch's default, where a knob's effect starts; None: the smallest swept
-    default: Any = None  # one trial's value unless set (rcnn.bench); None: the baseline
+    default: Any = None  # rcnn.bench's value unless set; None: the baseline
     device: str | None = None  # the one device type whose backend it switches; elsewhere pinned, n/a
     backend: str = ""  # that backend's name, for the reason it does not apply elsewhere
     flag: str = ""  # rcnn.bench's flag; a bool knob's turns it away from its baseline (--no-onednn)
@@ -55,6 +55,11 @@ class Knob:
     def bench_default(self) -> Any:
         return self.baseline if self.default is None else self.default
 
+    @property
+    def trial_default(self) -> Any:
+        """A Knobs field's value unless given: the baseline, else rcnn.bench's."""
+        return self.default if self.baseline is None else self.baseline
+
 
 def _on_off(name: str) -> Callable[[Any], str]:
     return lambda value: f"{name} {'on' if value else 'off'}"
@@ -63,7 +68,14 @@ def _on_off(name: str) -> Callable[[Any], str]:
 # The knobs, in the tables' column order; the head first, then the knobs of a "setting".
 KNOBS = (
     Knob(
-        "head", HEAD_NAMES, "box head to time", rule=HEAD, default="conv", flag="--head", label=lambda v: ""
+        "head",
+        HEAD_NAMES,
+        "box head to time",
+        rule=HEAD,
+        baseline="linear",  # torchvision's, and the heads' comparisons' denominator
+        default="conv",
+        flag="--head",
+        label=lambda v: "",
     ),
     Knob(
         "cudnn_benchmark",

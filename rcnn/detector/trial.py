@@ -118,9 +118,8 @@ class TrialResult:
 class Compiled:
     """Knob compile's cost before the steady state (rcnn.detector.schema.COMPILE_COLUMNS)."""
 
-    compile_ms: (
-        float  # the steps that compiled (the first ones, and any recompiling one), their own run included
-    )
+    # The steps that compiled (the first ones, and any recompiling one), their own run included.
+    compile_ms: float
     compile_steps: int
     compiled_graphs: int  # graphs dynamo compiled over the whole trial
     graph_breaks: int  # the model's graph breaks over the whole trial (the timing probe's own left out)
@@ -321,9 +320,8 @@ def run_trial(
             compiled = dynamo.compiled(sum(compiling), len(compiling)) if knobs.compile != "off" else None
             kernels, modules = [], []
             with wall("profile"):
-                if (
-                    profile_steps
-                ):  # after measuring: the profiler's and the doctor's overhead never reach the numbers
+                # After measuring: the profiler's and the doctor's overhead never reach the numbers.
+                if profile_steps:
                     events = capture(lambda: trainer.step(0), device, profile_steps)
                     kernels = range_table(events, BACKWARD_RANGE.format(label=HEAD_LABEL), profile_steps)
                 if profile_steps and knobs.compile == "off":

@@ -186,7 +186,7 @@ def _log_mlflow(args: argparse.Namespace, diagnosis: Diagnosis, env: dict) -> st
     except Exception as err:  # a server that is down or refuses: the tables printed and --out stay
         raise ValueNotAllowed(
             "--mlflow", f"cannot log to {uri} ({first_line(err)}); allowed: a reachable MLFLOW_TRACKING_URI"
-        ) from None
+        ) from err
     return run.info.run_id
 
 

@@ -131,9 +131,22 @@ def diagnose(
     """Time ``workload``'s training steps by module until ``policy`` says stop, count FLOPs in one more step,
     flag modules, and (``explain``) run each flagged module's backward alone.
 
-    ``peak_tflops``: the matmul peak for the dtype ``amp`` computes in; None leaves peak fractions NaN.
-    Raises ValueNotAllowed keyed MODEL when the first step fails (the model cannot take its batch) and
-    FloatingPointError on a non-finite loss.
+    Args:
+        workload: the model, its batch on ``device`` and its loss (rcnn.doctor.workloads.build_workload).
+        device: where the model runs; CUDA steps are timed with CUDA events.
+        amp: the autocast setting the steps run under: ``off``, ``fp16`` (with GradScaler) or ``bf16``.
+        policy: when warm-up ends and measuring stops (rcnn.measure.stats.TimingPolicy).
+        peak_tflops: the measured matmul peak for the dtype ``amp`` computes in; None leaves peak fractions
+            NaN and flags no module slow for its FLOPs.
+        explain: run each flagged module's backward alone (the why table); False leaves it empty.
+
+    Returns:
+        A Diagnosis: ``modules`` (rcnn.doctor.columns.MODULE_COLUMNS, one row per module and the OUTSIDE
+        row, adding up to the step), ``why`` (WHY_COLUMNS, one row per flagged module) and ``summary``.
+
+    Raises:
+        ValueNotAllowed: keyed MODEL, when the first step fails (the model cannot take its batch).
+        FloatingPointError: on a non-finite loss.
     """
     clock = Clock(device)
     timer = ModuleTimer(workload.model, clock)

@@ -77,9 +77,8 @@ class Stopwatch:
             self.seconds[part.name] = self.seconds.get(part.name, 0.0) + time.perf_counter() - start
 
 
-BACKWARD_RANGE = (
-    "{label}.backward"  # the torch.profiler range ModuleSpanProbe opens around the chain's backward
-)
+# The torch.profiler range ModuleSpanProbe opens around the chain's backward.
+BACKWARD_RANGE = "{label}.backward"
 
 
 class ModuleSpanProbe:

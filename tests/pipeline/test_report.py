@@ -340,7 +340,8 @@ def test_every_pooled_gap_pools_the_headlines_settings():
     assert per_onednn.to_dict() == pytest.approx({"True": 4.0, "False": 12.0}, rel=0.02)
     lines = verdict_of(trials, samples)
     assert lines[0].startswith("- conv / linear, box-head backward: **6.9")  # sqrt(4 x 12): the fix left out
-    assert "among the headline's, the settings with linearize false;" in lines[1]
+    assert "(over the settings with linearize false)." in lines[0]
+    assert "paired settings, the settings with linearize false as the headline;" in lines[1]
     (onednn,) = [line for line in lines if line.startswith("    - onednn")]
     gaps = re.match(
         r"    - onednn True -> False: gap ([\d.]+)x -> ([\d.]+)x \(widens [\d.]+x; 2 paired settings\)",
@@ -380,7 +381,7 @@ def test_the_verdicts_headline_says_when_every_trial_was_compiled():
     assert "no eager trial" not in verdict_of(trials, samples)[0]
     line = verdict_of(trials.assign(compile="head"), samples)[0]
     assert re.match(r"- conv / linear, box-head backward: \*\*\d\.\d\dx \(95% CI", line), line
-    assert line.endswith(" (no eager trial: these pool the settings with compile head)."), line
+    assert line.endswith(" (over the settings with compile head: no eager trial)."), line
 
 
 def test_compare_medians_pool_the_headlines_settings():

@@ -83,3 +83,10 @@ def test_a_setting_label_says_each_applicable_knob():
         "compile": "off",
     }
     assert setting_label(cuda) == "bench on, amp bf16, NHWC, bs 2, TF32 off"
+
+
+def test_the_repo_params_sweep_the_declared_space():
+    """params.yaml's sweep.space states the declarations' defaults, not a second set."""
+    from pipeline.params import SpaceParams, load_params
+
+    assert load_params(ROOT / "params.yaml").sweep.space == SpaceParams()

@@ -233,36 +233,21 @@ def test_unknown_backbone():
 
 
 @pytest.mark.slow
-def test_cli_prints_a_table(capsys):
-    assert (
-        main(
-            [
-                "--head",
-                "linear",
-                "--backbone",
-                "mobilenet_v3_fpn",
-                "--image-size",
-                "64",
-                "--rois-per-image",
-                "8",
-                "--representation-size",
-                "32",
-                "--num-images",
-                "2",
-                "--warmup",
-                "0",
-                "--iterations",
-                "1",
-                "--max-iterations",
-                "1",
-                "--device",
-                "cpu",
-            ]
-        )
-        == 0
-    )
+def test_cli_prints_a_table_whose_phases_add_up(capsys):
+    argv = ["--head", "linear", "--backbone", "mobilenet_v3_fpn", "--image-size", "64",
+            "--rois-per-image", "8",
+            "--representation-size", "32", "--num-images", "2", "--warmup", "1", "--iterations", "3",
+            "--max-iterations", "3", "--device", "cpu"]  # fmt: skip
+    assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "head_backward" in out and "peak memory" in out
+    assert re.search(r", \d+ RoIs per step, \d+ warm-up and 3 timed steps, precision", out), out
+    medians = {m[1]: float(m[2]) for m in re.finditer(r"^(\w+) +([\d.]+) +[\d.]+-[\d.]+ ", out, re.M)}
+    assert list(medians) == list(PHASES), out
+    # Medians of a sum need not add up, but on 3 steps of consecutive spans they come close.
+    parts = medians["forward"] + medians["backward"] + medians["optimizer"]
+    assert parts == pytest.approx(medians["step"], rel=0.15), out
+    assert medians["head_backward"] < medians["backward"] and medians["head_forward"] < medians["forward"]
+    assert re.search(r"^peak memory \d+ MiB$", out, re.M), out
 
 
 def test_cli_error_is_one_line(capsys):
@@ -473,10 +458,15 @@ def test_the_bench_with_two_heads_prints_their_paired_ratio(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.startswith("2 heads stepped in turn on cpu, 3 rounds, oneDNN on, amp off, NCHW, bs 2\n")
-    line = re.search(
-        r"linear / conv \(paired over rounds\): head_backward ([\d.]+)x \[95% CI ([\d.]+|nan), ", out
-    )
-    assert line, out
+    medians = {
+        m[1]: [float(v) for v in m[2].split()] for m in re.finditer(r"^(conv|linear) +([\d. ]+)$", out, re.M)
+    }
+    ratios = re.search(r"linear / conv \(paired over rounds\): head_backward ([\d.]+)x \[95% CI "
+                       r"(\S+), (\S+)\]; backward ([\d.]+)x .*; step ([\d.]+)x", out)  # fmt: skip
+    assert ratios and set(medians) == {"conv", "linear"}, out
+    for i, phase in enumerate(bench.COMPARED):  # each ratio is the printed medians' (ratio of medians)
+        expected = medians["linear"][i] / medians["conv"][i]
+        assert float(ratios[{0: 1, 1: 4, 2: 5}[i]]) == pytest.approx(expected, rel=0.05, abs=0.01), phase
 
 
 SEVERAL_HEADS_REFUSED = [
