@@ -18,7 +18,6 @@ Run by hand (minutes), from the project folder: .venv/bin/python -m benchmarks.d
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 from collections.abc import Callable
 
@@ -26,7 +25,7 @@ import numpy as np
 
 from rcnn.cli import Parser, run_command
 from rcnn.detector.data import synthetic_samples
-from rcnn.detector.knobs import Knobs, backend_flags
+from rcnn.detector.knobs import backend_flags, knobs_for
 from rcnn.detector.model import DetectorConfig
 from rcnn.detector.schema import BACKBONE, IMAGE_SIZE, ROIS_PER_IMAGE
 from rcnn.detector.trial import Trainer
@@ -62,10 +61,10 @@ def main(argv: list[str] | None = None) -> int:
 def _stepper(trainer: Trainer, timer: ModuleTimer | None) -> Callable[[], dict[str, float]]:
     """A step function for in_turn: the trainer's next batch; with the doctor's timer, its box-head backward
     and its unattributed share of the backward as well."""
-    numbers = itertools.count()
+    next_step = trainer.stepper(modules=timer)
 
     def step() -> dict[str, float]:
-        times = trainer.step(next(numbers), modules=timer)
+        times = next_step()
         if timer:
             table, totals = timer.step_table()
             times["doctor_head_backward"] = sum(table.loc[m, "backward_inclusive_ms"] for m in HEAD_MODULES)
@@ -90,8 +89,7 @@ def _run(args: argparse.Namespace) -> int:
     print(f"device {device}, {config}, {args.rounds} rounds")
 
     names = [(head, doctor) for head in ("linear", "conv") for doctor in (True, False)]
-    backend = {"cudnn_benchmark": False} if device.type == "cuda" else {"onednn": True}
-    knobs = {head: Knobs(head=head, **backend) for head in ("linear", "conv")}
+    knobs = {head: knobs_for(device, head=head) for head in ("linear", "conv")}
     with backend_flags(knobs["linear"]):
         trainers = {
             (head, doctor): Trainer(config, knobs[head], samples, device=device) for head, doctor in names

@@ -27,7 +27,6 @@ import logging
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -35,7 +34,7 @@ import torch
 from pipeline.params import TrackingParams
 from rcnn.cli import Parser, run_command
 from rcnn.detector.data import Sample, synthetic_samples
-from rcnn.detector.knobs import Knobs, backend_flags
+from rcnn.detector.knobs import Knobs, backend_flags, knobs_for
 from rcnn.detector.model import DetectorConfig
 from rcnn.detector.schema import BACKBONE, IMAGE_SIZE, ROIS_PER_IMAGE
 from rcnn.detector.trial import Trainer, isolated_head_ms, run_trial
@@ -46,11 +45,6 @@ from rcnn.measure.stats import ITERATIONS, TimingPolicy, compare, median_ratio
 from rcnn.rules import Rule, UserError, ValueNotAllowed
 
 CHECKS = Rule(choices=[c for n in range(1, 6) for c in map("".join, itertools.combinations("12345", n))])
-
-
-def knobs_for(device: torch.device, onednn: bool = True, **kwargs) -> Knobs:
-    backend = {"cudnn_benchmark": False} if device.type == "cuda" else {"onednn": onednn}
-    return Knobs(**backend, **kwargs)
 
 
 def interleaved(
@@ -72,7 +66,7 @@ def interleaved(
         }
         try:
             times = in_turn(
-                {name: _stepper(trainer) for name, trainer in trainers.items()},
+                {name: trainer.stepper() for name, trainer in trainers.items()},
                 TimingPolicy.fixed(rounds, warmup=warmup),
                 seed=seed,
             )
@@ -80,12 +74,6 @@ def interleaved(
             for trainer in trainers.values():
                 trainer.close()
     return {name: {phase: np.asarray(v) for phase, v in phases.items()} for name, phases in times.items()}
-
-
-def _stepper(trainer: Trainer) -> Callable[[], dict[str, float]]:
-    """A step function for in_turn: the trainer's next batch each call."""
-    numbers = itertools.count()
-    return lambda: trainer.step(next(numbers))
 
 
 def system_metrics_blocks(
@@ -175,7 +163,9 @@ def _run(args: argparse.Namespace) -> int:
         device = resolve_device(args.device)
     except ValueNotAllowed as err:
         raise UserError(f"--device: {err.problem}") from err
-    knobs = functools.partial(knobs_for, device, onednn=not args.no_onednn)
+    # --no-onednn is a CPU switch: on CUDA it is left out, oneDNN n/a there.
+    onednn = {"onednn": not args.no_onednn} if device.type == "cpu" else {}
+    knobs = functools.partial(knobs_for, device, **onednn)
     config = DetectorConfig(
         backbone=args.backbone, image_size=args.image_size, rois_per_image=args.rois_per_image
     )

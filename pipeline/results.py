@@ -132,26 +132,35 @@ def headline_compile(done: pd.DataFrame) -> str:
     return "off" if "off" in values or not values else values[0]
 
 
+def _headline_conditions(done: pd.DataFrame, free: str | None) -> list[tuple[pd.Series, str, bool]]:
+    """The conditions the headline pools under, but ``free``'s: (rows kept, in words, whether the table holds
+    rows it leaves out) for the heads as written (knob linearize false) and uncompiled (headline_compile)."""
+    fixed, compiled, eager = (
+        done["linearize"].astype(str),
+        done["compile"].astype(str),
+        headline_compile(done),
+    )
+    conditions = {
+        "linearize": (fixed != "True", "linearize false", (fixed == "True").any()),
+        "compile": (compiled == eager, f"compile {eager}", set(compiled) != {"off"}),
+    }
+    return [condition for knob, condition in conditions.items() if knob != free]
+
+
 def headline_scope(done: pd.DataFrame, free: str | None = None) -> pd.Series:
     """Which rows of ``done`` the headline pools: the heads as written (knob linearize false) and uncompiled
     (headline_compile). ``free`` lifts that knob's condition, for a line that varies it. Every pooled gap uses
     this, so a knob line never mixes in settings where the fix already closed the gap."""
     mask = pd.Series(True, index=done.index)
-    if free != "linearize":
-        mask &= done["linearize"].astype(str) != "True"
-    if free != "compile":
-        mask &= done["compile"].astype(str) == headline_compile(done)
+    for kept, _, _ in _headline_conditions(done, free):
+        mask &= kept
     return mask
 
 
 def scope_text(done: pd.DataFrame, free: str | None = None) -> str:
     """What headline_scope keeps, in words: 'the settings with linearize false, compile off'."""
-    conditions = []
-    if free != "linearize" and (done["linearize"].astype(str) == "True").any():
-        conditions.append("linearize false")
-    if free != "compile" and set(done["compile"].astype(str)) != {"off"}:
-        conditions.append(f"compile {headline_compile(done)}")
-    return f"the settings with {', '.join(conditions)}" if conditions else "every setting"
+    words = [text for _, text, narrows in _headline_conditions(done, free) if narrows]
+    return f"the settings with {', '.join(words)}" if words else "every setting"
 
 
 def comparisons_table(

@@ -6,10 +6,9 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
@@ -251,6 +250,11 @@ class Trainer:
         ms |= {"head_forward": head_forward, "head_backward": head_backward}
         return {phase: ms[phase] for phase in PHASES}
 
+    def stepper(self, modules: ModuleTimer | None = None) -> Callable[[], dict[str, float]]:
+        """A step function for rcnn.measure.loop.in_turn: each call trains on the next batch (``step``)."""
+        numbers = itertools.count()
+        return lambda: self.step(next(numbers), modules)
+
     @property
     def rois(self) -> int:
         """Box-head input rows of the last step."""
@@ -295,14 +299,14 @@ def run_trial(
         dynamo = DynamoCounters()
         try:
             compiling: list[float] = []
-            numbers = itertools.count()
+            next_step = trainer.stepper()
 
             def step(part: str) -> dict[str, float] | None:
                 """One step timed as ``part`` of the wall time; one that compiled is compile time (None: no
                 sample, neither warm-up nor measured)."""
                 graphs = dynamo.graphs()
                 with wall(part) as timed:
-                    ms = trainer.step(next(numbers))
+                    ms = next_step()
                     if dynamo.graphs() == graphs:
                         return ms
                     timed.name = "compile"
@@ -425,17 +429,11 @@ def heads_in_turn(
     with backend_flags(knobs[0]):
         trainers = {k.head: Trainer(config, k, samples, device=device, seed=seed) for k in knobs}
         try:
-            steps = {
-                head: functools.partial(_next_step, t, itertools.count()) for head, t in trainers.items()
-            }
+            steps = {head: trainer.stepper() for head, trainer in trainers.items()}
             return in_turn(steps, policy, watched=WATCHED, seed=seed)
         finally:
             for trainer in trainers.values():
                 trainer.close()
-
-
-def _next_step(trainer: Trainer, numbers: Iterator[int]) -> dict[str, float]:
-    return trainer.step(next(numbers))
 
 
 def _print_in_turn(
