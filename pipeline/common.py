@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.params import Params, load_params
+from pipeline.stopping import interrupts
 from rcnn.cli import Parser, run_command
 from rcnn.detector.schema import ResultsError
 from rcnn.outputs import write_atomic
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C, carrying the one line run_stage prints for it (what was done, how to resume)."""
+    """Ctrl-C or SIGTERM, carrying the one line run_stage prints for it (what was done, how to resume)."""
 
 
 def stage_parser(description: str | None) -> argparse.ArgumentParser:
@@ -33,9 +34,12 @@ def run_stage(
     argv: list[str] | None = None,
 ) -> int:
     """Parse arguments and params, run the stage and return its exit code (rcnn.cli.run_command): a user error
-    (bad params, data, results files, outputs, unreachable services) exits 2 with one line, Ctrl-C 130."""
+    (bad params, data, results files, outputs, unreachable services) exits 2 with one line, Ctrl-C 130 and
+    SIGTERM 143, each with its one line."""
     args = parser.parse_args(argv)
-    return run_command(lambda: main(args, load_params(args.params)))
+    with interrupts.terminate_as_interrupt():
+        code = run_command(lambda: main(args, load_params(args.params)))
+    return interrupts.exit_code if code == 130 else code
 
 
 def write_json(path: str | Path, obj: Any) -> None:

@@ -282,6 +282,11 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         ) from None
     except yaml.YAMLError as err:
         raise ParamsError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(raw, dict):  # empty, or a list or a scalar: every stage would run on defaults
+        raise ParamsError(
+            f"{path}: {'empty' if raw is None else f'a YAML {type(raw).__name__}'}; allowed: a mapping of "
+            "sections (env, data, sweep, ...), as the project's params.yaml"
+        )
     try:
         return parse_params(raw)
     except ParamsError as err:

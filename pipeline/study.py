@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import itertools
+import json
 import os
 import random
 import socket
@@ -28,6 +29,7 @@ from optuna.trial import TrialState
 
 from pipeline.params import Params, ParamsError, SweepParams
 from pipeline.results import trial_row
+from pipeline.stopping import interrupts
 from rcnn.detector.knobs import Skipped, why_not_together
 from rcnn.detector.model import DetectorConfig
 from rcnn.detector.schema import DEVICE_KNOBS, KERNEL_COLUMNS, KNOB_NAMES, MODULE_TABLE_COLUMNS, TRIAL_COLUMNS
@@ -42,7 +44,14 @@ STATUS = {
     TrialState.WAITING: "not run",  # queued, but the time budget ran out first
 }
 INTERRUPTED = "interrupted: the process running this trial ended"
-CTRL_C = "interrupted (Ctrl-C)"
+
+
+def stopped_by(cause: str) -> str:
+    """A trial's error when a signal stopped it (pipeline.stopping.STOP_SIGNALS names the causes)."""
+    return f"interrupted ({cause})"
+
+
+CTRL_C = stopped_by("Ctrl-C")
 
 
 def owner_of(journal: str | Path) -> Path:
@@ -62,6 +71,7 @@ JOURNAL = Kind(
     lambda path: (
         (path.stat().st_size == 0 and is_ours(owner_of(path), OWNER))
         or (isinstance(record := parse_json(first_line_of(path)), dict) and "op_code" in record)
+        or first_line_of(path).startswith('{"op_code":')  # its only record torn (mend_journal)
     ),
 )
 
@@ -118,6 +128,63 @@ def hold_journal(journal: str | Path) -> Iterator[None]:
         )
         owner.flush()
         yield
+
+
+def mend_journal(journal: str | Path) -> str | None:
+    """Drop a torn last record from a journal before anything appends to it; what was done, or None.
+
+    Optuna appends whole lines, so a file that does not end in a complete JSON record lost power or disk space
+    in its last write: that record is the one write that did not finish (its trial is left running, failed and
+    queued again at the start). Optuna would skip it on reading and glue the next record onto it, invalid for
+    every later run. The file as it was is kept beside it first. Any earlier record that does not parse is
+    damage this cannot mend: ParamsError, the file untouched.
+    """
+    path = Path(journal)
+    if not path.exists() or path.stat().st_size == 0:
+        return None
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    ends_in_newline = lines[-1] == b""
+    if ends_in_newline:
+        lines.pop()
+    bad = [number for number, line in enumerate(lines, start=1) if not _record(line)]
+    if not bad and ends_in_newline:
+        return None
+    if bad and bad[0] < len(lines):
+        raise ParamsError(
+            f"sweep.storage: {path} line {bad[0]} is not a journal record (the file is damaged there, not at "
+            "its end, and was left as it is); allowed: restore it from a copy, or move it away to start the "
+            "study afresh"
+        )
+    cut = len(data) - len(lines[-1]) - ends_in_newline  # the start of the last line
+    copy = _keep_copy(path, data)
+    with open(path, "r+b") as f:
+        f.truncate(cut)
+    return (
+        f"{path}: its last record was cut ({len(data) - cut} bytes, a write that did not finish): dropped "
+        f"it, every complete record kept; the file as it was is {copy}"
+    )
+
+
+def _record(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+
+
+def _keep_copy(path: Path, data: bytes) -> Path:
+    """Write ``data`` to a new file beside ``path`` named for now, never over an existing one."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in itertools.count():
+        copy = path.with_name(f"{path.name}.torn-{stamp}{f'-{n}' if n else ''}")
+        try:
+            with open(copy, "xb") as f:
+                f.write(data)
+            return copy
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
 
 
 def make_sampler(params: Params) -> optuna.samplers.BaseSampler:
@@ -258,9 +325,10 @@ class WorkQueue:
         cls(study).requeue(trial)
 
     def fail_interrupted(self, trial: optuna.Trial) -> None:
-        """Ctrl-C stopped ``trial``: fail it as interrupted and queue its point again now, so a rerun measures
-        it whatever the storage (recover_interrupted, at the next start, covers a journal only)."""
-        trial.set_user_attr("error", CTRL_C)
+        """Ctrl-C or SIGTERM stopped ``trial``: fail it as interrupted and queue its point again now, so a
+        rerun measures it whatever the storage (recover_interrupted, at the next start, covers a journal
+        only)."""
+        trial.set_user_attr("error", stopped_by(interrupts.cause))
         self.requeue(self.fail(trial))
 
     def recover_interrupted(self) -> list[optuna.trial.FrozenTrial]:

@@ -36,6 +36,7 @@ from pipeline.study import (
     hold_journal,
     is_rdb,
     kernels_table,
+    mend_journal,
     modules_table,
     owner_of,
     trials_table,
@@ -68,6 +69,8 @@ def stage(args: argparse.Namespace, params: Params) -> int:
     check_output(owner_of(params.sweep.storage), OWNER, root=root, what="sweep.storage")
     check_writable(params.sweep.storage)  # its folder made, so the lock beside it can be taken
     with hold_journal(params.sweep.storage):
+        if mended := mend_journal(params.sweep.storage):  # before Optuna reads it or appends to it
+            print(mended)
         return run_sweep(args, params)
 
 

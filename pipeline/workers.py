@@ -26,7 +26,7 @@ from optuna.trial import TrialState
 from pipeline.common import Interrupted
 from pipeline.params import Params
 from pipeline.progress import Progress
-from pipeline.stopping import interrupts, sigint_blocked
+from pipeline.stopping import STOP_SIGNALS, interrupts, stop_signals_blocked
 from pipeline.study import (
     WorkQueue,
     finished_count,
@@ -108,16 +108,17 @@ def queue_grid(params: Params, setup: Setup, study: optuna.Study) -> None:
 
 @contextlib.contextmanager
 def stop_on_interrupt(study: optuna.Study, planned: int) -> Iterator[None]:
-    """Ctrl-C inside the sweep's parent MLflow run: end it KILLED and stop with one line saying how far the
-    study got and that a rerun resumes it (the interrupted trial is queued again by then)."""
+    """Ctrl-C or SIGTERM inside the sweep's parent MLflow run: end it KILLED and stop with one line saying how
+    far the study got and that a rerun resumes it (the interrupted trial is queued again by then)."""
     with killed_on_interrupt():
         try:
             with interrupts.held():
                 yield
         except KeyboardInterrupt:
             complete = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+            stopped = "interrupted" if interrupts.cause == "Ctrl-C" else f"terminated ({interrupts.cause})"
             raise Interrupted(
-                f"interrupted: {complete} of {planned} trials complete; run the sweep stage again "
+                f"{stopped}: {complete} of {planned} trials complete; run the sweep stage again "
                 "(make repro) to resume"
             ) from None
 
@@ -174,9 +175,9 @@ def work_on_this_host(
         workers, mp_context=multiprocessing.get_context("spawn")
     ) as pool:
         try:
-            # Workers spawn (in submit) with SIGINT blocked, so a Ctrl-C while they import torch makes no
-            # traceback: worker_process unblocks it where it stops them cleanly.
-            with sigint_blocked():
+            # Workers spawn (in submit) with Ctrl-C and SIGTERM blocked, so one arriving while they import
+            # torch makes no traceback: worker_process unblocks them where it stops cleanly.
+            with stop_signals_blocked():
                 futures = [
                     pool.submit(worker_process, args, params, i, threads, parent_run_id, deadline, total)
                     for i in range(workers)
@@ -188,8 +189,9 @@ def work_on_this_host(
                     except Exception as err:  # a worker that died (killed, out of memory): recovered below
                         print(f"worker {i} ended abnormally: {first_line(err)}")
         except KeyboardInterrupt:
-            # A terminal's Ctrl-C reaches the workers too, a SIGINT sent to this process alone does not.
-            # Leaving the pool then waits for them to stop their trials cleanly.
+            # A terminal's Ctrl-C (or a SIGTERM to the process group) reaches the workers too, a signal
+            # sent to this process alone does not. Leaving the pool then waits for them to stop their trials
+            # cleanly.
             for worker in multiprocessing.active_children():
                 with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
                     os.kill(worker.pid, signal.SIGINT)
@@ -212,9 +214,9 @@ def worker_process(
         raise KeyboardInterrupt
     try:
         with interrupts.held():
-            # Spawned with Ctrl-C blocked (work_on_this_host): one pressed while this process started arrives
-            # now.
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            # Spawned with Ctrl-C and SIGTERM blocked (work_on_this_host): one sent while this process
+            # started arrives now.
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, set(STOP_SIGNALS))
             interrupts.check()
             torch.set_num_threads(threads)
             setup, storage = connect(args, params)
@@ -229,7 +231,8 @@ def worker_process(
             )
             return Sweep(params, setup, parent_run_id, progress).work(study, deadline)
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # idle in the pool, Ctrl-C would only make a traceback
+        for stop in STOP_SIGNALS:  # idle in the pool, a signal would only make a traceback
+            signal.signal(stop, signal.SIG_IGN)
 
 
 def join(args: argparse.Namespace, params: Params, setup: Setup, storage: optuna.storages.BaseStorage) -> int:

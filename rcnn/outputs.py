@@ -10,9 +10,12 @@ before anything is measured or written, and raises OutputError naming the path.
 
 from __future__ import annotations
 
+import array
+import fcntl
 import json
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -129,10 +132,11 @@ def check_folder(folder: str | Path, files: dict[str, Kind], *, root: Path, what
     return resolved
 
 
-def claim_folder(folder: str | Path, owned: re.Pattern, *, root: Path, what: str) -> list[Path]:
-    """The files to remove before rewriting ``folder``: OutputError unless it lies inside ``root`` and is
-    absent, empty, or holds only plain files whose names match ``owned`` (the layout the command writes)."""
-    resolved = inside(folder, root, what)
+def claim_folder(folder: str | Path, owned: re.Pattern, *, root: Path | None = None, what: str) -> list[Path]:
+    """The files to remove before rewriting ``folder``: OutputError unless it lies inside ``root`` (None: any
+    folder, for a tool installed to run anywhere, its ``--out`` given explicitly) and is absent, empty, or
+    holds only plain files whose names match ``owned`` (the layout the command writes)."""
+    resolved = inside(folder, root, what) if root is not None else Path(folder).resolve()
     if not resolved.exists():
         return []
     if not resolved.is_dir():
@@ -151,28 +155,77 @@ def claim_folder(folder: str | Path, owned: re.Pattern, *, root: Path, what: str
 
 
 def write_atomic(path: str | Path, text: str) -> None:
-    """Write through a temporary file and rename, so readers never see half a file."""
+    """Write through a temporary file and rename, so readers never see half a file; the file gets the mode the
+    umask gives any new file (the temporary file's 0600 would survive the rename). A write that fails (a full
+    disk, a file marked immutable) raises NotWritable naming the path and the errno: the file as it was stays,
+    and no temporary file is left."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except OSError as err:
+        raise NotWritable(f"{path}: cannot write it ({_errno(err)})") from err
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise NotWritable(
+                f"{path}: cannot write it ({_errno(err)}); the file as it was is untouched"
+            ) from err
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o22)  # read by setting it: put back at once
+    os.umask(mask)
+    return mask
+
+
+def _errno(err: OSError) -> str:
+    """'errno 28, No space left on device'."""
+    return f"errno {err.errno}, {err.strerror}" if err.errno else str(err)
 
 
 class NotWritable(UserError, OSError):
     """An output whose folder cannot be created or written to."""
 
 
+# Free space an output's filesystem must have before measuring: the tables are small, but the stores (the
+# journal, MLflow's runs and artifacts) grow while measuring.
+MIN_FREE_MB = 50
+# chattr's immutable and append-only flags (FS_IOC_GETFLAGS): such a file cannot be replaced, even by root.
+_FS_IOC_GETFLAGS, _UNREPLACEABLE = 0x80086601, 0x10 | 0x20
+
+
 def check_writable(*paths: str | Path) -> None:
-    """Raise NotWritable naming the first output path whose folder cannot be created or written to."""
+    """Raise NotWritable naming the first output path whose folder cannot be created or written to, whose
+    filesystem has under MIN_FREE_MB free, or which is a file marked immutable or append-only."""
     for path in map(Path, paths):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tempfile.TemporaryFile(dir=path.parent).close()
+            free_mb = shutil.disk_usage(path.parent).free / 2**20
         except OSError as err:
-            raise NotWritable(f"{path}: cannot write there ({err.strerror or err})") from None
+            raise NotWritable(f"{path}: cannot write there ({_errno(err)})") from None
+        if free_mb < MIN_FREE_MB:
+            raise NotWritable(
+                f"{path}: {free_mb:.0f} MB free on its filesystem; allowed: at least {MIN_FREE_MB} MB free"
+            )
+        if _unreplaceable(path):
+            raise NotWritable(
+                f"{path}: marked immutable or append-only (chattr +i or +a); allowed: a file it may replace"
+            )
+
+
+def _unreplaceable(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            flags = array.array("l", [0])
+            fcntl.ioctl(f.fileno(), _FS_IOC_GETFLAGS, flags)
+    except OSError:  # absent, unreadable, or a filesystem without the flags
+        return False
+    return bool(flags[0] & _UNREPLACEABLE)

@@ -61,6 +61,39 @@ def _secret_home(prefix: str, owner: str | None = None) -> Path:
     return home
 
 
+# A guard's program: wait until the test run that started it ends (its stdin, a pipe only that run holds open,
+# closes: however it ended, even by SIGKILL), then stop the server and remove its secrets.
+_GUARD = """
+import json, shutil, subprocess, sys
+sys.stdin.buffer.read()
+stop = json.loads(sys.argv[1])
+for command in stop["commands"]:
+    subprocess.run(command, capture_output=True, timeout=60)
+for folder in stop["remove"]:
+    shutil.rmtree(folder, ignore_errors=True)
+"""
+
+
+@contextlib.contextmanager
+def stopped_with_this_run(commands: list[list[str]], remove: list[Path]) -> Iterator[None]:
+    """Run ``commands`` and remove ``remove`` when the block ends, and also when this test run is killed or
+    interrupted before it does: a killed ``make test`` leaves no server running. The guard process lives in a
+    session of its own, so the Ctrl-C that stops the run does not stop it first."""
+    read, write = (
+        os.pipe()
+    )  # both ends close-on-exec: only the guard (as its stdin) and this process hold them
+    stop = json.dumps({"commands": commands, "remove": [str(folder) for folder in remove]})
+    guard = subprocess.Popen(
+        [sys.executable, "-c", _GUARD, stop], stdin=read, start_new_session=True, stderr=subprocess.DEVNULL
+    )
+    os.close(read)
+    try:
+        yield
+    finally:
+        os.close(write)  # the guard stops the server now, as it would had this run died
+        guard.wait(timeout=120)
+
+
 @dataclass(frozen=True)
 class Postgres:
     """A running cluster: a URL per database, without a password, and the role's password, which clients
@@ -90,7 +123,8 @@ def postgres(databases: tuple[str, ...]) -> Iterator[Postgres]:
     def run(*cmd: str) -> None:
         subprocess.run([*as_user, *cmd], check=True, capture_output=True, timeout=120)
 
-    try:
+    stop = [*as_user, str(binaries / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"]
+    with stopped_with_this_run([stop], remove=[home]):
         pwfile = home / "pwfile"
         pwfile.write_text(password + "\n")
         if as_user:
@@ -126,14 +160,6 @@ def postgres(databases: tuple[str, ...]) -> Iterator[Postgres]:
             password=password,
             log=home / "log",
         )
-    finally:
-        if (data / "postmaster.pid").exists():
-            subprocess.run(
-                [*as_user, str(binaries / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
-                capture_output=True,
-                timeout=60,
-            )
-        shutil.rmtree(home, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -210,7 +236,7 @@ def mlflow_server(
         env=server_env,
         start_new_session=True,
     )
-    try:
+    with stopped_with_this_run([["kill", "-TERM", "--", f"-{proc.pid}"]], remove=[home]), _stopped(proc, log):
         deadline = time.monotonic() + 180
         while True:
             try:
@@ -231,6 +257,13 @@ def mlflow_server(
         yield MlflowServer(
             uri=uri, username=username, password=password, admin_password=admin_password, log=Path(log.name)
         )
+
+
+@contextlib.contextmanager
+def _stopped(proc: subprocess.Popen, log) -> Iterator[None]:
+    """Stop the server's process group when the block ends: SIGTERM, then SIGKILL after 30 s."""
+    try:
+        yield
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -238,4 +271,3 @@ def mlflow_server(
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
-        shutil.rmtree(home, ignore_errors=True)

@@ -74,16 +74,25 @@ def test_killed_sweep_resumes_without_losing_or_repeating_a_trial(tmp_path, tiny
     )
 
 
-CTRL_C = {  # how Ctrl-C reaches the sweep: a terminal signals its whole process group
-    "one-process": (1, lambda pid: os.killpg(pid, signal.SIGINT)),
-    "two-workers": (2, lambda pid: os.killpg(pid, signal.SIGINT)),
-    "two-workers-main-only": (2, lambda pid: os.kill(pid, signal.SIGINT)),  # the sweep passes it on
+# How a stop reaches the sweep: a terminal's Ctrl-C signals its whole process group; kill, systemd,
+# Kubernetes, SLURM and CI time-outs send SIGTERM, to the main process or to the group. Each: (workers, send,
+# its cause).
+STOPS = {
+    "one-process": (1, lambda pid: os.killpg(pid, signal.SIGINT), "Ctrl-C"),
+    "two-workers": (2, lambda pid: os.killpg(pid, signal.SIGINT), "Ctrl-C"),
+    "two-workers-main-only": (2, lambda pid: os.kill(pid, signal.SIGINT), "Ctrl-C"),  # the sweep passes it on
+    "sigterm-one-process": (1, lambda pid: os.kill(pid, signal.SIGTERM), "SIGTERM"),
+    "sigterm-two-workers-group": (2, lambda pid: os.killpg(pid, signal.SIGTERM), "SIGTERM"),
 }
+# What the stage ends with, by cause: its exit code (as a shell reports the signal) and how its line starts
+ENDS = {"Ctrl-C": (130, "interrupted"), "SIGTERM": (143, "terminated (SIGTERM)")}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers, send", CTRL_C.values(), ids=CTRL_C.keys())
-def test_ctrl_c_stops_with_one_line_and_the_rerun_resumes(tmp_path, tiny_params, capsys, workers, send):
+@pytest.mark.parametrize("workers, send, cause", STOPS.values(), ids=STOPS.keys())
+def test_a_stop_signal_ends_with_one_line_and_the_rerun_resumes(
+    tmp_path, tiny_params, capsys, workers, send, cause
+):
     # 4 points
     args = prepare(
         tmp_path,
@@ -98,7 +107,8 @@ def test_ctrl_c_stops_with_one_line_and_the_rerun_resumes(tmp_path, tiny_params,
             stdout=subprocess.DEVNULL,
             stderr=stderr,
         )
-        # SIGINT lands while a trial measures (nearly all of its time; during its bookkeeping it would wait).
+        # The signal lands while a trial measures (nearly all of its time; during its bookkeeping it would
+        # wait).
         kill_mid_trial(
             proc, lambda: journal_trials(tmp_path), timeout_s=600, send=send, log=tmp_path / "stderr.txt"
         )
@@ -106,16 +116,17 @@ def test_ctrl_c_stops_with_one_line_and_the_rerun_resumes(tmp_path, tiny_params,
     study = journal_study(tmp_path)
     states = [t.state for t in study.trials]
     complete = states.count(optuna.trial.TrialState.COMPLETE)
-    assert proc.returncode == 130, err
+    code, stopped_line = ENDS[cause]
+    assert proc.returncode == code, err
     assert "Traceback" not in err, err
     assert err.splitlines()[-1] == (
-        f"interrupted: {complete} of 4 trials complete; run the sweep stage again (make repro) to resume"
+        f"{stopped_line}: {complete} of 4 trials complete; run the sweep stage again (make repro) to resume"
     )
     # The stopped trials: failed as interrupted, their MLflow runs KILLED (a worker stopped before its trial's
     # run started has none), none FAILED or left RUNNING, their points queued again at once.
     stopped = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
     assert 1 <= len(stopped) <= workers and all(
-        t.user_attrs["error"] == "interrupted (Ctrl-C)" for t in stopped
+        t.user_attrs["error"] == f"interrupted ({cause})" for t in stopped
     )
     killed = {t.user_attrs["mlflow_run_id"] for t in stopped if "mlflow_run_id" in t.user_attrs}
     children = runs(tmp_path)
@@ -131,11 +142,13 @@ def test_ctrl_c_stops_with_one_line_and_the_rerun_resumes(tmp_path, tiny_params,
     trials = read_trials(tmp_path / "trials.csv")
     done = trials[trials["status"] == "complete"]
     assert len(done) == 4 and not done.duplicated(["head", "batch_size"]).any()  # every point once
-    assert trials.loc[trials["status"] == "failed", "error"].eq("interrupted (Ctrl-C)").sum() == len(stopped)
+    assert trials.loc[trials["status"] == "failed", "error"].eq(f"interrupted ({cause})").sum() == len(
+        stopped
+    )
     children = runs(tmp_path)
     assert children["status"].isin(["FINISHED", "KILLED"]).all()
     print(
-        f"{workers} worker(s): Ctrl-C with {complete} complete, {len(stopped)} trial(s) stopped; after the "
+        f"{workers} worker(s): {cause} with {complete} complete, {len(stopped)} trial(s) stopped; after the "
         f"resume {len(done)} complete, {len(children)} child runs"
     )
 
