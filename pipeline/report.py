@@ -60,6 +60,7 @@ from rcnn.detector.schema import (
     setting_label,
 )
 from rcnn.doctor.columns import OUTSIDE
+from rcnn.measure.cores import CONTENDED_BELOW
 from rcnn.measure.settings import peak_dtype
 from rcnn.outputs import CSV, PNG, Kind, check_folder, check_writable, project_root, text_start, write_atomic
 
@@ -320,6 +321,7 @@ def verdict(r: Results, effects: pd.DataFrame) -> list[str]:
     lines += linearize_lines(r.trials)
     lines += by_value_lines(r.comparisons, complete(r.trials))
     lines += drift_caution(s)
+    lines += contention_caution(done)
     lines.append(
         "- **the fix**, one line: replace `nn.Conv2d(C, 1024, 7)` by `Conv2dAsLinear(C, 1024, 7)` "
         "(`rcnn.fix`): same parameters and checkpoints, computed as "
@@ -602,6 +604,20 @@ def drift_caution(summary: dict) -> list[str]:
         "the machine's speed changed under the sweep (another load, heat), and the ratios above may carry "
         "it. "
         "Measure again on a quiet machine before quoting them."
+    ]
+
+
+def contention_caution(done: pd.DataFrame) -> list[str]:
+    """A verdict line when trials waited for their CPU cores (another process held them): their step times
+    snap to the scheduler's slices, so they are no measurement of the model."""
+    waited = done["core_share"] < CONTENDED_BELOW  # NaN (CUDA, older tables) is not under
+    if not waited.any():
+        return []
+    return [
+        f"- **caution**: {int(waited.sum())} of {len(done)} complete trials did not have their CPU cores "
+        f"(their threads' CPU time under {CONTENDED_BELOW:.0%} of wall time x threads, lowest "
+        f"{done['core_share'].min():.0%}: another process shared the machine). Their times are not facts: "
+        "measure again on a quiet machine before quoting them."
     ]
 
 

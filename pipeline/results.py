@@ -92,7 +92,11 @@ def write_trials(trials: pd.DataFrame, path: str | Path) -> None:
     write_table(trials[list(TRIAL_COLUMNS)].round(4), path)
 
 
-def read_table(path: str | Path, columns: tuple[str, ...], stage: str) -> pd.DataFrame:
+def read_table(
+    path: str | Path, columns: tuple[str, ...], stage: str, added: tuple[str, ...] = ()
+) -> pd.DataFrame:
+    """The table at ``path`` with every one of ``columns``; those of ``added`` (newer than some stored tables)
+    are NaN where the table predates them."""
     path = Path(path)
     try:
         table = pd.read_csv(path, keep_default_na=False, na_values=[""])
@@ -102,16 +106,23 @@ def read_table(path: str | Path, columns: tuple[str, ...], stage: str) -> pd.Dat
         raise ResultsError(f"{path}: cannot read it as the {stage} table ({err.strerror or err})") from None
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
         raise ResultsError(f"{path}: not a {stage} table ({str(err).splitlines()[0]})") from None
-    missing = [c for c in columns if c not in table.columns]
+    missing = [c for c in columns if c not in table.columns and c not in added]
     if missing:
         raise ResultsError(
             f"{path}: missing columns {', '.join(missing)}; run the {stage} stage to rewrite it"
         )
+    for column in added:
+        if column not in table.columns:
+            table[column] = float("nan")
     return table
 
 
+# Trials-table columns newer than the committed reports' tables: unknown (NaN) there
+ADDED_TRIAL_COLUMNS = ("core_share",)
+
+
 def read_trials(path: str | Path) -> pd.DataFrame:
-    return read_table(path, TRIAL_COLUMNS, "sweep")
+    return read_table(path, TRIAL_COLUMNS, "sweep", added=ADDED_TRIAL_COLUMNS)
 
 
 def read_env(path: str | Path) -> dict:

@@ -28,16 +28,39 @@ def debugging() -> bool:
     return os.environ.get("RCNN_DEBUG", "") not in ("", "0")
 
 
+BROKEN_PIPE = 141  # 128 + SIGPIPE: the exit status a shell gives a command a closed pipe ended
+
+
+def _stdout_to_devnull() -> None:
+    """Python's recipe for a closed pipe (the signal module's docs, 'Note on SIGPIPE'): stdout's descriptor
+    pointed at devnull, so the interpreter's flush at exit does not fail on the same pipe again."""
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):  # stdout replaced by something without a descriptor (a test's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def run_command(body: Callable[[], int | None], *, user_errors: tuple[type[BaseException], ...] = ()) -> int:
     """Run a command's body and return its exit code (0 unless it returns one).
 
     A UserError (or one of ``user_errors``) prints ``error: <its first line>`` on stderr and returns 2;
     Ctrl-C prints its one line (what was done, how to resume) and returns 130, as a shell reports SIGINT.
-    Anything else is a bug and propagates with its traceback. With RCNN_DEBUG set, user errors and Ctrl-C
-    propagate too, their causes chained: a user's own code that raised keeps its traceback.
+    A reader that closed the pipe of stdout (``| head``) ends the command quietly with 141, as a shell reports
+    a command SIGPIPE ended (``yes | head``): a command writes its files before it prints, so nothing is
+    lost but the lines nobody read. Anything else is a bug and propagates with its traceback. With RCNN_DEBUG
+    set, user errors and Ctrl-C propagate too, their causes chained: a user's own code that raised keeps its
+    traceback.
     """
     try:
-        return body() or 0
+        code = body() or 0
+        sys.stdout.flush()  # here, not at exit: a pipe closed by its reader fails now, and is caught below
+        return code
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return BROKEN_PIPE
     except KeyboardInterrupt as err:
         if debugging():
             raise

@@ -14,6 +14,13 @@ from __future__ import annotations
 from torch import nn
 
 FIX = "run it as a matrix product (rcnn.fix.linearize)"
+# Each kind as one matrix product written by hand: for a convolution rcnn.fix cannot swap (rcnn.fix.GEMMS
+# holds the same, channels-last memory included).
+BY_HAND = {
+    "covers-input": "F.linear(x.flatten(1), weight.flatten(1), bias) on the flattened input",
+    "pointwise": "torch.matmul(weight.flatten(1), x.flatten(2)) over the channels, plus the bias",
+    "patches": "the non-overlapping patches as the rows of one F.linear(rows, weight.flatten(1), bias)",
+}
 
 
 def _shape(sizes: tuple[int, ...]) -> str:

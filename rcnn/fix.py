@@ -29,6 +29,7 @@ from torch import nn
 from rcnn.disguise import gemm_kind
 from rcnn.measure.clock import Clock, median_ms
 from rcnn.measure.inputs import Seen, channels_last, example_input
+from rcnn.measure.stats import runs_within
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 MODES = ("auto", "always")
@@ -156,9 +157,12 @@ class Swap:
     gemm_ms: float = float("nan")
 
 
-def _time_paths(module: nn.Module, seen: Seen, device: torch.device, repeats: int = 5) -> tuple[float, float]:
+def _time_paths(
+    module: nn.Module, seen: Seen, device: torch.device, repeats: int = 5, deadline: float | None = None
+) -> tuple[float, float]:
     """Median forward + backward ms of ``module`` as the convolution and as the GEMM (its ``gemm`` set), at
-    the input it saw; gradients go to fresh tensors, not to ``.grad``."""
+    the input it saw; gradients go to fresh tensors, not to ``.grad``. ``deadline`` (``time.monotonic()``):
+    fewer repeats, down to one a path, where ``repeats`` would not end before it."""
     x = example_input(seen, device).requires_grad_(seen.input_requires_grad)
     params = [p for p in module.parameters() if p.requires_grad]
     wrt = [x] * seen.input_requires_grad + params
@@ -172,9 +176,12 @@ def _time_paths(module: nn.Module, seen: Seen, device: torch.device, repeats: in
 
     try:
         torch.set_grad_enabled(True)  # linearize may be called under no_grad: the backward is timed too
-        for path in (None, kind):
+        for i, path in enumerate((None, kind)):
             module.gemm = path
-            times.append(median_ms(lambda: clock.time(forward_backward), repeats=repeats))
+            first = clock.time(forward_backward) / 1e3  # burn-in, and what one run costs
+            # what is left shared by this path and the next
+            fit = runs_within(repeats, first * (2 - i), deadline)
+            times.append(median_ms(lambda: clock.time(forward_backward), repeats=fit, burn_in=1))
     finally:
         module.gemm = kind
         torch.set_grad_enabled(grad_was)
@@ -235,14 +242,23 @@ def _timing_key(module: nn.Module, seen: Seen) -> tuple:
 
 
 def linearize_with(
-    model: nn.Module, forward: Callable[[], Any], *, mode: str = "auto", timings: dict | None = None
+    model: nn.Module,
+    forward: Callable[[], Any],
+    *,
+    mode: str = "auto",
+    timings: dict | None = None,
+    deadline: float | None = None,
 ) -> list[Swap]:
     """``linearize`` with the example forward as a function (a detector's, with its targets and loss).
 
-    ``timings``: a dict the caller keeps to reuse mode auto's timings of identical convolutions at identical
-    inputs and backend switches across calls (models that share a backbone time it once)."""
+    In mode auto identical convolutions (kind, hyperparameters, weights' shape, dtype and layout) at identical
+    inputs and backend switches share one timing, so one decision. ``timings``: a dict the caller keeps to
+    share them across calls too (models that share a backbone time it once); None: within this call.
+    ``deadline`` (``time.monotonic()`` seconds, None: none): the timings take fewer repeats, down to one a
+    path, where theirs would not end before it (a command's bound, rcnn.measure.stats.TimingPolicy)."""
     if mode not in MODES:
         raise ValueError(f"linearize: mode {mode!r} is not allowed; allowed: {', '.join(MODES)}")
+    timings = {} if timings is None else timings
     seen = _seen_by_module(model, forward)
     modules = dict(model.named_modules())
     swaps = []
@@ -260,12 +276,9 @@ def linearize_with(
         try:
             if mode == "auto":
                 key = _timing_key(module, input_seen)
-                if timings is not None and key in timings:
-                    conv_ms, gemm_ms = timings[key]
-                else:
-                    conv_ms, gemm_ms = _time_paths(module, input_seen, module.weight.device)
-                    if timings is not None:
-                        timings[key] = conv_ms, gemm_ms
+                if key not in timings:
+                    timings[key] = _time_paths(module, input_seen, module.weight.device, deadline=deadline)
+                conv_ms, gemm_ms = timings[key]
             swapped = mode == "always" or gemm_ms < AUTO_MARGIN * conv_ms
         finally:  # declined, or the timing failed: the module exactly as it was
             if mode == "auto" and not (gemm_ms < AUTO_MARGIN * conv_ms):

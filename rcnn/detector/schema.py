@@ -219,6 +219,7 @@ MEASURED_COLUMNS = (
     "iterations",
     "precision",
     "precision_met",
+    "core_share",  # the measured steps' share of their threads' CPU time: under 0.75, it waited for cores
     "rois",
     "head_forward_gflop",
     "head_backward_gflop",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -87,6 +88,8 @@ class TrialResult:
     # rcnn.measure.profiler table when the trial was profiled
     kernels: list[dict] = field(default_factory=list)
     modules: list[dict] = field(default_factory=list)  # rcnn.doctor's table (MODULE_COLUMNS rows), idem
+    # The measured steps' share of the CPU time their threads could use (rcnn.measure.cores; None on CUDA)
+    core_share: float | None = None
 
     def median(self, phase: str) -> float:
         return self.stats[phase].median
@@ -107,6 +110,7 @@ class TrialResult:
                 "iterations": self.iterations,
                 "precision": self.precision,
                 "precision_met": self.precision_met,
+                "core_share": float("nan") if self.core_share is None else self.core_share,
                 "rois": self.rois,
                 "swapped": self.swapped,
             }
@@ -318,7 +322,9 @@ def run_trial(
                 return None
 
             # Warm-up is the burn-in: compiling, allocator, kernel choice, autotuning.
-            measured = warm_up_then_measure(step, policy, watched=watched, before_measuring=memory.reset)
+            measured = warm_up_then_measure(
+                step, policy, watched=watched, before_measuring=memory.reset, device=device
+            )
             warm = measured.warmup
             times = {phase: measured.series(phase) for phase in PHASES}
             compiled = dynamo.compiled(sum(compiling), len(compiling)) if knobs.compile != "off" else None
@@ -357,6 +363,7 @@ def run_trial(
         wall_s=wall.seconds,
         kernels=kernels,
         modules=modules,
+        core_share=measured.core_share,
     )
 
 
@@ -538,7 +545,7 @@ def _parser() -> argparse.ArgumentParser:
         "--max-seconds",
         type=MAX_SECONDS.arg(float),
         default=TimingPolicy.max_seconds,
-        help="stop measuring after this long, precision met or not",
+        help="the whole run's bound in seconds (building, warm-up and measuring), precision met or not",
     )
     p.add_argument(
         "--rel-precision",
@@ -565,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> None:
     """One trial as the flags set it, printed."""
+    deadline = time.monotonic() + args.max_seconds  # --max-seconds bounds the whole run
     try:
         device = resolve_device(args.device)
         if args.data:
@@ -601,7 +609,7 @@ def _run(args: argparse.Namespace) -> None:
             max_iterations=args.max_iterations,
             max_seconds=args.max_seconds,
             rel_precision=args.rel_precision,
-        )
+        ).until(deadline)
         if len(knobs) > 1:
             times = heads_in_turn(config, knobs, samples, device=device, policy=policy)
         else:

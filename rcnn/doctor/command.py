@@ -12,6 +12,10 @@ For each flagged module it runs the backward alone at the recorded shape, dtype 
 input gradient and the weight gradient, names the backend implementation that ran each (oneDNN's primitives
 on CPU, the kernels on CUDA) and sets both beside the time the same FLOPs take at the matmul peak.
 MODEL is ``detector:<head>``, ``torchvision:<builder>`` or ``package.module:factory`` (rcnn.doctor.workloads).
+
+``--max-seconds`` bounds the whole run: warm-up, measuring, the why rows and the fix's timings share it.
+``--out`` is written before anything is printed, so ``| head`` loses none of it (the command then ends
+quietly with 141, as a shell reports SIGPIPE).
 """
 
 from __future__ import annotations
@@ -22,14 +26,17 @@ import math
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
 
 from rcnn.cli import Parser, run_command
-from rcnn.doctor.columns import OUTSIDE
+from rcnn.doctor.columns import OUTSIDE, ROOT
 from rcnn.doctor.diagnosis import Diagnosis, Fixed, diagnose, fix
+from rcnn.doctor.flags import GEMM_FLAG, SLOW_FLAG, rank
 from rcnn.doctor.workloads import build_workload
+from rcnn.measure.cores import contended
 from rcnn.measure.device import DTYPES, amp_unavailable, resolve_device, set_tf32
 from rcnn.measure.machine import fingerprint, matmul_size, measure_matmul_tflops
 from rcnn.measure.settings import AMP, AMP_DTYPES, DEVICE
@@ -43,6 +50,14 @@ TOP = Rule(minimum=1)
 FRAMES = Rule(minimum=1)
 BATCH_SIZE = Rule(minimum=1)
 IMAGE_SIZE = Rule(minimum=16)  # a zoo may ask more (the detector's FPN: a multiple of 32, at least 64)
+DIAGNOSE_SHARE = 0.4  # with --fix: the diagnosis's share of --max-seconds; the fix's timings get the rest
+SLOW_SHOWN = (
+    3  # slow-for-its-flops modules printed with their why (GEMMs in disguise: all); the rest in files
+)
+NOTES = {  # under the table, for the rows that are no module of the model's own
+    ROOT: "work in the model's own forward, outside its submodules, e.g. functional calls like roi_align",
+    OUTSIDE: "work no module's forward created: the loss, the optimizer, autograd's own",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,7 +94,8 @@ def _parser() -> argparse.ArgumentParser:
         "--max-seconds",
         type=MAX_SECONDS.arg(float),
         default=TimingPolicy.max_seconds,
-        help="stop measuring after this long, precision met or not",
+        help="the whole run's bound in seconds: warm-up, measuring, the why rows and --fix's timings share "
+        "it, precision met or not",
     )
     p.add_argument(
         "--fix",
@@ -89,8 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--out",
-        help="a folder for modules.csv, why.csv and env.json (absent, empty, or written by "
-        "the doctor before)",
+        help="a folder for modules.csv, why.csv and env.json, anywhere (absent, empty, or written by the "
+        "doctor before: it never replaces what it did not write)",
     )
     p.add_argument(
         "--mlflow",
@@ -100,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _print(diagnosis: Diagnosis, top: int, title: str) -> None:
+def _print(diagnosis: Diagnosis, top: int, title: str, out: str | None = None) -> None:
     s = diagnosis.summary
     print(title)
     print(
@@ -110,6 +126,14 @@ def _print(diagnosis: Diagnosis, top: int, title: str) -> None:
         f"backward {s['backward_ms']:.1f} ms; "
         f"matmul peak {s['peak_tflops']} TFLOP/s ({s['dtype']}, measured)"
     )
+    if s.get("warmup_cut"):
+        print("Warm-up ended at the --max-seconds bound before the step times settled.")
+    if contended(share := s.get("core_share")):
+        print(
+            f"The steps got {share:.0%} of the CPU time their threads could use: the cores were shared with "
+            "other work, so times are the scheduler's, not the modules'; none is flagged slow-for-its-flops. "
+            "Rerun on an idle machine, or with fewer threads (OMP_NUM_THREADS)."
+        )
     modules = diagnosis.modules
     shown = modules[modules["module"] != OUTSIDE].nlargest(top, "backward_ms")
     shown = pd.concat([shown, modules[modules["module"] == OUTSIDE]])
@@ -128,17 +152,36 @@ def _print(diagnosis: Diagnosis, top: int, title: str) -> None:
     ]
     print(f"\nTop {top} modules by their own backward time (ms per step; inclusive: with their children):")
     print(shown[columns].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
-    if len(diagnosis.why):
+    for name, note in NOTES.items():
+        if name in set(shown["module"]):
+            print(f"{name}: {note}")
+    why, hidden = _why_shown(diagnosis)
+    if len(why):
         print(
             "\nWhy, for each flagged module (its backward run alone; GEMM: the same FLOPs at the matmul "
             "peak):"
         )
-        for row in diagnosis.why.itertuples():
+        for row in why.itertuples():
             print(
                 f"- {row.module} [{row.flag}] {row.input_shape} {row.dtype} {row.layout}: "
                 f"input grad {row.input_grad_ms:.2f} ms ({row.input_grad_impl}); "
                 f"weight grad {row.weight_grad_ms:.2f} ms ({row.weight_grad_impl}); GEMM {row.gemm_ms:.2f} ms"
             )
+        if hidden:
+            where = f"{Path(out) / 'why.csv'}" if out else "why.csv (--out)"
+            print(f"- and {hidden} more flagged {SLOW_FLAG}, of less backward time: in {where}")
+
+
+def _why_shown(diagnosis: Diagnosis) -> tuple[pd.DataFrame, int]:
+    """The why rows to print, in the order they matter (rcnn.doctor.flags.rank): every GEMM in disguise, then
+    the SLOW_SHOWN slow-for-its-flops modules of most backward time; and how many more there are."""
+    modules = diagnosis.modules
+    found = {row.module: (row.flag, row.evidence) for row in modules.itertuples() if row.flag}
+    order = [name for name in rank(found, modules) if name in set(diagnosis.why["module"])]
+    gemms = [name for name in order if GEMM_FLAG in found[name][0]]
+    rest = [name for name in order if name not in gemms]
+    why = diagnosis.why.set_index("module").loc[gemms + rest[:SLOW_SHOWN]].reset_index()
+    return why, len(rest[SLOW_SHOWN:])
 
 
 def _print_fix(fixed: Fixed, top: int) -> None:
@@ -160,7 +203,15 @@ def _print_fix(fixed: Fixed, top: int) -> None:
         _print(fixed.after, top, "After the fix:")
 
 
-def _log_mlflow(args: argparse.Namespace, diagnosis: Diagnosis, env: dict) -> str:
+def _log_mlflow(args: argparse.Namespace, diagnosis: Diagnosis, env: dict) -> str | ValueNotAllowed:
+    """The MLflow run's id; from a server that is down or refuses, the error (raised after the printout)."""
+    try:
+        return _to_mlflow(args, diagnosis, env)
+    except ValueNotAllowed as err:
+        return err
+
+
+def _to_mlflow(args: argparse.Namespace, diagnosis: Diagnosis, env: dict) -> str:
     try:
         import mlflow  # only for --mlflow: the library itself needs no tracking server
     except ImportError:
@@ -202,9 +253,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> None:
-    """Measure, print, then write --out and log to MLflow; every check of the user's input comes first."""
-    if args.out:  # before anything is measured: a folder it may fill
-        claim_folder(args.out, FILES, root=project_root(Path.cwd()), what="--out")
+    """Measure, write --out and log to MLflow, then print; every check of the user's input comes first.
+    --max-seconds bounds it all from here (the policy's deadline)."""
+    deadline = time.monotonic() + args.max_seconds
+    if args.out:  # before anything is measured: a folder it may fill, anywhere the user names
+        claim_folder(args.out, FILES, what="--out")
     device = resolve_device(args.device)
     if args.mlflow:
         check_sqlite_url(tracking_uri(), root=project_root(Path.cwd()), what="MLFLOW_TRACKING_URI")
@@ -224,8 +277,14 @@ def _run(args: argparse.Namespace) -> None:
     )
     dtype = AMP_DTYPES[args.amp]
     peak = round(measure_matmul_tflops(device, DTYPES[dtype], n=matmul_size(device)), 3)
-    policy = TimingPolicy(max_seconds=args.max_seconds)
-    diagnosis = diagnose(workload, device=device, amp=args.amp, policy=policy, peak_tflops=peak)
+    policy = TimingPolicy(max_seconds=args.max_seconds).until(deadline)
+    diagnosis = diagnose(
+        workload,
+        device=device,
+        amp=args.amp,
+        policy=policy.within(DIAGNOSE_SHARE) if args.fix else policy,
+        peak_tflops=peak,
+    )
     fixed = fix(workload, device=device, amp=args.amp, policy=policy, peak_tflops=peak) if args.fix else None
     env = {
         "fingerprint": fingerprint(device),
@@ -239,26 +298,37 @@ def _run(args: argparse.Namespace) -> None:
         "summary": diagnosis.summary,
         **({"fix": fixed.summary} if fixed else {}),
     }
+    written = _write(Path(args.out), diagnosis, fixed, env) if args.out else []
+    # Logged before printing too (a reader closing the pipe stops nothing); a server that refuses is told
+    # after the tables are printed, and loses none of them.
+    run = _log_mlflow(args, diagnosis, env) if args.mlflow else None
     where = env["fingerprint"].get("gpu", env["fingerprint"]["cpu_model"])
     _print(
         diagnosis,
         args.top,
         f"{args.model} on {device.type} ({where}), batch {args.batch_size}, "
         f"{args.image_size} px, {dtype}{', channels_last' if args.channels_last else ''}",
+        out=args.out,
     )
     if fixed:
         _print_fix(fixed, args.top)
-    if args.out:
-        out = Path(args.out)
-        tables = {"modules.csv": diagnosis.modules, "why.csv": diagnosis.why}
-        if fixed:
-            tables |= {"modules_fixed.csv": fixed.after.modules, "fix.csv": fixed.swaps}
-        for name, table in tables.items():
-            write_atomic(out / name, table.to_csv(index=False))
-        write_atomic(out / "env.json", json.dumps(env, indent=2, sort_keys=True, default=str) + "\n")
-        print(f"\nwrote {', '.join(str(out / name) for name in [*tables, 'env.json'])}")
-    if args.mlflow:  # after the tables are printed and written: a server that refuses loses none of them
-        print(f"MLflow run {_log_mlflow(args, diagnosis, env)}")
+    if written:
+        print(f"\nwrote {', '.join(map(str, written))}")
+    if isinstance(run, ValueNotAllowed):
+        raise run
+    if run:
+        print(f"MLflow run {run}")
+
+
+def _write(out: Path, diagnosis: Diagnosis, fixed: Fixed | None, env: dict) -> list[Path]:
+    """--out's files, written (each atomically): the paths."""
+    tables = {"modules.csv": diagnosis.modules, "why.csv": diagnosis.why}
+    if fixed:
+        tables |= {"modules_fixed.csv": fixed.after.modules, "fix.csv": fixed.swaps}
+    for name, table in tables.items():
+        write_atomic(out / name, table.to_csv(index=False))
+    write_atomic(out / "env.json", json.dumps(env, indent=2, sort_keys=True, default=str) + "\n")
+    return [out / name for name in [*tables, "env.json"]]
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ commands' flags start from them.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -132,6 +135,9 @@ MAX_ITERATIONS = Rule(minimum=1)
 MAX_SECONDS = Rule(minimum=0.001)
 REL_PRECISION = Rule(minimum=0.0001)
 FLOORS = {"max_warmup": "warmup", "max_iterations": "iterations"}  # a bound below its floor would be ignored
+# Past its deadline a measurement still takes this many measured steps (fewer where ``iterations`` asks
+# fewer): a median, and a bootstrap CI (rcnn.measure.stats.bootstrap_ci), need three.
+LEAST_AT_DEADLINE = 3
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,11 @@ class TimingPolicy:
     each shape, allocators grow. Measuring runs at least ``iterations`` steps, then stops once the median of
     every watched phase is known to ``rel_precision`` (median_precision), or at ``max_iterations`` or
     ``max_seconds``.
+
+    ``deadline`` (a ``time.monotonic()`` time, None: none) bounds warm-up and measuring together, one bound
+    on a whole command (``until``; ``within`` gives a phase its share and leaves the rest to what follows):
+    warm-up ends early where the time left would not hold the next step and the least measured steps, and
+    measuring ends once the next step would end past it, with at least LEAST_AT_DEADLINE steps.
     """
 
     warmup: int = 2
@@ -154,6 +165,7 @@ class TimingPolicy:
     max_iterations: int = 30
     max_seconds: float = 15.0
     rel_precision: float = 0.05
+    deadline: float | None = None
 
     @classmethod
     def fixed(cls, iterations: int, warmup: int = 0) -> TimingPolicy:
@@ -168,7 +180,7 @@ class TimingPolicy:
 
     def warmed_up(self, step_ms: Sequence[float]) -> bool:
         n = len(step_ms)
-        if n >= self.max_warmup:
+        if n >= self.max_warmup or self.warm_up_cut(step_ms):
             return True
         if n < max(self.warmup, self.settle_window):
             return False
@@ -178,11 +190,58 @@ class TimingPolicy:
     def precision_met(self, watched: Sequence[Sequence[float]]) -> bool:
         return all(median_precision(samples) <= self.rel_precision for samples in watched)
 
-    def done(self, watched: Sequence[Sequence[float]], elapsed_s: float) -> bool:
+    def warm_up_cut(self, step_ms: Sequence[float]) -> bool:
+        """Whether warm-up ends for the deadline: the time left would not hold one more step as long as the
+        last (``step_ms``: the settle values, read as a step's ms) and the least measured steps."""
+        last_s = step_ms[-1] / 1e3 if step_ms else 0.0
+        n = len(step_ms)
+        return n < self.max_warmup and self.out_of_time((1 + self.least_at_deadline()) * last_s)
+
+    def done(self, watched: Sequence[Sequence[float]], elapsed_s: float, next_s: float | None = None) -> bool:
+        """Whether measuring stops, with ``watched`` measured over ``elapsed_s`` and the next step expected
+        to take ``next_s`` seconds (the deadline's test; None: as long as the first watched value's last,
+        read as ms)."""
         n = len(watched[0])
+        if next_s is None:
+            next_s = watched[0][-1] / 1e3 if n else 0.0
+        if n >= self.least_at_deadline() and self.out_of_time(next_s):
+            return True
         if n < self.iterations:
             return False
         return n >= self.max_iterations or elapsed_s >= self.max_seconds or self.precision_met(watched)
+
+    def least_at_deadline(self) -> int:
+        return min(self.iterations, LEAST_AT_DEADLINE)
+
+    def until(self, deadline: float | None) -> TimingPolicy:
+        """This policy bounded by ``deadline`` (``time.monotonic()`` seconds; None: unbounded)."""
+        return dataclasses.replace(self, deadline=deadline)
+
+    def within(self, fraction: float) -> TimingPolicy:
+        """This policy with its deadline at ``fraction`` of the time left to it from now: one phase's share
+        of a command's bound, the rest left to what follows. Unchanged without a deadline."""
+        if self.deadline is None:
+            return self
+        return self.until(time.monotonic() + fraction * max(self.seconds_left(), 0.0))
+
+    def seconds_left(self) -> float:
+        """Seconds to the deadline (negative past it; inf without one)."""
+        return math.inf if self.deadline is None else self.deadline - time.monotonic()
+
+    def out_of_time(self, next_s: float = 0.0) -> bool:
+        """Whether something taking ``next_s`` seconds, started now, would end past the deadline."""
+        return next_s > self.seconds_left()
+
+
+def runs_within(most: int, run_s: float, deadline: float | None, *, least: int = 1) -> int:
+    """How many runs of ``run_s`` seconds each, from ``least`` to ``most``, end before ``deadline``
+    (``time.monotonic()`` seconds; None: ``most``): a repeated timing (a why row, the fix's) bounded by a
+    command's deadline."""
+    if deadline is None:
+        return most
+    left = deadline - time.monotonic()
+    fit = int(left // run_s) if run_s > 0 else most
+    return max(least, min(most, fit))
 
 
 def geomean_ratio(

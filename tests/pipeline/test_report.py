@@ -376,6 +376,27 @@ def test_the_verdict_cautions_when_the_machine_drifted_during_the_sweep():
     assert line in verdict_of(*fake_trials(), summary(500.0, 1050.0))
 
 
+def test_the_verdict_cautions_when_trials_did_not_have_their_cores(tmp_path):
+    from pipeline.report import contention_caution
+    from pipeline.results import read_trials
+
+    trials, samples = fake_trials()
+    done = trials[trials["status"] == "complete"].copy()
+    done["core_share"] = 0.97
+    assert contention_caution(done) == []
+    done.loc[done.index[:2], "core_share"] = [0.41, 0.6]
+    (line,) = contention_caution(done)
+    assert line.startswith(
+        f"- **caution**: 2 of {len(done)} complete trials did not have their CPU cores (their threads' CPU "
+        "time under 75% of wall time x threads, lowest 41%"
+    )
+    assert line in verdict_of(done, samples)
+    # A table from before the column: read with it unknown, and no caution.
+    trials.drop(columns="core_share", errors="ignore").to_csv(tmp_path / "trials.csv", index=False)
+    older = read_trials(tmp_path / "trials.csv")
+    assert older["core_share"].isna().all() and contention_caution(older[older["status"] == "complete"]) == []
+
+
 def test_the_verdicts_headline_says_when_every_trial_was_compiled():
     trials, samples = fake_trials()
     assert "no eager trial" not in verdict_of(trials, samples)[0]

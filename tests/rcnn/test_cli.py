@@ -72,3 +72,51 @@ def test_a_users_model_that_raised_keeps_its_traceback_under_rcnn_debug():
     assert debug.returncode == 1
     assert "tests/fixtures/models.py" in debug.stderr  # the user's own line that raised
     assert "The above exception was the direct cause" in debug.stderr
+
+
+def test_a_pipe_its_reader_closed_ends_the_command_quietly_with_141(tmp_path):
+    # A command that writes its file, then prints more than the reader takes (`| head -1`)
+    script = (
+        "import sys, pathlib\n"
+        "from rcnn.cli import run_command\n"
+        "def body():\n"
+        f"    pathlib.Path({str(tmp_path / 'result.csv')!r}).write_text('a,b\\n')\n"
+        "    for i in range(100000):\n"
+        "        print('line', i)\n"
+        "sys.exit(run_command(body))\n"
+    )
+    done = subprocess.run(
+        f"{sys.executable} -c {_quoted(script)} | head -1",
+        shell=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        executable="/bin/bash",
+    )
+    assert done.stdout == "line 0\n" and done.stderr == ""  # no traceback, no 'Exception ignored'
+    assert (tmp_path / "result.csv").read_text() == "a,b\n"
+    status = subprocess.run(
+        f"set -o pipefail; {sys.executable} -c {_quoted(script)} | head -1",
+        shell=True,
+        cwd=ROOT,
+        capture_output=True,
+        executable="/bin/bash",
+    )
+    assert status.returncode == 141
+
+
+def test_a_short_printout_is_flushed_inside_the_wrapper(monkeypatch):
+    flushed = []
+    monkeypatch.setattr(sys.stdout, "flush", lambda: flushed.append(True), raising=False)
+    assert run_command(lambda: None) == 0 and flushed  # a closed pipe fails there, inside, not at exit
+
+    def closed():
+        raise BrokenPipeError(32, "Broken pipe")
+
+    assert run_command(closed) == 141
+
+
+def _quoted(text):
+    import shlex
+
+    return shlex.quote(text)

@@ -294,3 +294,32 @@ def test_timings_kept_by_the_caller_time_each_convolution_once(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):  # another dtype seen: timed anew
         fix.linearize_with(models[2], lambda: models[2](x), timings=timings)
     assert len(calls) == 2 and len(timings) == 2
+
+
+def test_identical_convolutions_in_one_call_share_one_timing_and_one_decision(monkeypatch):
+    import rcnn.fix as fix
+
+    calls = []
+    times = iter([(1.0, 0.9), (1.0, 1.0), (1.0, 0.9)])  # would the second be timed, it would be declined
+    monkeypatch.setattr(fix, "_time_paths", lambda *args, **kwargs: calls.append(args[1]) or next(times))
+    model = nn.Sequential(*[nn.Conv2d(16, 16, 1) for _ in range(3)])  # one shape, dtype and layout
+    swaps = linearize(model, torch.randn(2, 16, 5, 5, requires_grad=True))  # each sees what the others see
+    assert len(calls) == 1 and [s.swapped for s in swaps] == [True] * 3
+    assert len({(s.conv_ms, s.gemm_ms) for s in swaps}) == 1
+
+
+def test_a_deadline_cuts_the_timings_repeats_down_to_one(monkeypatch):
+    import time
+
+    import rcnn.fix as fix
+
+    runs = []
+    real = fix.median_ms
+    monkeypatch.setattr(fix, "median_ms", lambda timed, **kw: runs.append(kw["repeats"]) or real(timed, **kw))
+    linearize(nn.Sequential(nn.Conv2d(8, 8, 7)), torch.randn(2, 8, 7, 7))
+    assert runs == [5, 5]
+    runs.clear()
+    x = torch.randn(2, 8, 7, 7)
+    model = nn.Sequential(nn.Conv2d(8, 8, 7))
+    fix.linearize_with(model, lambda: model(x), deadline=time.monotonic() - 1)  # already past
+    assert runs == [1, 1]

@@ -130,3 +130,18 @@ def test_a_folder_is_claimed_only_when_it_holds_what_the_command_writes(tmp_path
     (data / "000001.png").symlink_to(tmp_path / "x.png")  # a name it writes, but a link it never made
     with pytest.raises(OutputError, match="000001.png"):
         claim_folder(data, owned, root=tmp_path, what="--out")
+
+
+def test_without_a_root_a_folder_anywhere_is_claimed_by_the_same_rules(tmp_path):
+    owned = re.compile(r"modules\.csv")
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    with pytest.raises(OutputError, match="resolves outside the project"):
+        claim_folder(elsewhere, owned, root=project, what="--out")
+    assert claim_folder(elsewhere, owned, what="--out") == []  # absent: allowed anywhere
+    elsewhere.mkdir()
+    (elsewhere / "modules.csv").write_text("module\n")
+    assert [p.name for p in claim_folder(elsewhere, owned, what="--out")] == ["modules.csv"]
+    (elsewhere / "thesis.tex").write_text("mine")
+    with pytest.raises(OutputError, match=r"holds files this command did not write \(thesis.tex\)"):
+        claim_folder(elsewhere, owned, what="--out")

@@ -50,6 +50,8 @@ def test_trial_times_every_phase(head, device):
     row = result.row()
     assert {"head_backward_ci_low_ms", "step_p90_ms", "precision_met", "warmup_iterations"} <= set(row)
     assert all(row[f"{p}_ms"] == result.median(p) for p in PHASES) and row["rois"] == result.rois
+    # Whether the measured steps had their cores: a share of their threads' CPU time on the CPU, none on CUDA
+    assert (0 < row["core_share"] <= 1.5) if device.type == "cpu" else math.isnan(row["core_share"])
     # The profile of the head's backward names the operators the head runs: conv kernels or a GEMM.
     ops = {k["name"] for k in result.kernels if k["kind"] == "op"}
     assert ("aten::convolution_backward" in ops) == (head == "conv") and ("aten::mm" in ops) == (

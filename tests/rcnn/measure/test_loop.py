@@ -160,3 +160,73 @@ def test_the_paired_ratio_of_a_step_sleeping_twice_as_long_is_two():
     # may fall just outside it: the CI must reach 2 to within 2%, and lie far from 1.
     assert low <= 2 * 1.02 and high >= 2 / 1.02, (ratio, low, high)
     assert low > 1.5 and ratio == pytest.approx(2, rel=0.05)
+
+
+# -- one bound on the whole run, and the cores it had
+
+
+def sleeping_step(seconds, log):
+    def step(part=None):
+        log.append(part)
+        time.sleep(seconds)
+        return {"step": 1.0 + random.random()}  # never precise, never settled
+
+    return step
+
+
+def test_a_deadline_bounds_warm_up_and_measuring_together():
+    # Without the deadline: 10 warm-up and 30 measured steps of 20 ms, 0.8 s
+    policy = TimingPolicy(warmup=10, max_warmup=10, iterations=30, max_iterations=30, max_seconds=60)
+    log = []
+    started = time.monotonic()
+    measured = warm_up_then_measure(
+        sleeping_step(0.02, log), policy.until(started + 0.25), watched=("step",), settle="step"
+    )
+    took = time.monotonic() - started
+    assert took < 0.25 + 0.03  # at most the step that was under way as it neared
+    assert measured.warmup_cut and 3 <= len(measured.series("step")) < 30
+    assert log.count(WARMUP) < 10
+    # Already past: no warm-up, the least measured steps a median needs
+    log.clear()
+    late = warm_up_then_measure(sleeping_step(0.0, log), policy.until(started), watched=("step",))
+    assert late.warmup == [] and late.warmup_cut and len(late.series("step")) == 3
+    # Rounds in turn alike
+    log.clear()
+    started = time.monotonic()
+    rounds = in_turn(
+        {"a": sleeping_step(0.01, log), "b": sleeping_step(0.01, log)}, policy.until(started + 0.25)
+    )
+    assert time.monotonic() - started < 0.25 + 0.03 and 3 <= len(rounds["a"]["step"]) < 30
+
+
+def test_within_gives_a_phase_its_share_of_the_time_left():
+    started = time.monotonic()
+    policy = TimingPolicy().until(started + 10)
+    assert policy.within(0.5).deadline == pytest.approx(started + 5, abs=0.05)
+    assert TimingPolicy().within(0.5).deadline is None and TimingPolicy().seconds_left() == float("inf")
+
+
+def test_the_measured_steps_core_share_is_recorded_on_the_cpu_only():
+    from rcnn.measure.cores import CoreUse
+
+    policy = TimingPolicy.fixed(3, warmup=1)
+    waits = warm_up_then_measure(sleeping_step(0.02, []), policy, watched=("step",), device="cpu")
+    assert waits.core_share is not None and waits.core_share < 0.2  # a step that waits: no share of cores
+    on_gpu = warm_up_then_measure(sleeping_step(0.0, []), policy, watched=("step",), device="cuda")
+    assert on_gpu.core_share is None
+    assert warm_up_then_measure(sleeping_step(0.0, []), policy, watched=("step",)).core_share is None
+    use = CoreUse("cpu", threads=1)
+    in_turn({"a": sleeping_step(0.01, [])}, policy, cores=use)
+    assert use.wall_s >= 3 * 0.01 and use.share < 0.2
+
+
+def test_the_policy_itself_ends_warm_up_and_measuring_for_its_deadline():
+    # What a loop of its own (rcnn.doctor.watch) asks the policy: the deadline answers there too
+    policy = TimingPolicy(warmup=5, max_warmup=10, iterations=12, max_iterations=30, max_seconds=60)
+    soon = policy.until(time.monotonic() + 1.0)
+    assert not soon.warmed_up([100.0]) and not soon.warm_up_cut([100.0])  # 0.1 s steps: 4 fit in 1 s
+    assert soon.warmed_up([400.0]) and soon.warm_up_cut([400.0])  # 0.4 s steps: 4 do not
+    assert not soon.done([[100.0] * 3], elapsed_s=0.0)  # the next ends before the deadline
+    assert soon.done([[2000.0] * 3], elapsed_s=0.0)  # the next would end past it; 3 are enough
+    assert not soon.done([[2000.0] * 2], elapsed_s=0.0)  # not yet the least a median needs
+    assert not policy.done([[2000.0] * 3], elapsed_s=0.0) and not policy.warmed_up([1e9])
