@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +37,28 @@ def import_factory(spec: str, key: str) -> Callable[..., Any]:
     return factory
 
 
-def call_factory(spec: str, key: str, *args: Any, **kwargs: Any) -> Any:
-    """``import_factory(spec)(*args, **kwargs)``; what it raises becomes one line keyed ``key``."""
+def declared(factory: Callable[..., Any], offered: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of ``offered`` that ``factory``'s signature names (a ``**kwargs`` names none): a
+    factory takes the sizes it declares (``def make(image_size): ...``) and is not handed the others."""
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C extension without a signature: it declares nothing
+        return {}
+    named = {
+        name
+        for name, p in parameters.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    return {name: value for name, value in offered.items() if name in named}
+
+
+def call_factory(
+    spec: str, key: str, *args: Any, offered: Mapping[str, Any] | None = None, **kwargs: Any
+) -> Any:
+    """``import_factory(spec)(*args, **kwargs)``, plus those of ``offered`` that the factory declares
+    (``declared``); what it raises becomes one line keyed ``key``."""
     factory = import_factory(spec, key)
+    kwargs = {**declared(factory, offered or {}), **kwargs}
     try:
         return factory(*args, **kwargs)
     except Exception as err:

@@ -7,10 +7,22 @@
   untrained (``weights=None``), fed inputs and a loss of its kind: images and cross-entropy on labels; images
   and box targets (with masks or keypoints where the model needs them) for detectors; per-pixel labels for
   segmentation; clips (B, 3, frames, S, S) for video.
+- ``timm:<name>``: any ``timm.create_model`` name, untrained, fed images and cross-entropy; built for the
+  image size given where its class takes ``img_size`` (ViTs). ``hf:<model_type>``: a Hugging Face transformers
+  model from its default config (nothing downloaded) with the batch and loss of its head: ``hf:vit``,
+  ``hf:convnext``, ``hf:bert``, ``hf:gpt2``, ``hf:wav2vec2``, ``hf:whisper``, ... Both take options after
+  ``?``, passed to ``timm.create_model`` or set on the config, to shrink a model for a small machine:
+  ``hf:bert?num_hidden_layers=2,hidden_size=128,num_attention_heads=2``. They live in rcnn.doctor.zoos, found
+  through ``LIBRARIES``; timm and transformers are optional (``pip install 'roi-head-sweep[zoo]'``).
 - ``package.module:factory``: the user's own model. ``factory()`` returns either an ``nn.Module`` taking
   images (B, 3, S, S) and returning class scores (B, K), trained with cross-entropy; or a pair
   ``(model, make_batch)`` where ``make_batch(batch_size, device)`` returns ``(batch, loss)`` and
-  ``loss(model, batch)`` runs the forward and returns a scalar loss.
+  ``loss(model, batch)`` runs the forward and returns a scalar loss. A factory that declares ``image_size`` or
+  ``batch_size`` parameters (``def make(image_size=224): ...``) is called with the sizes given, by keyword; it
+  is called without the ones it does not declare.
+
+``Workload.batch_description`` says what the batch is, from its tensors ('float32 (2, 3, 320, 320)'): what a
+factory's own ``make_batch`` built may differ from the sizes asked for.
 """
 
 from __future__ import annotations
@@ -30,6 +42,10 @@ NUM_CLASSES = 4  # object classes of the synthetic detection targets, background
 # Model zoos named by the spec's prefix, each a builder ``(name, batch_size=, image_size=, device=, **options)
 # -> (model, batch, loss)`` imported when a spec names it: a zoo may import the doctor, never the reverse.
 ZOOS = {"detector": "rcnn.detector.workload:detector_workload"}
+# The model libraries users bring, by the same builder signature and as lazily: timm and transformers import
+# only when a spec names them. Apart from ZOOS, whose builders live in rooms above the doctor
+# (tests/test_layout.py); these live in the doctor's own rcnn.doctor.zoos.
+LIBRARIES = {"timm": "rcnn.doctor.zoos:timm_workload", "hf": "rcnn.doctor.zoos:hf_workload"}
 
 Loss = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -43,6 +59,38 @@ class Workload:
     batch: Any
     loss: Loss
 
+    @property
+    def batch_description(self) -> str:
+        """What the batch is, from its tensors: their dtypes and shapes (``describe_batch``)."""
+        return describe_batch(self.batch)
+
+
+def describe_batch(batch: Any) -> str:
+    """A batch's tensors by dtype and shape, in its structure: 'float32 (2, 3, 320, 320)' for images,
+    '[2 x float32 (3, 320, 320)]' for a list of equal ones, '{input_ids: int64 (2, 128), labels: ...}' for a
+    dict; anything else by its type's name.
+
+    Example:
+        >>> describe_batch({"pixel_values": torch.zeros(2, 3, 64, 64)})
+        '{pixel_values: float32 (2, 3, 64, 64)}'
+    """
+    if isinstance(batch, torch.Tensor):
+        return f"{str(batch.dtype).removeprefix('torch.')} {tuple(batch.shape)}"
+    if isinstance(batch, dict):
+        return "{" + ", ".join(f"{key}: {describe_batch(value)}" for key, value in batch.items()) + "}"
+    if isinstance(batch, (list, tuple)):
+        items = [describe_batch(item) for item in batch]
+        if len(items) > 1 and len(set(items)) == 1:  # images of one size: the count, once
+            inner = f"{len(items)} x {items[0]}"
+        elif len(items) > 4:  # targets of different sizes: the first, and how many
+            inner = f"{len(items)} items: {items[0]}, ..."
+        else:
+            inner = ", ".join(items)
+        return f"[{inner}]" if isinstance(batch, list) else f"({inner})"
+    if isinstance(batch, (int, float, bool, str)) or batch is None:
+        return repr(batch)
+    return type(batch).__name__
+
 
 class ModelError(ValueNotAllowed):
     """A MODEL spec that names nothing usable, or a model that fails on its synthetic batch."""
@@ -51,7 +99,8 @@ class ModelError(ValueNotAllowed):
         super().__init__("MODEL", problem)
 
 
-def _classification_loss(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+def classification_loss(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the model's class scores on ``images`` against labels 0, 1, ... (cycling)."""
     out = model(images)
     logits = getattr(out, "logits", out)  # GoogLeNet and Inception return named tuples while training
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
@@ -63,9 +112,10 @@ def _classification_loss(model: nn.Module, images: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.float(), labels)
 
 
-def _images(
+def synthetic_images(
     batch_size: int, image_size: int, device: torch.device, *, frames: int | None = None
 ) -> torch.Tensor:
+    """Seeded images in [0, 1] (B, 3, S, S), or clips (B, 3, frames, S, S)."""
     generator = torch.Generator().manual_seed(0)
     shape = (batch_size, 3, *((frames,) if frames else ()), image_size, image_size)
     return torch.rand(shape, generator=generator).to(device)
@@ -142,20 +192,20 @@ def _torchvision(
     if kind == "detection":
         return model, detection_batch(builder, batch_size, image_size, device), detection_loss
     if kind == "segmentation":
-        return model, _images(batch_size, image_size, device), _segmentation_loss
+        return model, synthetic_images(batch_size, image_size, device), _segmentation_loss
     return (
         model,
-        _images(batch_size, image_size, device, frames=frames if kind == "video" else None),
-        _classification_loss,
+        synthetic_images(batch_size, image_size, device, frames=frames if kind == "video" else None),
+        classification_loss,
     )
 
 
 def _factory(
     spec: str, *, batch_size: int, image_size: int, device: torch.device
 ) -> tuple[nn.Module, Any, Loss]:
-    made = call_factory(spec, "MODEL")
+    made = call_factory(spec, "MODEL", offered={"image_size": image_size, "batch_size": batch_size})
     if isinstance(made, nn.Module):
-        return made, _images(batch_size, image_size, device), _classification_loss
+        return made, synthetic_images(batch_size, image_size, device), classification_loss
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module) and callable(made[1]):
         model, make_batch = made
         try:
@@ -181,17 +231,18 @@ def build_workload(
     """The model a spec names, on ``device``, in training mode, with one synthetic batch and its loss.
 
     Args:
-        spec: ``torchvision:<builder>``, ``package.module:factory`` (see the module's docstring), or a zoo's
-            ``<zoo>:<name>`` (``ZOOS``: ``detector:<head>``).
+        spec: ``torchvision:<builder>``, ``timm:<name>``, ``hf:<model_type>``, ``package.module:factory`` (see
+            the module's docstring), or a zoo's ``<zoo>:<name>`` (``ZOOS``: ``detector:<head>``).
         batch_size: images (or clips) in the batch.
         image_size: their square size in pixels.
         device: where the model and the batch go.
         frames: frames per clip, for video models.
         channels_last: the model's 4-d and 5-d weights and the batch in channels-last memory.
-        options: passed to a zoo's builder (``backbone`` for the detector).
+        options: passed to a zoo's builder (``backbone`` for the detector; ``timm.create_model`` keywords for
+            timm, config keys for hf).
 
     Returns:
-        The Workload: model, batch and loss.
+        The Workload: model, batch and loss, and ``batch_description`` of the batch built.
 
     Raises:
         ModelError: (a ValueNotAllowed keyed 'MODEL') a spec that names nothing usable.
@@ -200,10 +251,11 @@ def build_workload(
     if not sep or not rest or not kind:
         raise ModelError(
             f"{spec!r} is not a model spec; allowed: {', '.join(f'{z}:<name>' for z in ZOOS)}, "
-            "torchvision:<builder>, package.module:factory"
+            "torchvision:<builder>, timm:<name>, hf:<model_type>, package.module:factory"
         )
-    if kind in ZOOS:
-        zoo = import_factory(ZOOS[kind], "MODEL")
+    zoos = {**ZOOS, **LIBRARIES}
+    if kind in zoos:
+        zoo = import_factory(zoos[kind], "MODEL")
         model, batch, loss = zoo(rest, batch_size=batch_size, image_size=image_size, device=device, **options)
     elif kind == "torchvision":
         model, batch, loss = _torchvision(
