@@ -39,7 +39,7 @@ def run_stage(
     args = parser.parse_args(argv)
     with interrupts.terminate_as_interrupt():
         code = run_command(lambda: main(args, load_params(args.params)))
-    return interrupts.exit_code if code == 130 else code
+        return interrupts.exit_code if code == 130 else code
 
 
 def write_json(path: str | Path, obj: Any) -> None:

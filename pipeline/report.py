@@ -38,6 +38,7 @@ from pipeline.analysis import (
 from pipeline.common import read_json, run_stage, stage_parser
 from pipeline.params import Params
 from pipeline.results import (
+    ADDED_MODULE_COLUMNS,
     ALL_SETTINGS,
     complete,
     fastest,
@@ -120,7 +121,7 @@ def load_results(
         kernels=read_table(kernels, KERNEL_COLUMNS, "sweep"),
         summary=read_json(summary),
         env=read_env(env),
-        modules=read_table(modules, MODULE_TABLE_COLUMNS, "sweep")
+        modules=read_table(modules, MODULE_TABLE_COLUMNS, "sweep", added=ADDED_MODULE_COLUMNS)
         if modules
         else pd.DataFrame(columns=MODULE_TABLE_COLUMNS),
     )

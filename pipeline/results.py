@@ -111,14 +111,15 @@ def read_table(
         raise ResultsError(
             f"{path}: missing columns {', '.join(missing)}; run the {stage} stage to rewrite it"
         )
-    for column in added:
-        if column not in table.columns:
-            table[column] = float("nan")
+    if absent := [c for c in added if c not in table.columns]:
+        table = table.assign(**dict.fromkeys(absent, float("nan")))
+        table = table[[*columns, *(c for c in table.columns if c not in columns)]]
     return table
 
 
-# Trials-table columns newer than the committed reports' tables: unknown (NaN) there
+# Columns newer than the committed reports' tables: unknown (NaN) there
 ADDED_TRIAL_COLUMNS = ("core_share",)
+ADDED_MODULE_COLUMNS = ("saved_mb", "backward_peak_mb")
 
 
 def read_trials(path: str | Path) -> pd.DataFrame:

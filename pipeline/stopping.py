@@ -83,6 +83,7 @@ class Interrupts:
     def held(self) -> Iterator[None]:
         if self.depth == 0:
             self.pending = self.raised = False
+            self.signal = None
             previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         self.depth += 1
         try:
@@ -113,11 +114,13 @@ class Interrupts:
             self.signal = signal.SIGTERM
             raise KeyboardInterrupt("terminated")
 
+        self.signal = None
         previous = signal.signal(signal.SIGTERM, terminated)
         try:
             yield
         finally:
             signal.signal(signal.SIGTERM, previous)
+            self.signal = None  # read inside the block (exit_code): no later code sees this one's
 
 
 interrupts = Interrupts()  # one per process, as its signal handlers are

@@ -1,7 +1,7 @@
 """Backward time by module for any model: which module is slow, and why (``python -m rcnn.doctor``).
 
-``diagnose``, ``fix``, ``build_workload`` and their results load on first use, so reading the doctor's column
-names (rcnn.doctor.columns) needs no torch."""
+``watch`` (the doctor in your own training loop), ``diagnose``, ``fix``, ``build_workload`` and their results
+load on first use, so reading the doctor's column names (rcnn.doctor.columns) needs no torch."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ _EXPORTS = {
     "build_workload": "workloads",
     "Workload": "workloads",
     "ModuleTimer": "attribution",
+    "watch": "watch",
+    "Watch": "watch",
+    "NothingWatched": "watch",
 }
 __all__ = list(_EXPORTS)
 

@@ -9,6 +9,13 @@ tensors alone, unlike module full-backward hooks, which break on ``ReLU(inplace=
 
 Time between nodes (the autograd engine's own work, hooks on tensors) and nodes created outside every module
 (a loss computed after the model) form the ``OUTSIDE`` row, so the rows add up to the step's backward.
+
+Activation memory: while the model runs forward, a saved-tensors hook (``torch.autograd.graph``) sees every
+tensor autograd saves for backward and charges its storage, once, to the innermost module running; the
+model's own parameters are no activations and are left out. On CUDA each node's backward also reads the
+allocator's peak (reset when the node starts), so each module gets the peak allocated during its backward.
+A step may hold several forwards and backwards (several forwards per step, gradient accumulation): its
+table sums them, and its saved bytes are those of its largest graph (what is held at once).
 """
 
 from __future__ import annotations
@@ -16,11 +23,12 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
+import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -31,6 +39,27 @@ from rcnn.measure.inputs import Seen, tensors
 
 TIME_COLUMNS = ["forward_ms", "forward_inclusive_ms", "backward_ms", "backward_inclusive_ms"]
 FLOP_COLUMNS = ["forward_gflop", "backward_gflop", "backward_inclusive_gflop"]
+MEMORY_COLUMNS = ["saved_mb", "backward_peak_mb"]
+MB = 2**20
+
+
+def _user_saved_hooks() -> tuple[Any, Any] | None:
+    """The saved-tensors hooks active now (a user's ``save_on_cpu``, activation checkpointing), or None: ours
+    must pass tensors on to them, or installing ours would switch theirs off. torch keeps one pair at a time
+    and names no public way to read it; this is the one place that reads it."""
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int | None, int] | None:
+    """Which storage ``t`` views (device and address), or None where it has none to read (a tensor subclass,
+    a sparse tensor)."""
+    try:
+        return t.device.type, t.device.index, t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 @dataclass
@@ -58,62 +87,114 @@ class ModuleTimer:
     """Times each module of ``model`` in the steps run inside ``forward()`` and ``backward()``.
 
     ``step_table()`` (after the clock's ``sync()``) gives one row per module: calls, forward and backward
-    times self and inclusive (in ms), plus the ``OUTSIDE`` row. ``counting_flops()`` around one step adds
-    forward and backward GFLOPs by module (the counting slows the step, so count in a step not timed).
+    times self and inclusive (in ms), the bytes autograd saved for its backward and (CUDA) the peak allocated
+    during it, plus the ``OUTSIDE`` row. ``counting_flops()`` around one step adds forward and backward
+    GFLOPs by module (the counting slows the step, so count in a step not timed).
+
+    ``forward()`` and ``backward()`` mark one step's two phases. rcnn.doctor.watch drives the same timer from
+    the user's own loop instead: ``starting``/``ending`` are called when a call into the model begins and
+    ends (the outermost module's), and it calls ``begin_step``, ``claim``, ``record_phase`` and
+    ``backward_started``/``backward_ended`` itself.
     """
 
-    def __init__(self, model: nn.Module, clock: Clock) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        clock: Clock,
+        *,
+        starting: Callable[[nn.Module, tuple, dict], None] | None = None,
+        ending: Callable[[nn.Module], None] | None = None,
+    ) -> None:
         self.clock = clock
+        self.model = model
         self.modules = {module: name or ROOT for name, module in model.named_modules()}
         self.types = {name: type(module).__name__ for module, name in self.modules.items()}
         self.seen: dict[str, Seen] = {}
         self.flops: Counter[tuple[str, str]] = Counter()  # (module, column) -> FLOPs, in the counted step
+        self.unknown_flops: set[tuple[str, str]] = set()  # cells where an op without a FLOP formula ran
+        self.starting, self.ending = starting, ending
         self._handles = [
             h
             for module in self.modules
-            for h in (module.register_forward_pre_hook(self._enter), module.register_forward_hook(self._exit))
+            for h in (
+                module.register_forward_pre_hook(self._enter, with_kwargs=True),
+                # always_call: a forward that raises still leaves the call stack and the hooks balanced
+                module.register_forward_hook(self._exit, always_call=True),
+            )
         ]
-        self._active = False
-        self._counting = False
+        self.active = False  # module calls are recorded
+        self._depth = 0  # module calls running, recorded or not: 0 between calls into the model
+        self._in_backward = False
+        self._flop_counter: FlopCount | None = None
+        self._saving: torch.autograd.graph.saved_tensors_hooks | None = None
         self._creation = _Creation(self)
-        self._reset()
+        self.begin_step()
 
-    def _reset(self) -> None:
+    @property
+    def hooks(self) -> int:
+        """Hooks this timer holds on modules and autograd nodes now (0 once removed)."""
+        return len(self._handles) + len(self._node_handles)
+
+    def begin_step(self) -> None:
+        """Forget the step so far: what follows is a new step."""
+        self.release_nodes()
         self._stack: list[int] = []  # indices into _calls of the modules running forward
         self._calls: list[_Call] = []
         self._owners: dict[Any, tuple[str, ...]] = {}  # autograd node -> module stack at its creation
-        self._marks: dict[Any, list] = {}  # autograd node -> [start, end] of its backward
+        self._starts: dict[Any, Any] = {}  # autograd node -> the mark of its backward's start
+        self._spans: list[tuple[tuple[str, ...], Any, Any]] = []  # (owner, start, end) of each node run
+        self._peaks: Counter[str] = Counter()  # module -> peak bytes allocated during its backward (CUDA)
         self._node_handles: list = []
         self._running: tuple[str, ...] = ()  # owner of the node running backward (FLOP counting)
-        self._phase_marks: dict[str, Any] = {}
-        self._in_backward = False
+        self._phases: dict[str, list[tuple[Any, Any]]] = {"forward": [], "backward": []}
+        self._saved_now: Counter[str] = Counter()  # module -> bytes saved for the graph being built
+        self._saved_keys: set = set()  # storages already charged in that graph
+        self._saved: Counter[str] = Counter()  # the step's largest graph's saved bytes by module
+        self._params = {
+            key for p in self.model.parameters() if (key := _storage_key(p)) is not None
+        }  # the weights a layer saves are no activations
 
-    # -- forward: module calls and node creation
+    # -- forward: module calls, node creation, saved tensors
 
     def _owner(self) -> tuple[str, ...]:
         return self._calls[self._stack[-1]].stack if self._stack else ()
 
-    def _enter(self, module: nn.Module, args: tuple) -> None:
-        if not self._active:
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._depth == 0 and self.starting:
+            self.starting(module, args, kwargs)
+        self._depth += 1
+        if not self.active:
             return
+        if not self._stack:  # the outermost recorded call: autograd's saves are charged from here on
+            self._start_saving()
+            if self._flop_counter is not None:
+                self._flop_counter.__enter__()
         name = self.modules[module]
         parent = self._stack[-1] if self._stack else None
         self._calls.append(_Call((*self._owner(), name), self.clock.mark(), parent=parent))
         self._stack.append(len(self._calls) - 1)
 
     def _exit(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if not self._active or not self._stack:
-            return
-        # Nodes made without a torch call (a custom autograd.Function's apply) belong to this module too.
-        self._claim(output)
-        call = self._calls[self._stack.pop()]
-        call.end = self.clock.mark()
-        name = call.stack[-1]
-        has_weights = any(True for _ in module.parameters(recurse=False))
-        if name not in self.seen and has_weights and (seen := Seen.of(args, output)):
-            self.seen[name] = seen
+        self._depth = max(self._depth - 1, 0)
+        if self.active and self._stack:
+            # Nodes made without a torch call (a custom autograd.Function's apply) belong to this module too.
+            self.claim(output)
+            call = self._calls[self._stack.pop()]
+            call.end = self.clock.mark()
+            name = call.stack[-1]
+            has_weights = any(True for _ in module.parameters(recurse=False))
+            if name not in self.seen and has_weights and (seen := Seen.of(args, output)):
+                self.seen[name] = seen
+            if not self._stack:
+                self._stop_saving()
+                if self._flop_counter is not None:
+                    self._flop_counter.__exit__(None, None, None)
+        if self._depth == 0 and self.ending:
+            self.ending(module)
 
-    def _claim(self, output: Any) -> None:
+    def claim(self, output: Any) -> None:
+        """Record the autograd nodes behind ``output`` not yet recorded as created by the modules running now
+        (none: the OUTSIDE row), and hook their backward."""
         owner = self._owner()
         todo = [t.grad_fn for t in tensors(output) if t.grad_fn is not None]
         while todo:
@@ -127,64 +208,146 @@ class ModuleTimer:
             ]
             todo.extend(next_node for next_node, _ in node.next_functions)
 
+    _claim = claim  # the name rcnn.doctor's older callers know
+
+    def _start_saving(self) -> None:
+        user = _user_saved_hooks()
+        pack_next, unpack_next = user if user else (torch.Tensor.detach, lambda packed: packed)
+
+        def pack(t: torch.Tensor) -> Any:
+            key = _storage_key(t)
+            if key is not None and key not in self._saved_keys and key not in self._params:
+                self._saved_keys.add(key)
+                owner = self._owner()
+                self._saved_now[owner[-1] if owner else OUTSIDE] += t.untyped_storage().nbytes()
+            return pack_next(t)  # a user's hooks still run, so the step saves as it would unwatched
+
+        self._saving = torch.autograd.graph.saved_tensors_hooks(pack, unpack_next)
+        self._saving.__enter__()
+
+    def _stop_saving(self) -> None:
+        if self._saving is not None:
+            self._saving.__exit__(None, None, None)
+            self._saving = None
+
     # -- backward: node spans
 
     def _node_start(self, node: Any, grad_outputs: tuple) -> None:
-        self._marks[node] = [self.clock.mark(), None]
+        if not self._in_backward:  # torch.autograd.grad inside a forward (a gradient penalty): not the step's
+            return
+        if self.clock.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        self._starts[node] = self.clock.mark()
         self._running = self._owners[node]
 
     def _node_end(self, node: Any, grad_inputs: tuple, grad_outputs: tuple) -> None:
-        self._marks[node][1] = self.clock.mark()
+        start = self._starts.pop(node, None)
+        if start is None:
+            return
+        owner = self._owners[node]
+        self._spans.append((owner, start, self.clock.mark()))
+        if self.clock.cuda:
+            name = owner[-1] if owner else OUTSIDE
+            self._peaks[name] = max(self._peaks[name], torch.cuda.max_memory_allocated())
         self._running = ()
 
+    def _cells(self) -> list[tuple[str, str]]:
+        """The (module, column) cells of the FLOP table a count made now goes to: in forward, the innermost
+        active module's; in backward, the module that created the running node, and inclusively every module
+        on its stack."""
+        if not self._in_backward:
+            stack = self._owner()
+            return [(stack[-1] if stack else OUTSIDE, "forward_gflop")]
+        stack = self._running
+        return [(stack[-1] if stack else OUTSIDE, "backward_gflop")] + [
+            (name, "backward_inclusive_gflop") for name in set(stack) or {OUTSIDE}
+        ]
+
     def _count(self, flops: int) -> None:
-        if self._in_backward:
-            stack, columns = self._running, ("backward_gflop", "backward_inclusive_gflop")
-        else:
-            stack, columns = self._owner(), ("forward_gflop", None)
-        self.flops[stack[-1] if stack else OUTSIDE, columns[0]] += flops
-        if columns[1]:
-            for name in set(stack) or {OUTSIDE}:
-                self.flops[name, columns[1]] += flops
+        for cell in self._cells():
+            self.flops[cell] += flops
+
+    def _uncounted(self, op: str) -> None:
+        """A compute op without a FLOP formula ran: its cells are unknown (NaN), not 0."""
+        self.unknown_flops.update(self._cells())
+
+    def record_phase(self, phase: str, start: Any, end: Any) -> None:
+        """Add a span of the step's ``forward`` or ``backward`` (its marks on the clock)."""
+        self._phases[phase].append((start, end))
+
+    def backward_started(self) -> None:
+        """Before a backward: its node runs are recorded from now on (not those of an autograd.grad inside a
+        forward)."""
+        self._in_backward = True
+
+    def node_runs(self) -> int:
+        """Backward runs of the step's recorded nodes so far: more after a backward that ran the model's."""
+        return len(self._spans)
+
+    def backward_ended(self, consumed: bool = True) -> None:
+        """After a backward; ``consumed``: it ran the model's graph (else another's: nothing to book)."""
+        self._in_backward = False
+        self._starts.clear()
+        if not consumed:
+            return
+        # The graph just consumed is freed: what the next forwards save is another graph's.
+        if sum(self._saved_now.values()) >= sum(self._saved.values()):
+            self._saved = self._saved_now
+        self._saved_now, self._saved_keys = Counter(), set()
+
+    def release_nodes(self) -> None:
+        """Take the hooks off the step's autograd nodes (a graph kept by retain_graph is timed till then)."""
+        for handle in getattr(self, "_node_handles", []):
+            handle.remove()
+        self._node_handles = []
 
     # -- the step
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
         """Run the step's forward (model and loss) inside this."""
-        self._reset()
-        self._active = True
-        self._phase_marks["forward_start"] = self.clock.mark()
+        self.begin_step()
+        self.active = True
+        start = self.clock.mark()
         try:
             with self._creation:
                 yield
         finally:
-            self._phase_marks["forward_end"] = self.clock.mark()
-            self._active = False
+            self.record_phase("forward", start, self.clock.mark())
+            self.active = False
             self._stack.clear()
+            self._stop_saving()
 
     @contextlib.contextmanager
     def backward(self) -> Iterator[None]:
         """Run the step's backward inside this."""
-        self._phase_marks["backward_start"] = self.clock.mark()
-        self._in_backward = True
+        start = self.clock.mark()
+        self.backward_started()
         try:
             yield
         finally:
-            self._phase_marks["backward_end"] = self.clock.mark()
-            self._in_backward = False
-            for handle in self._node_handles:
-                handle.remove()
-            self._node_handles = []
+            self.record_phase("backward", start, self.clock.mark())
+            self.backward_ended()
+            self.release_nodes()
 
     @contextlib.contextmanager
     def counting_flops(self) -> Iterator[None]:
         """Count FLOPs by module over one step's ``forward()`` and ``backward()`` inside this."""
         self.flops.clear()
-        # In forward, for the innermost active module; in backward, for the module that created the running
-        # node.
-        with FlopCount(self._count):
+        self.unknown_flops.clear()
+        with FlopCount(self._count, uncounted=self._uncounted):
             yield
+
+    def flop_counter(self) -> FlopCount:
+        """A FLOP counter charging by module as ``counting_flops`` does; rcnn.doctor.watch enters it around
+        each call into the model (``count_forwards``) and each backward of the counted step."""
+        self.flops.clear()
+        self.unknown_flops.clear()
+        return FlopCount(self._count, uncounted=self._uncounted)
+
+    def count_forwards(self, counter: FlopCount | None) -> None:
+        """Enter ``counter`` around each call into the model from now on (None: no longer)."""
+        self._flop_counter = counter
 
     def step_table(self) -> tuple[pd.DataFrame, dict[str, float]]:
         """The last step by module (call after the clock's ``sync()``), and its phase totals (ms)."""
@@ -200,19 +363,16 @@ class ModuleTimer:
             row["calls"] += 1
             row["forward_inclusive_ms"] += spent
             row["forward_ms"] += spent - within
-        for node, (start, end) in self._marks.items():
-            if end is None:
-                continue
-            spent, stack = ms(start, end), self._owners[node]
+        for stack, start, end in self._spans:
             if not stack:
                 continue  # created outside every module: the OUTSIDE row
+            spent = ms(start, end)
             times[stack[-1]]["backward_ms"] += spent
             for name in set(stack):
                 times[name]["backward_inclusive_ms"] += spent
-        p = self._phase_marks
         totals = {
-            "forward_ms": ms(p["forward_start"], p["forward_end"]),
-            "backward_ms": ms(p["backward_start"], p["backward_end"]),
+            f"{phase}_ms": sum(ms(start, end) for start, end in spans)
+            for phase, spans in self._phases.items()
         }
         names = list(self.types)
         table = pd.DataFrame([{"module": n, **times.get(n, {})} for n in names]).set_index("module")
@@ -226,15 +386,35 @@ class ModuleTimer:
             "backward_ms": outside_backward,
             "backward_inclusive_ms": outside_backward,
         }
+        # A step without backward yet (the timer's forward() alone): the graph it holds now.
+        saved = self._saved if self._saved else self._saved_now
+        table["saved_mb"] = pd.Series({name: saved.get(name, 0) / MB for name in table.index})
+        table["backward_peak_mb"] = (
+            pd.Series(
+                {
+                    name: self._peaks[name] / MB if name in self._peaks else float("nan")
+                    for name in table.index
+                }
+            )
+            if self.clock.cuda
+            else float("nan")
+        )
         return table, totals
 
     def flop_table(self) -> pd.DataFrame:
-        """GFLOPs by module of the counted step: columns FLOP_COLUMNS, index as ``step_table``'s."""
+        """GFLOPs by module of the counted step: columns FLOP_COLUMNS, index as ``step_table``'s; NaN where a
+        compute op without a FLOP formula ran (rcnn.measure.flops.is_compute_op)."""
         table = pd.DataFrame(0.0, index=pd.Index([*self.types, OUTSIDE], name="module"), columns=FLOP_COLUMNS)
         for (name, column), flops in self.flops.items():
             table.loc[name, column] += flops / 1e9
+        for name, column in self.unknown_flops:
+            table.loc[name, column] = float("nan")
         return table
 
     def remove(self) -> None:
-        for handle in self._handles:
+        """Take every hook off the model and its autograd nodes: it runs as if never timed."""
+        for handle in [*self._handles, *self._node_handles]:
             handle.remove()
+        self._handles, self._node_handles = [], []
+        self._stop_saving()
+        self.active = False

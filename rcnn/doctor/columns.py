@@ -20,6 +20,8 @@ MODULE_COLUMNS = (
     "peak_fraction",
     "flag",
     "evidence",
+    "saved_mb",  # MiB autograd saved for the module's backward (its own forward's tensors, each storage once)
+    "backward_peak_mb",  # MiB allocated at most during its backward (CUDA; NaN elsewhere)
 )
 WHY_COLUMNS = (
     "module",

@@ -24,19 +24,14 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
-import pandas as pd
-
 from rcnn.cli import Parser, run_command
-from rcnn.doctor.columns import OUTSIDE, ROOT
 from rcnn.doctor.diagnosis import Diagnosis, Fixed, diagnose, fix
-from rcnn.doctor.flags import GEMM_FLAG, SLOW_FLAG, rank
+from rcnn.doctor.watch import DOCTOR_FILES
 from rcnn.doctor.workloads import build_workload
-from rcnn.measure.cores import contended
 from rcnn.measure.device import DTYPES, amp_unavailable, resolve_device, set_tf32
 from rcnn.measure.machine import fingerprint, matmul_size, measure_matmul_tflops
 from rcnn.measure.settings import AMP, AMP_DTYPES, DEVICE
@@ -44,20 +39,11 @@ from rcnn.measure.stats import MAX_SECONDS, TimingPolicy
 from rcnn.outputs import check_sqlite_url, claim_folder, project_root, write_atomic
 from rcnn.rules import Rule, ValueNotAllowed, first_line
 
-# What --out holds: the doctor's only
-FILES = re.compile(r"modules(_fixed)?\.csv|why\.csv|fix\.csv|env\.json")
 TOP = Rule(minimum=1)
 FRAMES = Rule(minimum=1)
 BATCH_SIZE = Rule(minimum=1)
 IMAGE_SIZE = Rule(minimum=16)  # a zoo may ask more (the detector's FPN: a multiple of 32, at least 64)
 DIAGNOSE_SHARE = 0.4  # with --fix: the diagnosis's share of --max-seconds; the fix's timings get the rest
-SLOW_SHOWN = (
-    3  # slow-for-its-flops modules printed with their why (GEMMs in disguise: all); the rest in files
-)
-NOTES = {  # under the table, for the rows that are no module of the model's own
-    ROOT: "work in the model's own forward, outside its submodules, e.g. functional calls like roi_align",
-    OUTSIDE: "work no module's forward created: the loss, the optimizer, autograd's own",
-}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -117,71 +103,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _print(diagnosis: Diagnosis, top: int, title: str, out: str | None = None) -> None:
-    s = diagnosis.summary
-    print(title)
-    print(
-        f"{s['warmup_steps']} warm-up and {s['steps']} timed steps (the step backward's median known to "
-        f"{s['precision']:.1%}); times are means of the middle half of the steps: forward "
-        f"{s['forward_ms']:.1f} ms, "
-        f"backward {s['backward_ms']:.1f} ms; "
-        f"matmul peak {s['peak_tflops']} TFLOP/s ({s['dtype']}, measured)"
-    )
-    if s.get("warmup_cut"):
-        print("Warm-up ended at the --max-seconds bound before the step times settled.")
-    if contended(share := s.get("core_share")):
-        print(
-            f"The steps got {share:.0%} of the CPU time their threads could use: the cores were shared with "
-            "other work, so times are the scheduler's, not the modules'; none is flagged slow-for-its-flops. "
-            "Rerun on an idle machine, or with fewer threads (OMP_NUM_THREADS)."
-        )
-    modules = diagnosis.modules
-    shown = modules[modules["module"] != OUTSIDE].nlargest(top, "backward_ms")
-    shown = pd.concat([shown, modules[modules["module"] == OUTSIDE]])
-    columns = [
-        "module",
-        "type",
-        "calls",
-        "forward_ms",
-        "backward_ms",
-        "backward_inclusive_ms",
-        "backward_share",
-        "backward_gflop",
-        "backward_tflops",
-        "peak_fraction",
-        "flag",
-    ]
-    print(f"\nTop {top} modules by their own backward time (ms per step; inclusive: with their children):")
-    print(shown[columns].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
-    for name, note in NOTES.items():
-        if name in set(shown["module"]):
-            print(f"{name}: {note}")
-    why, hidden = _why_shown(diagnosis)
-    if len(why):
-        print(
-            "\nWhy, for each flagged module (its backward run alone; GEMM: the same FLOPs at the matmul "
-            "peak):"
-        )
-        for row in why.itertuples():
-            print(
-                f"- {row.module} [{row.flag}] {row.input_shape} {row.dtype} {row.layout}: "
-                f"input grad {row.input_grad_ms:.2f} ms ({row.input_grad_impl}); "
-                f"weight grad {row.weight_grad_ms:.2f} ms ({row.weight_grad_impl}); GEMM {row.gemm_ms:.2f} ms"
-            )
-        if hidden:
-            where = f"{Path(out) / 'why.csv'}" if out else "why.csv (--out)"
-            print(f"- and {hidden} more flagged {SLOW_FLAG}, of less backward time: in {where}")
-
-
-def _why_shown(diagnosis: Diagnosis) -> tuple[pd.DataFrame, int]:
-    """The why rows to print, in the order they matter (rcnn.doctor.flags.rank): every GEMM in disguise, then
-    the SLOW_SHOWN slow-for-its-flops modules of most backward time; and how many more there are."""
-    modules = diagnosis.modules
-    found = {row.module: (row.flag, row.evidence) for row in modules.itertuples() if row.flag}
-    order = [name for name in rank(found, modules) if name in set(diagnosis.why["module"])]
-    gemms = [name for name in order if GEMM_FLAG in found[name][0]]
-    rest = [name for name in order if name not in gemms]
-    why = diagnosis.why.set_index("module").loc[gemms + rest[:SLOW_SHOWN]].reset_index()
-    return why, len(rest[SLOW_SHOWN:])
+    print(diagnosis.report(top, title, out))
 
 
 def _print_fix(fixed: Fixed, top: int) -> None:
@@ -257,7 +179,7 @@ def _run(args: argparse.Namespace) -> None:
     --max-seconds bounds it all from here (the policy's deadline)."""
     deadline = time.monotonic() + args.max_seconds
     if args.out:  # before anything is measured: a folder it may fill, anywhere the user names
-        claim_folder(args.out, FILES, what="--out")
+        claim_folder(args.out, DOCTOR_FILES, what="--out")
     device = resolve_device(args.device)
     if args.mlflow:
         check_sqlite_url(tracking_uri(), root=project_root(Path.cwd()), what="MLFLOW_TRACKING_URI")
@@ -290,9 +212,8 @@ def _run(args: argparse.Namespace) -> None:
         "fingerprint": fingerprint(device),
         "ceilings": {"matmul_tflops": {dtype: peak}},
         "model": args.model,
-        "batch_size": args.batch_size,
-        "image_size": args.image_size,
-        "frames": args.frames,
+        "batch": workload.batch_description,  # what the batch was: a factory or zoo may not take the options
+        "options": {"batch_size": args.batch_size, "image_size": args.image_size, "frames": args.frames},
         "amp": args.amp,
         "channels_last": args.channels_last,
         "summary": diagnosis.summary,
@@ -306,8 +227,8 @@ def _run(args: argparse.Namespace) -> None:
     _print(
         diagnosis,
         args.top,
-        f"{args.model} on {device.type} ({where}), batch {args.batch_size}, "
-        f"{args.image_size} px, {dtype}{', channels_last' if args.channels_last else ''}",
+        f"{args.model} on {device.type} ({where}), batch {workload.batch_description}, "
+        f"{dtype}{', channels_last' if args.channels_last else ''}",
         out=args.out,
     )
     if fixed:

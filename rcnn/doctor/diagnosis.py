@@ -1,7 +1,8 @@
-"""The doctor's method: training steps timed by module until the medians settle, FLOPs counted by module,
-flags set against the measured matmul peak, each flagged module's backward run alone (rcnn.doctor.explain);
-and the fix measured, the original and the linearized model stepped in turn. The step, the loops and the
-paired statistic are the measurement core's (rcnn.measure.step, .loop, .stats)."""
+"""The doctor's method on a built-in workload: its training steps run under rcnn.doctor.watch, as a user's own
+loop would (timed by module until the medians settle, FLOPs counted by module, flags set against the
+measured matmul peak, each flagged module's backward run alone: rcnn.doctor.explain); and the fix measured,
+the original and the linearized model stepped in turn. The step, the loops and the paired statistic are the
+measurement core's (rcnn.measure.step, .loop, .stats)."""
 
 from __future__ import annotations
 
@@ -16,26 +17,16 @@ import torch
 from torch import nn
 
 from rcnn.doctor.attribution import ModuleTimer
-from rcnn.doctor.columns import MODULE_COLUMNS, OUTSIDE, ROOT, WHY_COLUMNS
-from rcnn.doctor.explain import backward_alone
-from rcnn.doctor.flags import flags
+from rcnn.doctor.watch import Diagnosis, watch
 from rcnn.doctor.workloads import Workload
 from rcnn.fix import Swap, linearize_with
 from rcnn.measure.clock import Clock
+from rcnn.measure.cores import CoreUse
 from rcnn.measure.device import autocast, grad_scaler
-from rcnn.measure.loop import MEASURE, in_turn, warm_up_then_measure
-from rcnn.measure.settings import AMP_DTYPES
-from rcnn.measure.stats import TimingPolicy, median_precision, median_ratio
+from rcnn.measure.loop import in_turn
+from rcnn.measure.stats import TimingPolicy, median_ratio
 from rcnn.measure.step import train_step
 from rcnn.rules import ValueNotAllowed, first_line
-
-
-@dataclass(frozen=True)
-class Diagnosis:
-    modules: pd.DataFrame  # rcnn.doctor.columns.MODULE_COLUMNS: one row per module, then the OUTSIDE row
-    why: pd.DataFrame  # rcnn.doctor.columns.WHY_COLUMNS: one row per flagged module
-    summary: dict[str, Any]
-
 
 # -- measuring
 
@@ -74,18 +65,6 @@ def _forward_backward(totals: Mapping[str, float]) -> float:
     return totals["forward_ms"] + totals["backward_ms"]
 
 
-def _typical(tables: list[pd.DataFrame], totals: dict[str, list[float]]) -> tuple[pd.DataFrame, dict]:
-    """The middle half of the measured steps (by backward time), averaged row by row: as robust to an outlying
-    step as a median, and unlike per-row medians the rows, the OUTSIDE row included, add up to the steps'."""
-    backward = totals["backward_ms"]
-    order = sorted(range(len(backward)), key=lambda i: backward[i])
-    cut = len(order) // 4
-    kept = order[cut : len(order) - cut]
-    table = pd.concat([tables[i] for i in kept]).groupby(level=0, sort=False).mean()
-    total = {phase: sum(values[i] for i in kept) / len(kept) for phase, values in totals.items()}
-    return table, total
-
-
 def diagnose(
     workload: Workload,
     *,
@@ -95,8 +74,9 @@ def diagnose(
     peak_tflops: float | None = None,
     explain: bool = True,
 ) -> Diagnosis:
-    """Time ``workload``'s training steps by module until ``policy`` says stop, count FLOPs in one more step,
-    flag modules, and (``explain``) run each flagged module's backward alone.
+    """Run ``workload``'s training steps under rcnn.doctor.watch: FLOPs counted by module in the first, then
+    warm-up, then steps timed by module until ``policy`` says stop; flag modules, and (``explain``) run each
+    flagged module's backward alone.
 
     Args:
         workload: the model, its batch on ``device`` and its loss (rcnn.doctor.workloads.build_workload).
@@ -115,12 +95,11 @@ def diagnose(
         ValueNotAllowed: keyed MODEL, when the first step fails (the model cannot take its batch).
         FloatingPointError: on a non-finite loss.
     """
-    clock = Clock(device)
-    timer = ModuleTimer(workload.model, clock)
-    try:
-        step = training_step(workload, workload.model, device=device, amp=amp, timer=timer)
+    step = training_step(workload, workload.model, device=device, amp=amp)
+    # The same watch a user's own loop runs under: the steps are found as in theirs.
+    with watch(workload.model, steps=None, policy=policy, peak_tflops=peak_tflops, explain=explain) as w:
         try:  # a model that cannot take its batch fails here, on the first step
-            _, first = step()
+            step()
         except (
             RuntimeError,
             ValueError,
@@ -136,74 +115,20 @@ def diagnose(
                 "allowed: a model of the kind its spec names, or a factory returning (model, "
                 "make_batch); if it ran out of memory, a smaller --batch-size or --image-size",
             ) from err
-        tables: list[pd.DataFrame] = []
-
-        def measured_step(part: str) -> dict:
-            table, total = step()
-            if part == MEASURE:
-                tables.append(table)
-            return total
-
-        measured = warm_up_then_measure(
-            measured_step,
-            policy,
-            watched=("backward_ms",),
-            settle=_forward_backward,
-            warm=[_forward_backward(first)],  # the first step, run above
-        )
-        totals = measured.samples
-        with timer.counting_flops():
+        # The FLOP-counting step, warm-up and timing: the policy bounds them, this loop only in case of a bug.
+        for _ in range(1 + policy.max_warmup + policy.max_iterations):
+            if w.detached:
+                break
             step()
-        table, total = _typical(tables, totals)
-        table = table.join(timer.flop_table())
-        table["type"] = pd.Series(timer.types)
-        table.loc[OUTSIDE, "type"] = ""
-        table["backward_share"] = table["backward_ms"] / total["backward_ms"]
-        # GFLOP per ms is TFLOP/s.
-        table["backward_tflops"] = (table["backward_gflop"] / table["backward_ms"]).where(
-            table["backward_ms"] > 0
-        )
-        table["peak_fraction"] = table["backward_tflops"] / peak_tflops if peak_tflops else float("nan")
-        found = flags(workload.model, timer, table, peak_tflops)
-        table["flag"] = pd.Series({name: f for name, (f, _) in found.items()})
-        table["evidence"] = pd.Series({name: e for name, (_, e) in found.items()})
-        table[["flag", "evidence"]] = table[["flag", "evidence"]].fillna("")
-        modules = table.rename_axis("module").reset_index()[list(MODULE_COLUMNS)]
-        why_rows = []
-        if explain:
-            named = {name or ROOT: module for name, module in workload.model.named_modules()}
-            for name in (
-                modules.set_index("module").loc[list(found)].sort_values("backward_ms", ascending=False).index
-            ):
-                alone = (
-                    backward_alone(named[name], timer.seen[name], device, peak_tflops)
-                    if name in timer.seen
-                    else {
-                        "input_grad_impl": "not run alone: its forward takes more than one tensor, or it has "
-                        "no parameters of its own"
-                    }
-                )
-                why_rows.append({"module": name, "flag": found[name][0], **alone})
-        why = pd.DataFrame(why_rows, columns=list(WHY_COLUMNS))
-        backward = totals["backward_ms"]
-        summary = {
-            "forward_ms": total["forward_ms"],
-            "backward_ms": total["backward_ms"],
-            "warmup_steps": len(measured.warmup),
-            "steps": len(backward),
-            "precision": median_precision(backward),
-            "precision_met": policy.precision_met([backward]),
-            "peak_tflops": peak_tflops,
-            "dtype": AMP_DTYPES[amp],
-            "outside_backward_share": float(table.loc[OUTSIDE, "backward_share"]),
-            "flagged": len(found),
-        }
-        return Diagnosis(modules, why, summary)
-    finally:
-        timer.remove()
+    return w.diagnosis
 
 
 # -- the fix, measured
+
+
+# The fix's parts' shares of the time left to each, in turn, where the policy has a deadline: the swaps'
+# timings, then the by-module table after, then the paired steps (the rest).
+FIX_SHARES = {"linearize": 0.3, "after": 0.5}
 
 
 @dataclass(frozen=True)
@@ -234,15 +159,25 @@ def fix(
         with autocast(amp, device):
             workload.loss(workload.model, workload.batch)
 
-    swaps = pd.DataFrame(
-        [asdict(s) for s in linearize_with(workload.model, forward, mode="auto")],
-        columns=[f.name for f in fields(Swap)],
+    # A deadline in ``policy`` bounds it all: the swaps' timings, the table after and the paired steps
+    # share it (FIX_SHARES of the time left to each).
+    swapped = linearize_with(
+        workload.model, forward, mode="auto", deadline=policy.within(FIX_SHARES["linearize"]).deadline
     )
+    swaps = pd.DataFrame([asdict(s) for s in swapped], columns=[f.name for f in fields(Swap)])
     after = (
-        diagnose(workload, device=device, amp=amp, policy=policy, peak_tflops=peak_tflops, explain=False)
+        diagnose(
+            workload,
+            device=device,
+            amp=amp,
+            policy=policy.within(FIX_SHARES["after"]),
+            peak_tflops=peak_tflops,
+            explain=False,
+        )
         if by_module
         else None
     )
+    cores = CoreUse(device)
     steps = {
         name: training_step(workload, model, device=device, amp=amp)
         for name, model in (("before", original), ("after", workload.model))
@@ -253,11 +188,13 @@ def fix(
         watched=("backward_ms",),
         settle=_forward_backward,
         seed=seed,
+        cores=cores,
     )
     summary: dict[str, Any] = {
         "eligible": len(swaps),
         "swapped": int(swaps["swapped"].sum()),
         "paired_steps": len(times["after"]["backward_ms"]),
+        "core_share": cores.share,
     }
     for phase in ("forward", "backward", "forward_backward"):
         series = {

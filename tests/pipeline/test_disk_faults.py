@@ -51,6 +51,7 @@ def copy_of(swept, tmp_path):
     return [a.replace(str(folder), str(tmp_path)) for a in args]
 
 
+@pytest.mark.slow
 def test_a_journal_cut_in_its_last_record_is_mended_before_the_rerun_appends(swept, tmp_path, capsys):
     args = copy_of(swept, tmp_path)
     journal = tmp_path / "optuna.journal"
@@ -153,6 +154,7 @@ def fail_writing(monkeypatch, name, code):
     monkeypatch.setattr(outputs.os, "fdopen", fdopen)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "fault, code",
     [(fail_replacing, errno.EPERM), (fail_writing, errno.ENOSPC)],
@@ -180,6 +182,7 @@ def test_a_results_file_that_cannot_be_written_stops_with_one_line_and_the_rerun
     assert child_runs(tmp_path)["status"].eq("FINISHED").all()
 
 
+@pytest.mark.slow
 def test_a_results_file_marked_immutable_is_refused_before_measuring(tmp_path, tiny_params, capsys):
     args = prepare(tmp_path, tiny_params, None)
     trials = tmp_path / "trials.csv"
@@ -197,6 +200,7 @@ def test_a_results_file_marked_immutable_is_refused_before_measuring(tmp_path, t
     assert not (tmp_path / "optuna.journal").exists()  # refused before the study was opened
 
 
+@pytest.mark.slow
 def test_a_full_filesystem_is_refused_before_measuring(tmp_path, tiny_params, capsys, monkeypatch):
     args = prepare(tmp_path, tiny_params, None)
     real = outputs.shutil.disk_usage
@@ -242,6 +246,7 @@ def test_an_empty_or_non_mapping_params_file_stops_every_stage_with_one_line(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]  # nothing written
 
 
+@pytest.mark.slow
 def test_files_written_get_the_mode_the_umask_gives(swept, tmp_path):
     folder, _ = swept
     mask = os.umask(0o027)

@@ -122,6 +122,33 @@ def test_flops_by_module_match_flop_counter_mode(monkeypatch):
     timer.remove()
 
 
+def test_flops_where_an_op_has_no_formula_are_unknown_not_zero():
+    """An LSTM (no FLOP formula on the CPU): its cells are NaN, its parent's inclusive backward too; the
+    Linear beside it keeps its count."""
+
+    class Tagger(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = torch.nn.LSTM(8, 8, batch_first=True)
+            self.head = torch.nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.rnn(x)[0])
+
+    model = Tagger()
+    timer = ModuleTimer(model, Clock(CPU))
+    with timer.counting_flops():
+        with timer.forward():
+            loss = model(torch.randn(2, 5, 8)).sum()
+        with timer.backward():
+            loss.backward()
+    flops = timer.flop_table()
+    timer.remove()
+    assert flops.loc["rnn", ["forward_gflop", "backward_gflop"]].isna().all()
+    assert flops.loc[ROOT, "backward_inclusive_gflop"] != flops.loc[ROOT, "backward_inclusive_gflop"]  # NaN
+    assert flops.loc["head", "forward_gflop"] * 1e9 == pytest.approx(2 * 10 * 8 * 3)
+
+
 @pytest.mark.parametrize("groups", [1, 4, 16])
 def test_a_convolutions_gradients_each_cost_its_forward(groups):
     from torch.utils.flop_counter import FlopCounterMode

@@ -7,6 +7,7 @@ import pytest
 
 from rcnn.doctor import command as doctor
 from rcnn.doctor.columns import MODULE_COLUMNS, OUTSIDE, ROOT, WHY_COLUMNS
+from rcnn.doctor.watch import SLOW_SHOWN
 from rcnn.fix import AUTO_MARGIN
 from tests.conftest import ROOT as REPO
 
@@ -50,8 +51,19 @@ def test_tables_for_a_users_model(project, capsys):
     assert why.loc["fc6", "input_grad_gflop"] * 1e9 == pytest.approx(2 * 2 * 16 * 49 * 64)
     assert why["input_grad_impl"].str.len().min() > 0
     assert env["fingerprint"]["torch"] and env["model"] == "tests.fixtures.models:box_head_like"
+    assert env["batch"] == "float32 (2, 3, 64, 64)" and env["options"]["image_size"] == 64
     printed = capsys.readouterr().out
     assert "Top 3 modules" in printed and "- fc6 [gemm-in-disguise:covers-input" in printed
+    assert printed.splitlines()[0].endswith("batch float32 (2, 3, 64, 64), fp32")
+
+
+def test_the_header_and_env_say_what_the_batch_was_not_what_was_asked(project, capsys):
+    """A factory with batches of its own (vectors of 64): no "64 px" anywhere, the batch as it was."""
+    assert doctor.main(["tests.fixtures.models:sleepy", *QUICK, "--out", "out"]) == 0
+    env = json.loads((project / "out" / "env.json").read_text())
+    assert env["batch"] == "float32 (2, 64)" and "image_size" not in env
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "batch float32 (2, 64)" in header and " px" not in header
 
 
 def test_out_is_rewritten_but_never_a_foreign_folder(project, capsys):
@@ -123,8 +135,13 @@ def test_bad_input_is_one_line_and_exit_2(project, capsys, monkeypatch, args, me
     assert err.startswith(message) and err.count("\n") == 1, err
 
 
-def test_slow_for_its_flops_needs_both_a_low_speed_and_a_share_of_the_flops():
+def test_slow_for_its_flops_needs_both_a_low_speed_and_a_share_of_the_flops(monkeypatch):
     import torch
+
+    import rcnn.doctor.watch
+
+    # As if the steps had their cores: a loaded machine flags nothing slow (its own test), not this rule's
+    monkeypatch.setattr(rcnn.doctor.watch, "contended", lambda share: False)
 
     from rcnn.doctor.diagnosis import diagnose
     from rcnn.doctor.workloads import build_workload
@@ -322,8 +339,8 @@ def test_the_printout_puts_gemms_in_disguise_first_and_few_slow_ones(capsys):
     doctor._print(_diagnosis(flags), top=15, title="t", out="d")
     why = [line.split(" [")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("- ")]
     assert why[:2] == ["- head.fc6", "- head.fc7"]  # first, though of least backward time
-    assert why[2 : 2 + doctor.SLOW_SHOWN] == [f"- backbone.{i}" for i in range(doctor.SLOW_SHOWN)]
-    hidden = 11 - doctor.SLOW_SHOWN
+    assert why[2 : 2 + SLOW_SHOWN] == [f"- backbone.{i}" for i in range(SLOW_SHOWN)]
+    hidden = 11 - SLOW_SHOWN
     assert why[-1] == f"- and {hidden} more flagged slow-for-its-flops, of less backward time: in d/why.csv"
 
 
