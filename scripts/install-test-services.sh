@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
-# The servers the scale-out tests start on loopback: PostgreSQL from Debian's packages (MLflow's server
-# comes with the Python requirements). Needs root for apt-get; a no-op where PostgreSQL is installed.
+# What the tests start beside Python: PostgreSQL from Debian's packages for the scale-out tests (MLflow's
+# server comes with the Python requirements), and Chromium for the doctor's report.html rendered headless
+# (tests/browser.py). Needs root for apt-get; a no-op where both are installed.
 set -euo pipefail
-if compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null; then
+missing=()
+if ! compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null; then
+    missing+=(postgresql)
+fi
+if ! command -v chromium >/dev/null; then
+    missing+=(chromium fonts-dejavu-core)  # a font, so that screenshots show text
+fi
+if [ "${#missing[@]}" = 0 ]; then
     exit 0
 fi
 if [ "$(id -u)" != 0 ]; then
-    echo "PostgreSQL is missing: run 'apt-get install postgresql' as root (the scale-out tests need it)" >&2
+    echo "${missing[*]} missing: run 'apt-get install ${missing[*]}' as root (the tests need them)" >&2
     exit 1
 fi
 apt-get update -qq
-DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql >/dev/null
+DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

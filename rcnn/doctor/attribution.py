@@ -30,6 +30,7 @@ from typing import Any
 import pandas as pd
 import torch
 from torch import nn
+from torch.autograd.profiler import record_function
 from torch.overrides import TorchFunctionMode
 
 from rcnn.doctor.columns import OUTSIDE, ROOT
@@ -60,6 +61,13 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int | None, int] | None:
         return t.device.type, t.device.index, t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
+
+
+def _range(name: str) -> record_function:
+    """A torch.profiler range, opened now (closed by its ``__exit__``)."""
+    opened = record_function(name)
+    opened.__enter__()
+    return opened
 
 
 @dataclass
@@ -123,6 +131,9 @@ class ModuleTimer:
             )
         ]
         self.active = False  # module calls are recorded
+        # Open a torch.profiler range around each recorded module call ("forward: <module>") and each autograd
+        # node's backward ("backward: <module that created it>"), and the step's phases (rcnn.doctor.trace)
+        self.ranges = False
         self._depth = 0  # module calls running, recorded or not: 0 between calls into the model
         self._in_backward = False
         self._flop_counter: FlopCount | None = None
@@ -145,6 +156,8 @@ class ModuleTimer:
         self._spans: list[tuple[tuple[str, ...], Any, Any]] = []  # (owner, start, end) of each node run
         self._peaks: Counter[str] = Counter()  # module -> peak bytes allocated during its backward (CUDA)
         self._node_handles: list = []
+        self._open_ranges: list[record_function] = []  # the profiler ranges of the module calls running
+        self._node_ranges: dict[Any, record_function] = {}  # autograd node -> its backward's range
         self._running: tuple[str, ...] = ()  # owner of the node running backward (FLOP counting)
         self._phases: dict[str, list[tuple[Any, Any]]] = {"forward": [], "backward": []}
         self._saved_now: Counter[str] = Counter()  # module -> bytes saved for the graph being built
@@ -173,6 +186,8 @@ class ModuleTimer:
         parent = self._stack[-1] if self._stack else None
         self._calls.append(_Call((*self._owner(), name), self.clock.mark(), parent=parent))
         self._stack.append(len(self._calls) - 1)
+        if self.ranges:
+            self._open_ranges.append(_range(f"forward: {name}"))
 
     def _exit(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._depth = max(self._depth - 1, 0)
@@ -181,6 +196,8 @@ class ModuleTimer:
             self.claim(output)
             call = self._calls[self._stack.pop()]
             call.end = self.clock.mark()
+            if self._open_ranges:
+                self._open_ranges.pop().__exit__(None, None, None)
             name = call.stack[-1]
             has_weights = any(True for _ in module.parameters(recurse=False))
             if name not in self.seen and has_weights and (seen := Seen.of(args, output)):
@@ -239,6 +256,8 @@ class ModuleTimer:
             torch.cuda.reset_peak_memory_stats()
         self._starts[node] = self.clock.mark()
         self._running = self._owners[node]
+        if self.ranges:
+            self._node_ranges[node] = _range(f"backward: {self._running[-1] if self._running else OUTSIDE}")
 
     def _node_end(self, node: Any, grad_inputs: tuple, grad_outputs: tuple) -> None:
         start = self._starts.pop(node, None)
@@ -246,6 +265,8 @@ class ModuleTimer:
             return
         owner = self._owners[node]
         self._spans.append((owner, start, self.clock.mark()))
+        if (opened := self._node_ranges.pop(node, None)) is not None:
+            opened.__exit__(None, None, None)
         if self.clock.cuda:
             name = owner[-1] if owner else OUTSIDE
             self._peaks[name] = max(self._peaks[name], torch.cuda.max_memory_allocated())
@@ -295,6 +316,9 @@ class ModuleTimer:
             self._saved = self._saved_now
         self._saved_now, self._saved_keys = Counter(), set()
 
+    def _phase_range(self, phase: str) -> contextlib.AbstractContextManager:
+        return record_function(f"step: {phase}") if self.ranges else contextlib.nullcontext()
+
     def release_nodes(self) -> None:
         """Take the hooks off the step's autograd nodes (a graph kept by retain_graph is timed till then)."""
         for handle in getattr(self, "_node_handles", []):
@@ -310,7 +334,7 @@ class ModuleTimer:
         self.active = True
         start = self.clock.mark()
         try:
-            with self._creation:
+            with self._creation, self._phase_range("forward"):
                 yield
         finally:
             self.record_phase("forward", start, self.clock.mark())
@@ -324,7 +348,8 @@ class ModuleTimer:
         start = self.clock.mark()
         self.backward_started()
         try:
-            yield
+            with self._phase_range("backward"):
+                yield
         finally:
             self.record_phase("backward", start, self.clock.mark())
             self.backward_ended()

@@ -21,7 +21,6 @@ quietly with 141, as a shell reports SIGPIPE).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -30,7 +29,8 @@ from pathlib import Path
 
 from rcnn.cli import Parser, run_command
 from rcnn.doctor.diagnosis import Diagnosis, Fixed, diagnose, fix
-from rcnn.doctor.watch import DOCTOR_FILES
+from rcnn.doctor.trace import trace_workload
+from rcnn.doctor.watch import DOCTOR_FILES, NO_REPORT, doctor_files
 from rcnn.doctor.workloads import build_workload
 from rcnn.measure.device import DTYPES, amp_unavailable, resolve_device, set_tf32
 from rcnn.measure.machine import fingerprint, matmul_size, measure_matmul_tflops
@@ -91,8 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--out",
-        help="a folder for modules.csv, why.csv and env.json, anywhere (absent, empty, or written by the "
-        "doctor before: it never replaces what it did not write)",
+        help="a folder for modules.csv, why.csv, env.json and trace.json (one step for ui.perfetto.dev, its "
+        "backward ops in their modules' ranges), anywhere: absent, empty, or written by the doctor before "
+        "(it never replaces what it did not write)",
     )
     p.add_argument(
         "--mlflow",
@@ -125,15 +126,19 @@ def _print_fix(fixed: Fixed, top: int) -> None:
         _print(fixed.after, top, "After the fix:")
 
 
-def _log_mlflow(args: argparse.Namespace, diagnosis: Diagnosis, env: dict) -> str | ValueNotAllowed:
+def _log_mlflow(
+    args: argparse.Namespace, diagnosis: Diagnosis, texts: dict[str, str]
+) -> str | ValueNotAllowed:
     """The MLflow run's id; from a server that is down or refuses, the error (raised after the printout)."""
     try:
-        return _to_mlflow(args, diagnosis, env)
+        return _to_mlflow(args, diagnosis, texts)
     except ValueNotAllowed as err:
         return err
 
 
-def _to_mlflow(args: argparse.Namespace, diagnosis: Diagnosis, env: dict) -> str:
+def _to_mlflow(args: argparse.Namespace, diagnosis: Diagnosis, texts: dict[str, str]) -> str:
+    """A run in experiment rcnn-doctor: the options as params, the summary's numbers as metrics, every file
+    --out writes (report.html included) as an artifact."""
     try:
         import mlflow  # only for --mlflow: the library itself needs no tracking server
     except ImportError:
@@ -153,9 +158,8 @@ def _to_mlflow(args: argparse.Namespace, diagnosis: Diagnosis, env: dict) -> str
                     if isinstance(v, (int, float)) and not math.isnan(v)
                 }
             )
-            mlflow.log_text(diagnosis.modules.to_csv(index=False), "modules.csv")
-            mlflow.log_text(diagnosis.why.to_csv(index=False), "why.csv")
-            mlflow.log_dict(env, "env.json")
+            for name, text in texts.items():
+                mlflow.log_text(text, name)
     except Exception as err:  # a server that is down or refuses: the tables printed and --out stay
         raise ValueNotAllowed(
             "--mlflow", f"cannot log to {uri} ({first_line(err)}); allowed: a reachable MLFLOW_TRACKING_URI"
@@ -207,6 +211,12 @@ def _run(args: argparse.Namespace) -> None:
         policy=policy.within(DIAGNOSE_SHARE) if args.fix else policy,
         peak_tflops=peak,
     )
+    # One more step, traced with its modules' ranges, before the fix changes the model
+    trace = (
+        trace_workload(workload, device=device, amp=args.amp, path=Path(args.out) / "trace.json")
+        if args.out
+        else None
+    )
     fixed = fix(workload, device=device, amp=args.amp, policy=policy, peak_tflops=peak) if args.fix else None
     env = {
         "fingerprint": fingerprint(device),
@@ -219,37 +229,34 @@ def _run(args: argparse.Namespace) -> None:
         "summary": diagnosis.summary,
         **({"fix": fixed.summary} if fixed else {}),
     }
-    written = _write(Path(args.out), diagnosis, fixed, env) if args.out else []
+    where = env["fingerprint"].get("gpu", env["fingerprint"]["cpu_model"])
+    title = (
+        f"{args.model} on {device.type} ({where}), batch {workload.batch_description}, "
+        f"{dtype}{', channels_last' if args.channels_last else ''}"
+    )
+    texts = doctor_files(diagnosis, env, title=title, fixed=fixed)
+    written = [*_write(Path(args.out), texts), trace] if args.out else []
     # Logged before printing too (a reader closing the pipe stops nothing); a server that refuses is told
     # after the tables are printed, and loses none of them.
-    run = _log_mlflow(args, diagnosis, env) if args.mlflow else None
-    where = env["fingerprint"].get("gpu", env["fingerprint"]["cpu_model"])
-    _print(
-        diagnosis,
-        args.top,
-        f"{args.model} on {device.type} ({where}), batch {workload.batch_description}, "
-        f"{dtype}{', channels_last' if args.channels_last else ''}",
-        out=args.out,
-    )
+    run = _log_mlflow(args, diagnosis, texts) if args.mlflow else None
+    _print(diagnosis, args.top, title, out=args.out)
     if fixed:
         _print_fix(fixed, args.top)
     if written:
         print(f"\nwrote {', '.join(map(str, written))}")
+    if (written or run) and "report.html" not in texts:
+        print(f"report.html not written: {NO_REPORT}")
     if isinstance(run, ValueNotAllowed):
         raise run
     if run:
         print(f"MLflow run {run}")
 
 
-def _write(out: Path, diagnosis: Diagnosis, fixed: Fixed | None, env: dict) -> list[Path]:
+def _write(out: Path, texts: dict[str, str]) -> list[Path]:
     """--out's files, written (each atomically): the paths."""
-    tables = {"modules.csv": diagnosis.modules, "why.csv": diagnosis.why}
-    if fixed:
-        tables |= {"modules_fixed.csv": fixed.after.modules, "fix.csv": fixed.swaps}
-    for name, table in tables.items():
-        write_atomic(out / name, table.to_csv(index=False))
-    write_atomic(out / "env.json", json.dumps(env, indent=2, sort_keys=True, default=str) + "\n")
-    return [out / name for name in [*tables, "env.json"]]
+    for name, text in texts.items():
+        write_atomic(out / name, text)
+    return [out / name for name in texts]
 
 
 if __name__ == "__main__":

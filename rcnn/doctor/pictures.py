@@ -22,11 +22,14 @@ import html
 import math
 import textwrap
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
 from rcnn.doctor.columns import OUTSIDE, ROOT, SLOW_PEAK_FRACTION, WHY_COLUMNS
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
 
 STEP = "(step)"  # the synthetic root over ROOT and OUTSIDE: the whole training step
 ROUNDING = 1e-6  # relative: children summing to more than their parent by this much are float rounding
@@ -156,7 +159,7 @@ def icicle(
     subtree: str | None = None,
     title: str | None = None,
     height: int = 560,
-) -> Any:
+) -> go.Figure:
     """An interactive icicle (flame graph) of the module tree: width by ``column``, colour by the fraction of
     the measured matmul peak its backward reached (``peak_fraction``; grey where there is none), flagged
     modules marked with their flag; hovering shows the module's row, clicking zooms into its subtree.
@@ -174,14 +177,14 @@ def icicle(
     Example:
         >>> icicle(pd.read_csv("out/modules.csv"), "backward_inclusive_ms", subtree="roi_heads.box_head")
     """
-    go = require_plotly()
+    plotly = require_plotly()
     built = tree(modules, column, subtree=subtree)
     width = WIDTHS[column]
     nodes = built.nodes
     rows = _prepared(modules).set_index("module")
     hover = [_hover(rows, node, width) for node in nodes.itertuples()]
-    figure = go.Figure(
-        go.Icicle(
+    figure = plotly.Figure(
+        plotly.Icicle(
             ids=list(nodes["id"]),
             labels=list(nodes["label"]),
             parents=list(nodes["parent"]),
@@ -279,7 +282,7 @@ def render_report(
     require_plotly()
     parts = [f"<h1>{html.escape(title)}</h1>", _lead(summary)]
     pictures = [
-        icicle_html(modules, "backward_inclusive_ms", div_id="icicle-backward", include_plotlyjs=False),
+        icicle_html(modules, "backward_inclusive_ms", div_id="icicle-backward"),
         _legend(),
         icicle_html(modules, "forward_inclusive_ms", include_plotlyjs=False, div_id="icicle-forward"),
     ]

@@ -36,6 +36,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.overrides import TorchFunctionMode
 
+from rcnn.doctor import pictures
 from rcnn.doctor.attribution import ModuleTimer
 from rcnn.doctor.columns import MODULE_COLUMNS, OUTSIDE, ROOT, WHY_COLUMNS
 from rcnn.doctor.explain import backward_alone
@@ -50,8 +51,9 @@ from rcnn.measure.stats import TimingPolicy, median_precision
 from rcnn.outputs import claim_folder, write_atomic
 from rcnn.rules import UserError, ValueNotAllowed
 
+NO_REPORT = f"the page draws with plotly: {pictures.INSTALL}"
 # What a folder the doctor writes may hold (the command's --out, with --fix; ``save``): the rest is foreign.
-DOCTOR_FILES = re.compile(r"modules(_fixed)?\.csv|why\.csv|fix\.csv|env\.json")
+DOCTOR_FILES = re.compile(r"modules(_fixed)?\.csv|why\.csv|fix\.csv|env\.json|trace\.json|report\.html")
 MEASURED = "measured"  # peak_tflops: measure the matmul peak for the dtype the steps computed in
 PRINTED_COLUMNS = [
     "module",
@@ -603,37 +605,68 @@ class Watch:
             return f"watch: {self.measured} of {self.steps or 'the policy'}'s steps timed so far"
         if problem := self._nothing():
             return problem
+        return self.diagnosis.report(top, self._title())
+
+    def _title(self) -> str:
         env = self.env
         where = env["fingerprint"].get("gpu", env["fingerprint"]["cpu_model"])
         inputs = "; ".join(self._inputs) or "no tensors"
         layout = ", channels_last" if self._layout else ""
-        title = (
+        return (
             f"{type(self.model).__name__} on {self.device.type} ({where}), in its own loop: {inputs}, "
             f"{env['dtype']}{layout}"
         )
-        return self.diagnosis.report(top, title)
 
     def __str__(self) -> str:
         return self.report()
 
     def save(self, folder: str | Path) -> list[Path]:
-        """Write modules.csv, why.csv and env.json into ``folder``: absent, empty, or one the doctor wrote
-        (its files are replaced). Raises NothingWatched, writing nothing, without a timed step, and
-        rcnn.outputs.OutputError for a folder holding other files. Returns the paths written."""
+        """Write modules.csv, why.csv, env.json and report.html (where plotly is installed) into ``folder``:
+        absent, empty, or one the doctor wrote (its files are replaced). Raises NothingWatched, writing
+        nothing, without a timed step, and rcnn.outputs.OutputError for a folder holding other files. Returns
+        the paths written."""
         diagnosis, env = self._built()
         folder = Path(folder)
         old = claim_folder(folder, DOCTOR_FILES, what="save")
-        texts = {
-            "modules.csv": diagnosis.modules.to_csv(index=False),
-            "why.csv": diagnosis.why.to_csv(index=False),
-            "env.json": json.dumps(env, indent=2, sort_keys=True, default=str) + "\n",
-        }
+        texts = doctor_files(diagnosis, env, title=self._title())
+        if "report.html" not in texts:
+            warnings.warn(f"report.html not written: {NO_REPORT}", stacklevel=2)
         for name, text in texts.items():
             write_atomic(folder / name, text)
-        for path in old:  # a command run's modules_fixed.csv and fix.csv would not belong to these tables
+        for path in old:  # a command run's modules_fixed.csv, fix.csv, trace.json are not of this run
             if path.name not in texts:
                 path.unlink()
         return [folder / name for name in texts]
+
+
+def doctor_files(diagnosis: Diagnosis, env: dict, *, title: str, fixed: Any = None) -> dict[str, str]:
+    """The texts of the files a doctor run writes (the command's --out, ``Watch.save``): modules.csv,
+    why.csv, env.json, with ``fixed`` (rcnn.doctor.diagnosis.Fixed) modules_fixed.csv and fix.csv, and
+    report.html (rcnn.doctor.pictures) where plotly is installed."""
+    texts = {
+        "modules.csv": diagnosis.modules.to_csv(index=False),
+        "why.csv": diagnosis.why.to_csv(index=False),
+    }
+    after = fixed.after if fixed else None
+    if fixed:
+        texts["fix.csv"] = fixed.swaps.to_csv(index=False)
+    if after:
+        texts["modules_fixed.csv"] = after.modules.to_csv(index=False)
+    texts["env.json"] = json.dumps(env, indent=2, sort_keys=True, default=str) + "\n"
+    try:
+        pictures.require_plotly()
+    except ImportError:
+        return texts
+    texts["report.html"] = pictures.render_report(
+        diagnosis.modules,
+        diagnosis.why,
+        diagnosis.summary,
+        title=title,
+        fix=fixed.summary if fixed else None,
+        swaps=fixed.swaps if fixed else None,
+        modules_after=after.modules if after else None,
+    )
+    return texts
 
 
 def tabulate(

@@ -12,6 +12,7 @@ from rcnn.fix import AUTO_MARGIN
 from tests.conftest import ROOT as REPO
 
 QUICK = ["--batch-size", "2", "--image-size", "64", "--max-seconds", "2", "--device", "cpu"]
+OUT_FILES = {"modules.csv", "why.csv", "env.json", "trace.json", "report.html"}  # what --out holds, no --fix
 
 
 @pytest.fixture
@@ -52,6 +53,12 @@ def test_tables_for_a_users_model(project, capsys):
     assert why["input_grad_impl"].str.len().min() > 0
     assert env["fingerprint"]["torch"] and env["model"] == "tests.fixtures.models:box_head_like"
     assert env["batch"] == "float32 (2, 3, 64, 64)" and env["options"]["image_size"] == 64
+    # One step traced: its backward ops in the ranges of their modules (rcnn.doctor.trace, tested there)
+    traced = json.loads((project / "out" / "trace.json").read_text())["traceEvents"]
+    assert {"backward: fc6", "forward: fc6", "step: backward"} <= {e.get("name") for e in traced}
+    # The page: the icicles' tree holds every module, the flags named (rcnn.doctor.pictures, tested there)
+    page = (project / "out" / "report.html").read_text()
+    assert all(f'"{name}"' in page for name in modules.index) and "gemm-in-disguise:covers-input" in page
     printed = capsys.readouterr().out
     assert "Top 3 modules" in printed and "- fc6 [gemm-in-disguise:covers-input" in printed
     assert printed.splitlines()[0].endswith("batch float32 (2, 3, 64, 64), fp32")
@@ -253,7 +260,7 @@ def test_mlflow_gets_the_tables(project, monkeypatch, capsys):
     run = mlflow.search_runs(experiment_names=["rcnn-doctor"]).iloc[0]
     assert run["params.model"] == "tests.fixtures.models:box_head_like" and run["metrics.backward_ms"] > 0
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run["run_id"])}
-    assert {"modules.csv", "why.csv", "env.json"} <= artifacts
+    assert {"modules.csv", "why.csv", "env.json", "report.html"} <= artifacts
 
 
 def test_fix_measures_the_model_before_and_after(project, capsys):
@@ -287,7 +294,7 @@ def test_out_is_written_before_anything_is_printed(project, monkeypatch):
 
     monkeypatch.setattr(doctor, "print", closed_pipe, raising=False)
     assert doctor.main(["tests.fixtures.models:box_head_like", *QUICK, "--out", "out"]) == 141
-    assert {p.name for p in (project / "out").iterdir()} == {"modules.csv", "why.csv", "env.json"}
+    assert {p.name for p in (project / "out").iterdir()} == OUT_FILES
 
 
 def test_out_may_lie_outside_the_project_but_replaces_nothing_foreign(project, tmp_path_factory, capsys):
@@ -384,4 +391,4 @@ def test_a_closed_pipe_loses_none_of_the_files(tmp_path):
     # 141 where a write met the closed pipe; 0 where the printout fit the pipe's buffer before head closed it
     assert done.returncode in (0, 141) and "Traceback" not in done.stderr and "Exception" not in done.stderr
     assert len(done.stdout.splitlines()) == 3
-    assert {p.name for p in (tmp_path / "d").iterdir()} == {"modules.csv", "why.csv", "env.json"}
+    assert {p.name for p in (tmp_path / "d").iterdir()} == OUT_FILES

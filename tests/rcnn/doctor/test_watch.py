@@ -207,7 +207,7 @@ def test_no_grad_and_no_backward_say_so_and_save_writes_nothing(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_save_writes_the_three_files_and_refuses_a_foreign_folder(tmp_path):
+def test_save_writes_the_tables_and_the_page_and_refuses_a_foreign_folder(tmp_path):
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     with warnings.catch_warnings():
@@ -219,7 +219,8 @@ def test_save_writes_the_three_files_and_refuses_a_foreign_folder(tmp_path):
                 opt.step()
                 opt.zero_grad()
     out = tmp_path / "doctor-run"
-    assert sorted(p.name for p in w.save(out)) == ["env.json", "modules.csv", "why.csv"]
+    assert sorted(p.name for p in w.save(out)) == ["env.json", "modules.csv", "report.html", "why.csv"]
+    assert '"2"' in (out / "report.html").read_text()  # the icicle's tree holds the second Linear
     env = json.loads((out / "env.json").read_text())
     assert env["inputs"] == ["float32 (8, 16)"] and env["amp"] == "off"
     assert env["ceilings"]["matmul_tflops"] == {"fp32": 1.0} and env["fingerprint"]["torch"]
@@ -291,3 +292,22 @@ def test_autocast_and_channels_last_are_read_as_the_steps_ran():
     env = w.env
     assert (env["amp"], env["dtype"], env["channels_last"]) == ("bf16", "bf16", True)
     assert env["inputs"] == ["float32 (2, 3, 16, 16)"] and w.diagnosis.summary["dtype"] == "bf16"
+
+
+def test_without_plotly_save_writes_the_tables_and_says_why_there_is_no_page(tmp_path, monkeypatch):
+    from rcnn.doctor import pictures
+
+    def missing():
+        raise ImportError("no plotly")
+
+    monkeypatch.setattr(pictures, "require_plotly", missing)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with watch(model, steps=2, policy=QUICK, peak_tflops=1.0) as w:
+        for _ in range(6):
+            model(torch.randn(8, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    with pytest.warns(UserWarning, match=r"report.html not written: .*pip install plotly"):
+        written = w.save(tmp_path / "run")
+    assert sorted(p.name for p in written) == ["env.json", "modules.csv", "why.csv"]
