@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
+import html
 import re
 import sys
 from collections.abc import Callable
@@ -60,7 +61,8 @@ from rcnn.detector.schema import (
     ResultsError,
     setting_label,
 )
-from rcnn.doctor.columns import OUTSIDE
+from rcnn.doctor.columns import MODULE_COLUMNS, OUTSIDE
+from rcnn.doctor.pictures import icicle_html, require_plotly
 from rcnn.measure.cores import CONTENDED_BELOW
 from rcnn.measure.settings import peak_dtype
 from rcnn.outputs import CSV, PNG, Kind, check_folder, check_writable, project_root, text_start, write_atomic
@@ -472,7 +474,8 @@ def module_section(modules: pd.DataFrame, top: int = 5) -> list[str]:
     out = [
         "Each module's own backward (the autograd work its forward created), per step, with its FLOPs and "
         "the "
-        "fraction of the measured matmul peak it reaches (`python -m rcnn.doctor` gives this for any model).",
+        "fraction of the measured matmul peak it reaches (`python -m rcnn.doctor` gives this for any model). "
+        f"The box head of each, as an interactive icicle: [{BOX_HEADS_PAGE}]({BOX_HEADS_PAGE}).",
         "",
     ]
     labels = modules.apply(setting_label, axis=1)
@@ -504,6 +507,36 @@ def module_section(modules: pd.DataFrame, top: int = 5) -> list[str]:
                 "",
             ]
     return out
+
+
+BOX_HEAD = "roi_heads.box_head"  # the detector's box head: the subtree its icicles show
+BOX_HEADS_PAGE = "box_heads.html"
+BOX_HEADS_START = "<!doctype html><html><head><meta charset='utf-8'><title>Box-head backward by module"
+
+
+def box_heads_page(modules: pd.DataFrame) -> str | None:
+    """A page of icicles, one per profiled setting and head: the box head's modules by backward time
+    (inclusive width, colour by fraction of the matmul peak, flags marked; rcnn.doctor.pictures), plotly.js
+    embedded once. None without a by-module table."""
+    if modules.empty:
+        return None
+    labels = modules.apply(setting_label, axis=1)
+    parts = []
+    for i, ((label, head), group) in enumerate(modules.groupby([labels, "head"], sort=False)):
+        table = group.drop(columns=[c for c in group.columns if c not in MODULE_COLUMNS])
+        parts.append(
+            f"<h2>{html.escape(head)} head ({html.escape(label)})</h2>"
+            + icicle_html(table, subtree=BOX_HEAD, include_plotlyjs=i == 0, height=420)
+        )
+    return (
+        f"{BOX_HEADS_START} (rcnn sweep)</title></head><body style='font-family: sans-serif'>"
+        "<h1>Box-head backward by module, per head</h1><p>Width: each module's backward time with its "
+        "children's (ms per step); colour: the fraction of the measured matmul peak its own backward "
+        "reaches; flagged modules marked. Click a box to zoom in, hover for its row of the by-module "
+        "table.</p>"
+        + "".join(parts)
+        + "</body></html>\n"
+    )
 
 
 def compile_section(trials: pd.DataFrame) -> list[str]:
@@ -806,6 +839,7 @@ def written_files() -> dict[str, Kind]:
     return {
         "report.md": text_start("the report", TITLE),
         "report.html": text_start("the report", HTML_START),
+        BOX_HEADS_PAGE: text_start("the box heads' icicles", BOX_HEADS_START),
         **{f"figures/{f.name}.png": PNG for f in FIGURES},
         **{f"plots/{f.name}.csv": CSV for f in FIGURES},
     }
@@ -814,6 +848,7 @@ def written_files() -> dict[str, Kind]:
 def stage(args: argparse.Namespace, params: Params) -> None:
     check_folder(args.out, written_files(), root=project_root(Path(args.params).parent), what="--out")
     check_writable(Path(args.out) / "report.md")
+    require_plotly()  # the box heads' page: before anything is written
     r = load_results(args.trials, args.comparisons, args.kernels, args.summary, args.env, args.modules)
     if complete(r.trials).empty:
         raise ResultsError(
@@ -825,6 +860,8 @@ def stage(args: argparse.Namespace, params: Params) -> None:
     text = render(r, Path(args.lock) if args.lock else None)
     write_atomic(out / "report.md", text)
     write_atomic(out / "report.html", to_html(text, out, r.device))
+    if page := box_heads_page(r.modules):
+        write_atomic(out / BOX_HEADS_PAGE, page)
     if args.mlflow:
         log_to_mlflow(r, out, params.tracking.mlflow_uri, args.trials)
     print(f"wrote {out / 'report.md'} and {out / 'report.html'}")

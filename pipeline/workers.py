@@ -194,7 +194,7 @@ def work_on_this_host(
             # cleanly.
             for worker in multiprocessing.active_children():
                 with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
-                    os.kill(worker.pid, signal.SIGINT)
+                    os.kill(worker.pid, interrupts.signal or signal.SIGINT)  # the same cause for all
             raise
     return failures
 

@@ -287,12 +287,17 @@ def python_blocks(text: str) -> list[str]:
     return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
 
 
-# What the snippets leave to the reader, made small: a model with the question's 7x7 conv, and its input.
+# What the snippets leave to the reader, made small: a model with the question's 7x7 conv, its input, and a
+# training loop's parts (a loader of labelled batches, a loss, an optimizer, a GradScaler).
 SNIPPET_PREAMBLE = """
 import torch
 from torch import nn
 model = nn.Sequential(nn.Conv2d(256, 1024, kernel_size=7), nn.Flatten(), nn.ReLU())
 example_images = torch.randn(4, 256, 7, 7)
+loader = [(example_images, torch.arange(4))] * 30
+criterion = nn.CrossEntropyLoss()
+optimizer = opt = torch.optim.SGD(model.parameters(), lr=0.0)
+scaler = torch.amp.GradScaler("cpu", enabled=False)
 """
 
 

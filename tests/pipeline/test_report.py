@@ -412,3 +412,34 @@ def test_compare_medians_pool_the_headlines_settings():
     assert compare.per_head(trials).loc["conv", "head_backward_ms"] == pytest.approx(expected)
     # The fixed ones would lower it
     assert expected > trials[trials["head"] == "conv"]["head_backward_ms"].median()
+
+
+def test_the_box_heads_page_has_an_icicle_per_profiled_head_of_its_box_head_alone():
+    from pipeline.report import BOX_HEAD, box_heads_page
+    from pipeline.results import ADDED_MODULE_COLUMNS, read_table
+    from rcnn.detector.schema import MODULE_TABLE_COLUMNS
+
+    modules = read_table(
+        ROOT / "results" / "modules.csv", MODULE_TABLE_COLUMNS, "sweep", added=ADDED_MODULE_COLUMNS
+    )
+    page = box_heads_page(modules)
+    heads = modules.groupby(["head", *[k for k in ("batch_size", "amp") if k in modules]]).ngroups
+    assert page.count("<h2>") == heads == page.count("Plotly.newPlot")
+    assert page.count("plotly.js v") == 1  # embedded once, for every icicle
+    figures = [json.loads(m) for m in re.findall(r'Plotly\.newPlot\(\s*"[^"]+",\s*(\[.*?\]),\s*\{', page)]
+    assert len(figures) == heads
+    for (trace,) in figures:  # each: the box head's subtree, with every one of its modules
+        ids = set(trace["ids"])
+        assert all(i.startswith(BOX_HEAD) for i in ids), ids
+        assert f"{BOX_HEAD}.0" in ids or f"{BOX_HEAD}.1" in ids
+    assert box_heads_page(modules.iloc[:0]) is None
+
+
+def test_the_report_stage_writes_the_box_heads_page_and_links_it(tmp_path, tiny_params):
+    folder = write_results(tmp_path / "results")
+    out = tmp_path / "reports"
+    modules = ["--modules", str(ROOT / "results" / "modules.csv")]
+    assert report.main(["--params", str(tiny_params())] + report_args(folder, out) + modules) == 0
+    assert "[box_heads.html](box_heads.html)" in (out / "report.md").read_text()
+    assert (out / "box_heads.html").read_text().count("Plotly.newPlot") >= 3
+    assert report.main(["--params", str(tiny_params())] + report_args(folder, out) + modules) == 0  # its own
