@@ -533,9 +533,7 @@ def box_heads_page(modules: pd.DataFrame) -> str | None:
         "<h1>Box-head backward by module, per head</h1><p>Width: each module's backward time with its "
         "children's (ms per step); colour: the fraction of the measured matmul peak its own backward "
         "reaches; flagged modules marked. Click a box to zoom in, hover for its row of the by-module "
-        "table.</p>"
-        + "".join(parts)
-        + "</body></html>\n"
+        "table.</p>" + "".join(parts) + "</body></html>\n"
     )
 
 
@@ -848,7 +846,8 @@ def written_files() -> dict[str, Kind]:
 def stage(args: argparse.Namespace, params: Params) -> None:
     check_folder(args.out, written_files(), root=project_root(Path(args.params).parent), what="--out")
     check_writable(Path(args.out) / "report.md")
-    require_plotly()  # the box heads' page: before anything is written
+    if args.modules:
+        require_plotly()  # the box heads' page: before anything is written
     r = load_results(args.trials, args.comparisons, args.kernels, args.summary, args.env, args.modules)
     if complete(r.trials).empty:
         raise ResultsError(

@@ -131,12 +131,13 @@ def hold_journal(journal: str | Path) -> Iterator[None]:
 
 
 def mend_journal(journal: str | Path) -> str | None:
-    """Drop a torn last record from a journal before anything appends to it; what was done, or None.
+    """Mend a journal's torn last record before anything appends to it; what was done, or None.
 
     Optuna appends whole lines, so a file that does not end in a complete JSON record lost power or disk space
     in its last write: that record is the one write that did not finish (its trial is left running, failed and
     queued again at the start). Optuna would skip it on reading and glue the next record onto it, invalid for
-    every later run. The file as it was is kept beside it first. Any earlier record that does not parse is
+    every later run. A last record whole but for its newline is completed instead. The file as it was is kept
+    beside it first. Any earlier record that does not parse is
     damage this cannot mend: ParamsError, the file untouched.
     """
     path = Path(journal)
@@ -156,8 +157,15 @@ def mend_journal(journal: str | Path) -> str | None:
             "its end, and was left as it is); allowed: restore it from a copy, or move it away to start the "
             "study afresh"
         )
-    cut = len(data) - len(lines[-1]) - ends_in_newline  # the start of the last line
     copy = _keep_copy(path, data)
+    if not bad:  # the last record whole, only its newline unwritten: completed, so its trial's result stays
+        with open(path, "ab") as f:
+            f.write(b"\n")
+        return (
+            f"{path}: its last record lacked its newline (a write that did not finish): completed it, every "
+            f"record kept; the file as it was is {copy}"
+        )
+    cut = len(data) - len(lines[-1]) - ends_in_newline  # the start of the last line
     with open(path, "r+b") as f:
         f.truncate(cut)
     return (

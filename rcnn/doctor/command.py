@@ -11,7 +11,9 @@ FLOPs, and sets its backward speed against the machine's measured matmul peak. I
 For each flagged module it runs the backward alone at the recorded shape, dtype and layout, split into the
 input gradient and the weight gradient, names the backend implementation that ran each (oneDNN's primitives
 on CPU, the kernels on CUDA) and sets both beside the time the same FLOPs take at the matmul peak.
-MODEL is ``detector:<head>``, ``torchvision:<builder>`` or ``package.module:factory`` (rcnn.doctor.workloads).
+MODEL is ``detector:<head>``, ``torchvision:<builder>``, ``timm:<name>``, ``hf:<model_type>`` or
+``package.module:factory`` (rcnn.doctor.workloads). ``--out`` writes the tables, report.html (icicles of the
+module tree) and trace.json (one step for ui.perfetto.dev, its backward ops in their modules' ranges).
 
 ``--max-seconds`` bounds the whole run: warm-up, measuring, the why rows and the fix's timings share it.
 ``--out`` is written before anything is printed, so ``| head`` loses none of it (the command then ends
@@ -30,19 +32,21 @@ from pathlib import Path
 from rcnn.cli import Parser, run_command
 from rcnn.doctor.diagnosis import Diagnosis, Fixed, diagnose, fix
 from rcnn.doctor.trace import trace_workload
-from rcnn.doctor.watch import DOCTOR_FILES, NO_REPORT, doctor_files
+from rcnn.doctor.watch import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
 from rcnn.doctor.workloads import build_workload
 from rcnn.measure.device import DTYPES, amp_unavailable, resolve_device, set_tf32
 from rcnn.measure.machine import fingerprint, matmul_size, measure_matmul_tflops
 from rcnn.measure.settings import AMP, AMP_DTYPES, DEVICE
 from rcnn.measure.stats import MAX_SECONDS, TimingPolicy
-from rcnn.outputs import check_sqlite_url, claim_folder, project_root, write_atomic
+from rcnn.outputs import check_sqlite_url, claim_folder, project_root
 from rcnn.rules import Rule, ValueNotAllowed, first_line
 
 TOP = Rule(minimum=1)
 FRAMES = Rule(minimum=1)
 BATCH_SIZE = Rule(minimum=1)
 IMAGE_SIZE = Rule(minimum=16)  # a zoo may ask more (the detector's FPN: a multiple of 32, at least 64)
+# --max-seconds' default: a detector's steps, its why rows and the fix's timings fit on 2 CPU cores
+RUN_SECONDS = 120.0
 DIAGNOSE_SHARE = 0.4  # with --fix: the diagnosis's share of --max-seconds; the fix's timings get the rest
 
 
@@ -53,7 +57,10 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "model", metavar="MODEL", help="detector:<head>, torchvision:<builder> or package.module:factory"
+        "model",
+        metavar="MODEL",
+        help="detector:<head>, torchvision:<builder>, timm:<name>, hf:<model_type> (options after ?, e.g. "
+        "'hf:bert?num_hidden_layers=2') or package.module:factory",
     )
     p.add_argument("--batch-size", type=BATCH_SIZE.arg(int), default=2, help="images (or clips) per step")
     p.add_argument("--image-size", type=IMAGE_SIZE.arg(int), default=224, help="square input size in pixels")
@@ -79,9 +86,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-seconds",
         type=MAX_SECONDS.arg(float),
-        default=TimingPolicy.max_seconds,
-        help="the whole run's bound in seconds: warm-up, measuring, the why rows and --fix's timings share "
-        "it, precision met or not",
+        default=RUN_SECONDS,
+        help=f"the whole run's bound in seconds (default {RUN_SECONDS:g}): warm-up, measuring, the why rows "
+        "and --fix's timings share it, precision met or not",
     )
     p.add_argument(
         "--fix",
@@ -91,9 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--out",
-        help="a folder for modules.csv, why.csv, env.json and trace.json (one step for ui.perfetto.dev, its "
-        "backward ops in their modules' ranges), anywhere: absent, empty, or written by the doctor before "
-        "(it never replaces what it did not write)",
+        help="a folder for modules.csv, why.csv, env.json, report.html and trace.json, anywhere: absent, "
+        "empty, or written by the doctor before (it never replaces what it did not write)",
     )
     p.add_argument(
         "--mlflow",
@@ -183,7 +189,7 @@ def _run(args: argparse.Namespace) -> None:
     --max-seconds bounds it all from here (the policy's deadline)."""
     deadline = time.monotonic() + args.max_seconds
     if args.out:  # before anything is measured: a folder it may fill, anywhere the user names
-        claim_folder(args.out, DOCTOR_FILES, what="--out")
+        earlier = claim_folder(args.out, DOCTOR_FILES, what="--out")
     device = resolve_device(args.device)
     if args.mlflow:
         check_sqlite_url(tracking_uri(), root=project_root(Path.cwd()), what="MLFLOW_TRACKING_URI")
@@ -235,7 +241,7 @@ def _run(args: argparse.Namespace) -> None:
         f"{dtype}{', channels_last' if args.channels_last else ''}"
     )
     texts = doctor_files(diagnosis, env, title=title, fixed=fixed)
-    written = [*_write(Path(args.out), texts), trace] if args.out else []
+    written = [*write_run(Path(args.out), texts, earlier, kept=(trace,)), trace] if args.out else []
     # Logged before printing too (a reader closing the pipe stops nothing); a server that refuses is told
     # after the tables are printed, and loses none of them.
     run = _log_mlflow(args, diagnosis, texts) if args.mlflow else None
@@ -250,13 +256,6 @@ def _run(args: argparse.Namespace) -> None:
         raise run
     if run:
         print(f"MLflow run {run}")
-
-
-def _write(out: Path, texts: dict[str, str]) -> list[Path]:
-    """--out's files, written (each atomically): the paths."""
-    for name, text in texts.items():
-        write_atomic(out / name, text)
-    return [out / name for name in texts]
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from rcnn.doctor.columns import OUTSIDE, ROOT, SLOW_PEAK_FRACTION, WHY_COLUMNS
+from rcnn.rules import UserError
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -74,10 +75,14 @@ def require_plotly() -> Any:
     try:
         import plotly.graph_objects as go
     except ImportError as err:
-        raise ImportError(
+        raise PlotlyMissing(
             f"the doctor's HTML report draws with plotly, which is not installed: {INSTALL}"
         ) from err
     return go
+
+
+class PlotlyMissing(UserError, ImportError):
+    """plotly is not installed: one line naming the pip command (rcnn.cli prints it, exit 2)."""
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from rcnn.measure.device import DTYPES
 from rcnn.measure.flops import FlopCount
 from rcnn.measure.inputs import channels_last, tensors
 from rcnn.measure.machine import fingerprint, matmul_size, measure_matmul_tflops
-from rcnn.measure.stats import TimingPolicy, median_precision
+from rcnn.measure.stats import TimingPolicy, median_precision, settled
 from rcnn.outputs import claim_folder, write_atomic
 from rcnn.rules import UserError, ValueNotAllowed
 
@@ -107,7 +107,11 @@ class Diagnosis:
             f"{s['warmup_steps']} warm-up and {s['steps']} timed steps (the step backward's median known to "
             f"{s['precision']:.1%}); times are means of the middle half of the steps: forward "
             f"{s['forward_ms']:.1f} ms, backward {s['backward_ms']:.1f} ms; "
-            f"matmul peak {s['peak_tflops']} TFLOP/s ({s['dtype']}, measured)"
+            + (
+                f"matmul peak {s['peak_tflops']} TFLOP/s ({s['dtype']})"
+                if s["peak_tflops"]
+                else "no matmul peak (peak fractions NaN)"
+            )
         )
         if s.get("warmup_cut"):
             lines.append("Warm-up ended at the --max-seconds bound before the step times settled.")
@@ -463,10 +467,11 @@ class Watch:
             timer.count_forwards(None)
         elif not self._measuring:
             self._warm.append(totals["forward_ms"] + totals["backward_ms"])
-            if self.policy.warmed_up(self._warm):
+            if self.policy.warmed_up(self._warm):  # settled, or its deadline keeps time for the timed steps
                 self._measuring = True
-            elif self.policy.warm_up_cut(self._warm):  # its deadline keeps time for the least timed steps
-                self._measuring = self._warmup_cut = True
+                self._warmup_cut = self.policy.warm_up_cut(self._warm) and not settled(
+                    self.policy, self._warm
+                )
         else:
             if not self._tables:
                 self._measure_started = time.perf_counter()
@@ -631,12 +636,22 @@ class Watch:
         texts = doctor_files(diagnosis, env, title=self._title())
         if "report.html" not in texts:
             warnings.warn(f"report.html not written: {NO_REPORT}", stacklevel=2)
-        for name, text in texts.items():
-            write_atomic(folder / name, text)
-        for path in old:  # a command run's modules_fixed.csv, fix.csv, trace.json are not of this run
-            if path.name not in texts:
-                path.unlink()
-        return [folder / name for name in texts]
+        return write_run(folder, texts, old)
+
+
+def write_run(
+    folder: Path, texts: dict[str, str], earlier: list[Path], kept: tuple[Path, ...] = ()
+) -> list[Path]:
+    """Write a run's ``texts`` into ``folder`` (each atomically), then remove the files of ``earlier`` (what
+    claim_folder found: the doctor's own) that this run did not write nor keeps (``kept``): an earlier
+    --fix's tables or page would not belong to these. Returns the paths written."""
+    for name, text in texts.items():
+        write_atomic(folder / name, text)
+    ours = {*texts, *(path.name for path in kept)}
+    for path in earlier:  # claim_folder's entries: the folder's plain files, by name
+        if path.name not in ours:
+            path.unlink(missing_ok=True)
+    return [folder / name for name in texts]
 
 
 def doctor_files(diagnosis: Diagnosis, env: dict, *, title: str, fixed: Any = None) -> dict[str, str]:

@@ -15,7 +15,6 @@ they asked for (rcnn.measure.cores).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import random
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -23,18 +22,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from rcnn.measure.cores import CoreUse
-from rcnn.measure.stats import TimingPolicy
+from rcnn.measure.stats import TimingPolicy, settled
 
 K = TypeVar("K", bound=Hashable)
 Sample = Mapping[str, float]  # one step's times (or other per-step values), by name: ms per phase
 Settle = str | Callable[[Sample], float]  # the value of a step warm-up watches: a key, or a function of all
 
 WARMUP, MEASURE = "warmup", "measure"  # the part of the measurement a step is run in
-
-
-def _settled(policy: TimingPolicy, values: Sequence[float]) -> bool:
-    """Warm-up ended by its own rules, not the deadline's."""
-    return dataclasses.replace(policy, deadline=None).warmed_up(values)
 
 
 def _settle_value(settle: Settle, sample: Sample) -> float:
@@ -107,7 +101,7 @@ def warm_up_then_measure(
             warmup.append(_settle_value(settle, sample))
     # ended for the deadline (by the steps' wall time here, by the settle values in the policy's own test)
     cut = policy.out_of_time((1 + least) * step_s) or policy.warm_up_cut(warmup)
-    cut = cut and not _settled(policy, warmup)
+    cut = cut and not settled(policy, warmup)
     if before_measuring:
         before_measuring()
     cores = CoreUse(device) if device is not None else None

@@ -233,6 +233,11 @@ class TimingPolicy:
         return next_s > self.seconds_left()
 
 
+def settled(policy: TimingPolicy, warmup: Sequence[float]) -> bool:
+    """Warm-up ended by the policy's own rules (settled, or max_warmup), not its deadline's."""
+    return dataclasses.replace(policy, deadline=None).warmed_up(warmup)
+
+
 def runs_within(most: int, run_s: float, deadline: float | None, *, least: int = 1) -> int:
     """How many runs of ``run_s`` seconds each, from ``least`` to ``most``, end before ``deadline``
     (``time.monotonic()`` seconds; None: ``most``): a repeated timing (a why row, the fix's) bounded by a

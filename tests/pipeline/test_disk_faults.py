@@ -91,12 +91,15 @@ def test_a_journal_damaged_before_its_end_stops_with_one_line_and_is_left_as_it_
     [
         (b'{"op_code": 0}\n{"op_code": 1}\n', None),  # whole: left alone
         (b'{"op_code": 0}\n{"op_co', b'{"op_code": 0}\n'),  # cut inside its last record
-        (b'{"op_code": 0}\n{"op_code": 1}', b'{"op_code": 0}\n'),  # its last newline never written
+        (
+            b'{"op_code": 0}\n{"op_code": 1}',
+            b'{"op_code": 0}\n{"op_code": 1}\n',
+        ),  # only its newline unwritten
         (b'{"op_code": 0}\n\x00\x00\x00\x00', b'{"op_code": 0}\n'),  # zeros a crash left at the end
         (b'{"op_co', b""),  # its only record cut
     ],
 )
-def test_mend_journal_drops_exactly_the_torn_record(tmp_path, content, kept):
+def test_mend_journal_drops_exactly_the_torn_record_or_completes_its_newline(tmp_path, content, kept):
     journal = tmp_path / "optuna.journal"
     journal.write_bytes(content)
     said = mend_journal(journal)

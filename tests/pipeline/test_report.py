@@ -420,7 +420,10 @@ def test_the_box_heads_page_has_an_icicle_per_profiled_head_of_its_box_head_alon
     from rcnn.detector.schema import MODULE_TABLE_COLUMNS
 
     modules = read_table(
-        ROOT / "results" / "modules.csv", MODULE_TABLE_COLUMNS, "sweep", added=ADDED_MODULE_COLUMNS
+        ROOT / "reports" / "compile-cpu-xeon" / "modules.csv",
+        MODULE_TABLE_COLUMNS,
+        "sweep",
+        added=ADDED_MODULE_COLUMNS,
     )
     page = box_heads_page(modules)
     heads = modules.groupby(["head", *[k for k in ("batch_size", "amp") if k in modules]]).ngroups
@@ -438,7 +441,7 @@ def test_the_box_heads_page_has_an_icicle_per_profiled_head_of_its_box_head_alon
 def test_the_report_stage_writes_the_box_heads_page_and_links_it(tmp_path, tiny_params):
     folder = write_results(tmp_path / "results")
     out = tmp_path / "reports"
-    modules = ["--modules", str(ROOT / "results" / "modules.csv")]
+    modules = ["--modules", str(ROOT / "reports" / "compile-cpu-xeon" / "modules.csv")]
     assert report.main(["--params", str(tiny_params())] + report_args(folder, out) + modules) == 0
     assert "[box_heads.html](box_heads.html)" in (out / "report.md").read_text()
     assert (out / "box_heads.html").read_text().count("Plotly.newPlot") >= 3

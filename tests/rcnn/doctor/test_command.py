@@ -80,7 +80,9 @@ def test_out_is_rewritten_but_never_a_foreign_folder(project, capsys):
     assert "--out: notes holds files this command did not write (mine.txt)" in capsys.readouterr().err
     assert sorted(p.name for p in (project / "notes").iterdir()) == ["mine.txt"]
     assert doctor.main(["tests.fixtures.models:sleepy", *QUICK, "--out", "out"]) == 0
+    (project / "out" / "fix.csv").write_text("module,kind\n")  # as an earlier --fix run left it
     assert doctor.main(["tests.fixtures.models:sleepy", *QUICK, "--out", "out"]) == 0  # its own: rewritten
+    assert {p.name for p in (project / "out").iterdir()} == OUT_FILES  # the earlier run's fix.csv gone
 
 
 @pytest.mark.parametrize(

@@ -311,3 +311,38 @@ def test_without_plotly_save_writes_the_tables_and_says_why_there_is_no_page(tmp
     with pytest.warns(UserWarning, match=r"report.html not written: .*pip install plotly"):
         written = w.save(tmp_path / "run")
     assert sorted(p.name for p in written) == ["env.json", "modules.csv", "why.csv"]
+
+
+class SlowForward(nn.Module):
+    """A Linear whose forward also waits 20 ms: steps long enough for a deadline to matter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.02)
+        return self.fc(x)
+
+
+def test_a_deadline_that_ends_warm_up_is_said_and_one_that_does_not_is_not():
+    model = SlowForward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    long_warmup = TimingPolicy(warmup=40, max_warmup=40, settle_window=40)
+
+    def run(policy: TimingPolicy):
+        with watch(model, steps=3, policy=policy, peak_tflops=1.0, explain=False) as w:
+            for _ in range(60):
+                model(torch.randn(4, 8)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                if w.detached:
+                    break
+        return w
+
+    cut = run(long_warmup.until(time.monotonic() + 0.4))
+    summary = cut.diagnosis.summary
+    assert summary["warmup_cut"] and summary["warmup_steps"] < 40 and summary["steps"] == 3
+    assert "Warm-up ended at the --max-seconds bound" in str(cut)
+    settled = run(QUICK.until(time.monotonic() + 60))
+    assert not settled.diagnosis.summary["warmup_cut"] and "Warm-up ended" not in str(settled)
