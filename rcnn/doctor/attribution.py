@@ -40,7 +40,6 @@ from rcnn.measure.inputs import Seen, tensors
 
 TIME_COLUMNS = ["forward_ms", "forward_inclusive_ms", "backward_ms", "backward_inclusive_ms"]
 FLOP_COLUMNS = ["forward_gflop", "backward_gflop", "backward_inclusive_gflop"]
-MEMORY_COLUMNS = ["saved_mb", "backward_peak_mb"]
 MB = 2**20
 
 
@@ -87,7 +86,7 @@ class _Creation(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.timer._claim(out)
+        self.timer.claim(out)
         return out
 
 
@@ -224,8 +223,6 @@ class ModuleTimer:
                 node.register_hook(functools.partial(self._node_end, node)),
             ]
             todo.extend(next_node for next_node, _ in node.next_functions)
-
-    _claim = claim  # the name rcnn.doctor's older callers know
 
     def _start_saving(self) -> None:
         user = _user_saved_hooks()

@@ -35,7 +35,7 @@ from rcnn.doctor.trace import trace_workload
 from rcnn.doctor.watch import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
 from rcnn.doctor.workloads import build_workload
 from rcnn.measure.device import DTYPES, amp_unavailable, resolve_device, set_tf32
-from rcnn.measure.machine import fingerprint, matmul_size, measure_matmul_tflops
+from rcnn.measure.machine import fingerprint, machine_name, matmul_peak
 from rcnn.measure.settings import AMP, AMP_DTYPES, DEVICE
 from rcnn.measure.stats import MAX_SECONDS, TimingPolicy
 from rcnn.outputs import check_sqlite_url, claim_folder, project_root
@@ -208,7 +208,7 @@ def _run(args: argparse.Namespace) -> None:
         **zoo_options,
     )
     dtype = AMP_DTYPES[args.amp]
-    peak = round(measure_matmul_tflops(device, DTYPES[dtype], n=matmul_size(device)), 3)
+    peak = matmul_peak(device, DTYPES[dtype])
     policy = TimingPolicy(max_seconds=args.max_seconds).until(deadline)
     diagnosis = diagnose(
         workload,
@@ -235,7 +235,7 @@ def _run(args: argparse.Namespace) -> None:
         "summary": diagnosis.summary,
         **({"fix": fixed.summary} if fixed else {}),
     }
-    where = env["fingerprint"].get("gpu", env["fingerprint"]["cpu_model"])
+    where = machine_name(env["fingerprint"])
     title = (
         f"{args.model} on {device.type} ({where}), batch {workload.batch_description}, "
         f"{dtype}{', channels_last' if args.channels_last else ''}"

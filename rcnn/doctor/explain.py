@@ -173,12 +173,6 @@ def per_run(spent: Spent, runs: int, total_ms: float | None = None, shown: int =
     return "; ".join(parts) + note
 
 
-def onednn_primitives(lines: list[str], runs: int = 1, total_ms: float | None = None) -> str:
-    """oneDNN verbose 'exec' lines of ``runs`` runs, per run (``per_run``)."""
-    spent = onednn_spent(lines)
-    return per_run(spent, runs, total_ms) if spent else ""
-
-
 class _OpTimes(TorchDispatchMode):
     """Host time of each aten operator called inside: on CPU, where the time goes. (torch.profiler would tell
     too, but its CPU-only capture prints its own start, stop and GPU-probe lines on stderr.)"""

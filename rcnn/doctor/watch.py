@@ -45,8 +45,8 @@ from rcnn.measure.clock import Clock
 from rcnn.measure.cores import CoreUse, contended
 from rcnn.measure.device import DTYPES
 from rcnn.measure.flops import FlopCount
-from rcnn.measure.inputs import channels_last, tensors
-from rcnn.measure.machine import fingerprint, matmul_size, measure_matmul_tflops
+from rcnn.measure.inputs import channels_last, described, tensors
+from rcnn.measure.machine import fingerprint, machine_name, matmul_peak
 from rcnn.measure.stats import TimingPolicy, median_precision, settled
 from rcnn.outputs import claim_folder, write_atomic
 from rcnn.rules import UserError, ValueNotAllowed
@@ -205,7 +205,7 @@ def _device_of(model: nn.Module) -> torch.device:
 def _described(args: tuple, kwargs: dict, most: int = 6) -> str:
     """The tensors a call took, by dtype and shape: 'float32 (2, 3, 64, 64)', the first ``most`` of them."""
     found = [*tensors(args), *tensors(kwargs)]
-    shown = [f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}" for t in found[:most]]
+    shown = [described(t) for t in found[:most]]
     return ", ".join(shown) + (f", and {len(found) - most} more tensors" if len(found) > most else "")
 
 
@@ -543,7 +543,7 @@ class Watch:
         dtype = self._dtype()
         peak = self.peak_tflops
         if peak == MEASURED:
-            peak = round(measure_matmul_tflops(self.device, DTYPES[dtype], n=matmul_size(self.device)), 3)
+            peak = matmul_peak(self.device, DTYPES[dtype])
         diagnosis = tabulate(
             self.model,
             self._timer,
@@ -614,7 +614,7 @@ class Watch:
 
     def _title(self) -> str:
         env = self.env
-        where = env["fingerprint"].get("gpu", env["fingerprint"]["cpu_model"])
+        where = machine_name(env["fingerprint"])
         inputs = "; ".join(self._inputs) or "no tensors"
         layout = ", channels_last" if self._layout else ""
         return (

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rcnn.factory import call_factory, import_factory
+from rcnn.measure.inputs import described
 from rcnn.rules import ValueNotAllowed, first_line
 
 NUM_CLASSES = 4  # object classes of the synthetic detection targets, background excluded
@@ -75,7 +76,7 @@ def describe_batch(batch: Any) -> str:
         '{pixel_values: float32 (2, 3, 64, 64)}'
     """
     if isinstance(batch, torch.Tensor):
-        return f"{str(batch.dtype).removeprefix('torch.')} {tuple(batch.shape)}"
+        return described(batch)
     if isinstance(batch, dict):
         return "{" + ", ".join(f"{key}: {describe_batch(value)}" for key, value in batch.items()) + "}"
     if isinstance(batch, (list, tuple)):

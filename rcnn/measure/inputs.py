@@ -48,6 +48,11 @@ def example_input(seen: Seen, device: torch.device) -> torch.Tensor:
     return x.movedim(1, -1).contiguous().movedim(-1, 1) if seen.channels_last else x
 
 
+def described(t: torch.Tensor) -> str:
+    """A tensor as the doctor's tables and headers name it: 'float32 (2, 3, 64, 64)'."""
+    return f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
+
+
 def channels_last(x: torch.Tensor) -> bool:
     """Whether ``x``'s memory is channels-last: its channel dimension (1) moved last is contiguous."""
     return x.dim() > 2 and not x.is_contiguous() and x.movedim(1, -1).is_contiguous()

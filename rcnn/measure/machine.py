@@ -75,20 +75,29 @@ def matmul_size(device: torch.device) -> int:
     return 8192 if device.type == "cuda" else 2048
 
 
+def matmul_peak(device: torch.device, dtype: torch.dtype) -> float:
+    """The measured matmul peak in TFLOP/s of ``dtype`` on ``device``, as every ceiling here is measured."""
+    return round(measure_matmul_tflops(device, dtype, n=matmul_size(device)), 3)
+
+
+def machine_name(fingerprint: dict) -> str:
+    """The GPU, else the CPU model, that a fingerprint names: what a header says a run ran on."""
+    return fingerprint.get("gpu", fingerprint.get("cpu_model", fingerprint.get("device", "?")))
+
+
 def ceilings(device: torch.device) -> dict:
     """Measured peaks: matmul TFLOP/s for each dtype the sweep can use on ``device`` (fp32 without TF32; on
     CUDA also ``tf32``, fp32 with it: knob tf32), copy GB/s."""
     cuda = device.type == "cuda"
-    peak = lambda dtype: round(measure_matmul_tflops(device, dtype, n=matmul_size(device)), 3)  # noqa: E731
     with tf32(False):
         matmul = {
-            name: peak(DTYPES[name])
+            name: matmul_peak(device, DTYPES[name])
             for amp, name in AMP_DTYPES.items()
             if amp_unavailable(amp, device) is None
         }
     if cuda:
         with tf32(True):
-            matmul["tf32"] = peak(torch.float32)
+            matmul["tf32"] = matmul_peak(device, torch.float32)
     return {"matmul_tflops": matmul, "copy_gbps": round(measure_copy_gbps(device, 2048 if cuda else 256), 1)}
 
 
