@@ -286,11 +286,11 @@ CASES = [
         None,
         "--out: ../sentinel resolves outside the project",
     ),
-    (
-        "doctor-out-outside",
+    (  # the installed doctor runs anywhere: its --out may lie outside the project, never over foreign files
+        "doctor-out-outside-foreign",
         ["python", "-m", "rcnn.doctor", "tests.fixtures.models:sleepy", "--out", SENTINEL],
         None,
-        "--out: ../sentinel resolves outside the project",
+        "--out: ../sentinel holds files this command did not write",
     ),
     (
         "doctor-out-source-folder",
