@@ -1,4 +1,4 @@
-"""Does ``rcnn.doctor.watch`` in a hand-written training loop see what the command sees, and cheaply? Three
+"""Does ``rcnn.doctor.watching`` in a hand-written training loop see what the command sees, and cheaply? Three
 checks on the project's detector (detector:conv), each against its target.
 
 1. Agreement: the top-10 modules by own backward under ``watch`` in a plain loop (SGD, the loss summed
@@ -28,7 +28,7 @@ from torch import nn
 from rcnn.cli import Parser, run_command
 from rcnn.doctor.columns import OUTSIDE
 from rcnn.doctor.diagnosis import training_step
-from rcnn.doctor.watch import watch
+from rcnn.doctor.watching import watch
 from rcnn.doctor.workloads import build_workload
 from rcnn.measure.device import resolve_device
 from rcnn.measure.loop import in_turn

@@ -113,7 +113,7 @@ def test_the_wheel_installs_and_runs_from_anywhere(tmp_path):
     shown = [line.split()[0] for line in table if not line.strip().startswith("(outside")]
     assert shown == top.tolist()
     env_json = json.loads((elsewhere / "doctor" / "env.json").read_text())
-    assert (env_json["model"], env_json["image_size"], env_json["fingerprint"]["device"]) == (
+    assert (env_json["model"], env_json["options"]["image_size"], env_json["fingerprint"]["device"]) == (
         "torchvision:resnet18",
         64,
         "cpu",

@@ -16,9 +16,9 @@ _EXPORTS = {
     "build_workload": "workloads",
     "Workload": "workloads",
     "ModuleTimer": "attribution",
-    "watch": "watch",
-    "Watch": "watch",
-    "NothingWatched": "watch",
+    "watch": "watching",
+    "Watch": "watching",
+    "NothingWatched": "watching",
 }
 __all__ = list(_EXPORTS)
 

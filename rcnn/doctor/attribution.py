@@ -98,8 +98,8 @@ class ModuleTimer:
     during it, plus the ``OUTSIDE`` row. ``counting_flops()`` around one step adds forward and backward
     GFLOPs by module (the counting slows the step, so count in a step not timed).
 
-    ``forward()`` and ``backward()`` mark one step's two phases. rcnn.doctor.watch drives the same timer from
-    the user's own loop instead: ``starting``/``ending`` are called when a call into the model begins and
+    ``forward()`` and ``backward()`` mark one step's two phases. rcnn.doctor.watching drives the same timer
+    from the user's own loop instead: ``starting``/``ending`` are called when a call into the model begins and
     ends (the outermost module's), and it calls ``begin_step``, ``claim``, ``record_phase`` and
     ``backward_started``/``backward_ended`` itself.
     """
@@ -361,7 +361,7 @@ class ModuleTimer:
             yield
 
     def flop_counter(self) -> FlopCount:
-        """A FLOP counter charging by module as ``counting_flops`` does; rcnn.doctor.watch enters it around
+        """A FLOP counter charging by module as ``counting_flops`` does; rcnn.doctor.watching enters it around
         each call into the model (``count_forwards``) and each backward of the counted step."""
         self.flops.clear()
         self.unknown_flops.clear()

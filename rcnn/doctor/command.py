@@ -32,7 +32,7 @@ from pathlib import Path
 from rcnn.cli import Parser, run_command
 from rcnn.doctor.diagnosis import Diagnosis, Fixed, diagnose, fix
 from rcnn.doctor.trace import trace_workload
-from rcnn.doctor.watch import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
+from rcnn.doctor.watching import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
 from rcnn.doctor.workloads import build_workload
 from rcnn.measure.device import DTYPES, amp_unavailable, resolve_device, set_tf32
 from rcnn.measure.machine import fingerprint, machine_name, matmul_peak

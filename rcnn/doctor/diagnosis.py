@@ -1,8 +1,8 @@
-"""The doctor's method on a built-in workload: its training steps run under rcnn.doctor.watch, as a user's own
-loop would (timed by module until the medians settle, FLOPs counted by module, flags set against the
-measured matmul peak, each flagged module's backward run alone: rcnn.doctor.explain); and the fix measured,
-the original and the linearized model stepped in turn. The step, the loops and the paired statistic are the
-measurement core's (rcnn.measure.step, .loop, .stats)."""
+"""The doctor's method on a built-in workload: its training steps run under rcnn.doctor.watching, as a
+user's own loop would (timed by module until the medians settle, FLOPs counted by module, flags set against
+the measured matmul peak, each flagged module's backward run alone: rcnn.doctor.explain); and the fix
+measured, the original and the linearized model stepped in turn. The step, the loops and the paired
+statistic are the measurement core's (rcnn.measure.step, .loop, .stats)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from rcnn.doctor.attribution import ModuleTimer
-from rcnn.doctor.watch import Diagnosis, watch
+from rcnn.doctor.watching import Diagnosis, watch
 from rcnn.doctor.workloads import Workload
 from rcnn.fix import Swap, linearize_with
 from rcnn.measure.clock import Clock
@@ -74,9 +74,9 @@ def diagnose(
     peak_tflops: float | None = None,
     explain: bool = True,
 ) -> Diagnosis:
-    """Run ``workload``'s training steps under rcnn.doctor.watch: FLOPs counted by module in the first, then
-    warm-up, then steps timed by module until ``policy`` says stop; flag modules, and (``explain``) run each
-    flagged module's backward alone.
+    """Run ``workload``'s training steps under rcnn.doctor.watching: FLOPs counted by module in the first,
+    then warm-up, then steps timed by module until ``policy`` says stop; flag modules, and (``explain``)
+    run each flagged module's backward alone.
 
     Args:
         workload: the model, its batch on ``device`` and its loss (rcnn.doctor.workloads.build_workload).

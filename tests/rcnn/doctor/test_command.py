@@ -7,7 +7,7 @@ import pytest
 
 from rcnn.doctor import command as doctor
 from rcnn.doctor.columns import MODULE_COLUMNS, OUTSIDE, ROOT, WHY_COLUMNS
-from rcnn.doctor.watch import SLOW_SHOWN
+from rcnn.doctor.watching import SLOW_SHOWN
 from rcnn.fix import AUTO_MARGIN
 from tests.conftest import ROOT as REPO
 
@@ -147,10 +147,10 @@ def test_bad_input_is_one_line_and_exit_2(project, capsys, monkeypatch, args, me
 def test_slow_for_its_flops_needs_both_a_low_speed_and_a_share_of_the_flops(monkeypatch):
     import torch
 
-    import rcnn.doctor.watch
+    import rcnn.doctor.watching
 
     # As if the steps had their cores: a loaded machine flags nothing slow (its own test), not this rule's
-    monkeypatch.setattr(rcnn.doctor.watch, "contended", lambda share: False)
+    monkeypatch.setattr(rcnn.doctor.watching, "contended", lambda share: False)
 
     from rcnn.doctor.diagnosis import diagnose
     from rcnn.doctor.workloads import build_workload

@@ -10,7 +10,7 @@ from torch import nn
 
 from rcnn.doctor.attribution import MB
 from rcnn.doctor.columns import MODULE_COLUMNS, OUTSIDE, WHY_COLUMNS
-from rcnn.doctor.watch import NothingWatched, NothingWatchedWarning, _top_function_mode, watch
+from rcnn.doctor.watching import NothingWatched, NothingWatchedWarning, _top_function_mode, watch
 from rcnn.measure.loop import in_turn
 from rcnn.measure.stats import TimingPolicy, median_ratio
 from rcnn.outputs import OutputError
@@ -346,3 +346,22 @@ def test_a_deadline_that_ends_warm_up_is_said_and_one_that_does_not_is_not():
     assert "Warm-up ended at the --max-seconds bound" in str(cut)
     settled = run(QUICK.until(time.monotonic() + 60))
     assert not settled.diagnosis.summary["warmup_cut"] and "Warm-up ended" not in str(settled)
+
+
+def test_every_export_of_the_doctor_is_what_it_names_after_its_modules_loaded():
+    """A submodule named as an export would shadow it once imported: ``from rcnn.doctor import watch`` must
+    give the function, whatever was imported before."""
+    import importlib
+    import pkgutil
+    import types
+
+    import rcnn.doctor
+
+    for info in pkgutil.iter_modules(rcnn.doctor.__path__):
+        if info.name != "__main__":  # the command itself: it would run
+            importlib.import_module(f"rcnn.doctor.{info.name}")
+    for name in rcnn.doctor.__all__:
+        assert not isinstance(getattr(rcnn.doctor, name), types.ModuleType), name
+    from rcnn.doctor import watch as exported
+
+    assert exported is watch

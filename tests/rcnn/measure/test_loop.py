@@ -221,7 +221,7 @@ def test_the_measured_steps_core_share_is_recorded_on_the_cpu_only():
 
 
 def test_the_policy_itself_ends_warm_up_and_measuring_for_its_deadline():
-    # What a loop of its own (rcnn.doctor.watch) asks the policy: the deadline answers there too
+    # What a loop of its own (rcnn.doctor.watching) asks the policy: the deadline answers there too
     policy = TimingPolicy(warmup=5, max_warmup=10, iterations=12, max_iterations=30, max_seconds=60)
     soon = policy.until(time.monotonic() + 1.0)
     assert not soon.warmed_up([100.0]) and not soon.warm_up_cut([100.0])  # 0.1 s steps: 4 fit in 1 s
