@@ -321,9 +321,17 @@ SNIPPETS = [(path, block) for path in PAGES for block in python_blocks(TEXTS[pat
 @pytest.mark.parametrize(
     "path, block", SNIPPETS, ids=[f"{page(path)}: snippet {i}" for i, (path, _) in enumerate(SNIPPETS)]
 )
-def test_a_python_snippet_runs(path, block):
-    """Each python block runs as written, given a model and its example input where it names them."""
-    result = run(sys.executable, "-c", SNIPPET_PREAMBLE + block)
+def test_a_python_snippet_runs(path, block, tmp_path):
+    """Each python block runs as written, given a model and its example input where it names them, in a
+    folder of its own (a snippet may save files: w.save("doctor-run/"))."""
+    result = subprocess.run(
+        [sys.executable, "-c", SNIPPET_PREAMBLE + block],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ | {"PYTHONPATH": str(ROOT)},
+    )
     assert result.returncode == 0, f"{page(path)}:\n{block}\n{result.stderr[-2000:]}"
 
 
