@@ -453,7 +453,7 @@ def _print_in_turn(
     )
     print(f"{'head':<28}" + "".join(f"{phase + ' ms':>18}" for phase in COMPARED))
     for k in knobs:
-        print(f"{k.head:<28}" + "".join(f"{np.median(times[k.head][p]):>18.1f}" for p in COMPARED))
+        print(f"{k.head:<28}" + "".join(f"{np.median(times[k.head][p]):>18.2f}" for p in COMPARED))
     for k in knobs[1:]:
         ratios = []
         for phase in COMPARED:

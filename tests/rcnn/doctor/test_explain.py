@@ -59,7 +59,8 @@ def test_a_convs_gradients_name_what_ran_within_their_time(onednn, monkeypatch):
         assert named.startswith("oneDNN: ") == onednn
         listed = [float(ms) for ms in re.findall(r" ([0-9.]+) ms", named.partition(" (scaled")[0])]
         # what is listed (the rest as 'other') adds up to the gradient's time, to the printed rounding
-        assert sum(listed) == pytest.approx(row[f"{part}_ms"], abs=0.005 * len(listed) + 1e-9)
+        # each printed to 0.01 ms, and an "other" under 0.005 ms left out
+        assert sum(listed) == pytest.approx(row[f"{part}_ms"], abs=0.005 * (len(listed) + 1))
     assert conv.weight.requires_grad and conv.weight.grad is None
 
 
