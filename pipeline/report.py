@@ -64,7 +64,7 @@ from rcnn.detector.schema import (
 from rcnn.doctor.columns import MODULE_COLUMNS, OUTSIDE
 from rcnn.doctor.pictures import icicle_html, require_plotly
 from rcnn.measure.cores import CONTENDED_BELOW
-from rcnn.measure.settings import peak_dtype
+from rcnn.measure.settings import machine_name, peak_dtype
 from rcnn.outputs import CSV, PNG, Kind, check_folder, check_writable, project_root, text_start, write_atomic
 
 TITLE = "# Why the conv box head's backward is slow, and what fixes it"
@@ -100,8 +100,7 @@ class Results:
 
     @property
     def device(self) -> str:
-        fp = self.env["fingerprint"]
-        return fp.get("gpu", fp.get("cpu_model", fp.get("device", "?")))
+        return machine_name(self.env["fingerprint"])
 
     @property
     def ceilings(self) -> dict:

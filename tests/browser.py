@@ -14,7 +14,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import pytest
+from tests.services import missing
 
 BUDGET_MS = 5000  # virtual time the page's scripts get before the DOM is dumped (plotly draws in it)
 TIMEOUT_S = 120  # wall clock for one Chromium run on a busy 2-core machine
@@ -24,10 +24,7 @@ def require_chromium() -> str:
     """Chromium's path; skips the test where it is missing, fails it under CI."""
     found = shutil.which("chromium")
     if found is None:
-        message = "Chromium is not installed (scripts/install-test-services.sh installs it)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        missing("Chromium")
     return found
 
 

@@ -35,8 +35,8 @@ from rcnn.doctor.trace import trace_workload
 from rcnn.doctor.watching import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
 from rcnn.doctor.workloads import build_workload
 from rcnn.measure.device import DTYPES, amp_unavailable, resolve_device, set_tf32
-from rcnn.measure.machine import fingerprint, machine_name, matmul_peak
-from rcnn.measure.settings import AMP, AMP_DTYPES, DEVICE
+from rcnn.measure.machine import fingerprint, matmul_peak
+from rcnn.measure.settings import AMP, AMP_DTYPES, DEVICE, machine_name
 from rcnn.measure.stats import MAX_SECONDS, TimingPolicy
 from rcnn.outputs import check_sqlite_url, claim_folder, project_root
 from rcnn.rules import Rule, ValueNotAllowed, first_line

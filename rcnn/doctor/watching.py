@@ -46,7 +46,8 @@ from rcnn.measure.cores import CoreUse, contended
 from rcnn.measure.device import DTYPES
 from rcnn.measure.flops import FlopCount
 from rcnn.measure.inputs import channels_last, described, tensors
-from rcnn.measure.machine import fingerprint, machine_name, matmul_peak
+from rcnn.measure.machine import fingerprint, matmul_peak
+from rcnn.measure.settings import machine_name
 from rcnn.measure.stats import TimingPolicy, median_precision, settled
 from rcnn.outputs import claim_folder, write_atomic
 from rcnn.rules import UserError, ValueNotAllowed

@@ -80,11 +80,6 @@ def matmul_peak(device: torch.device, dtype: torch.dtype) -> float:
     return round(measure_matmul_tflops(device, dtype, n=matmul_size(device)), 3)
 
 
-def machine_name(fingerprint: dict) -> str:
-    """The GPU, else the CPU model, that a fingerprint names: what a header says a run ran on."""
-    return fingerprint.get("gpu", fingerprint.get("cpu_model", fingerprint.get("device", "?")))
-
-
 def ceilings(device: torch.device) -> dict:
     """Measured peaks: matmul TFLOP/s for each dtype the sweep can use on ``device`` (fp32 without TF32; on
     CUDA also ``tf32``, fp32 with it: knob tf32), copy GB/s."""

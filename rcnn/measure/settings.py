@@ -25,3 +25,9 @@ def peak_dtype(amp: str, tf32: object) -> str:
     """The dtype whose measured matmul peak (rcnn.measure.machine.ceilings) a setting's FLOP/s compare
     against: fp32 with TF32 on is ``tf32``. ``tf32`` as a table holds it too ('True', 'n/a')."""
     return "tf32" if str(tf32) == "True" and amp == "off" else AMP_DTYPES[amp]
+
+
+def machine_name(fingerprint: dict) -> str:
+    """The GPU, else the CPU model, that a fingerprint (rcnn.measure.machine) names: what a header says a run
+    ran on."""
+    return fingerprint.get("gpu", fingerprint.get("cpu_model", fingerprint.get("device", "?")))

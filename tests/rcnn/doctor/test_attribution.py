@@ -14,16 +14,6 @@ CPU = torch.device("cpu")
 QUICK = TimingPolicy(warmup=1, max_warmup=2, iterations=5, max_iterations=5, max_seconds=60)
 
 
-@pytest.fixture
-def one_thread():
-    # After a sleep, a multi-threaded op first wakes its idle worker threads: that is real time, but it would
-    # land on the op after the sleeping module and blur what this test checks.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _diagnosis(monkeypatch, sleep_s: float):
     monkeypatch.setattr(models, "SLEEP_S", sleep_s)
     workload = build_workload("tests.fixtures.models:sleepy", batch_size=8, image_size=64, device=CPU)

@@ -20,16 +20,6 @@ QUICK = TimingPolicy(warmup=1, max_warmup=1)  # one warm-up step after the FLOP-
 SLEEP_S = 0.02
 
 
-@pytest.fixture
-def one_thread():
-    # After a sleep, a multi-threaded op first wakes its idle worker threads: real time, but it would land on
-    # the op after the sleeping module and blur what these tests check.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class Sleeper(nn.Module):
     def __init__(self) -> None:
         super().__init__()
