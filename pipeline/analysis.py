@@ -8,6 +8,7 @@ import scipy.stats
 
 from pipeline.results import complete, head_order, headline_scope, ms_per_image
 from rcnn.detector.schema import KNOBS, OTHER_KNOBS
+from rcnn.measure.settings import peak_dtype
 from rcnn.measure.stats import bootstrap_ci
 
 # PyTorch's own defaults, where a knob's effect starts (TF32: cuDNN's is on, matmul's off; the knob sets both
@@ -170,3 +171,26 @@ def roofline(trials: pd.DataFrame, setting: dict) -> pd.DataFrame:
         "head_backward_peak_fraction",
     ]
     return rows.reindex(head_order(rows.index))[columns].rename_axis("head").reset_index()
+
+
+def within_ceilings(trials: pd.DataFrame, ceilings: dict) -> tuple[pd.DataFrame, dict[str, float]]:
+    """The trials with their fractions of the matmul peak against ceilings none of them exceeds: where a
+    head's achieved TFLOP/s beat its dtype's measured peak, that dtype's ceiling is raised to it and the
+    fractions are set against it. Returns the trials and the raised ceilings by dtype (empty: none was)."""
+    peaks = ceilings.get("matmul_tflops", {})
+    dtypes = pd.Series(
+        [peak_dtype(amp, tf32) for amp, tf32 in zip(trials["amp"], trials["tf32"])], index=trials.index
+    )
+    achieved = trials[["head_forward_tflops", "head_backward_tflops"]].max(axis=1)
+    raised = {}
+    for dtype, top in achieved.groupby(dtypes).max().items():
+        if peaks.get(dtype) and top > peaks[dtype]:
+            raised[dtype] = round(float(top), 3)
+    if not raised:
+        return trials, raised
+    ceiling = dtypes.map(lambda d: raised.get(d, peaks.get(d, np.nan)))
+    trials = trials.assign(
+        head_forward_peak_fraction=trials["head_forward_tflops"] / ceiling,
+        head_backward_peak_fraction=trials["head_backward_tflops"] / ceiling,
+    )
+    return trials, raised

@@ -119,7 +119,14 @@ def read_table(
 
 # Columns newer than the committed reports' tables: unknown (NaN) there
 ADDED_TRIAL_COLUMNS = ("core_share",)
-ADDED_MODULE_COLUMNS = ("saved_mb", "backward_peak_mb")
+ADDED_MODULE_COLUMNS = (
+    "saved_mb",
+    "backward_peak_mb",
+    "saves_ms",
+    "saves_ci_low",
+    "saves_ci_high",
+    "backward_moved_mb",
+)
 
 
 def read_trials(path: str | Path) -> pd.DataFrame:

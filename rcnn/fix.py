@@ -5,9 +5,10 @@ convolution's input, then swaps, in place, each Conv1d/2d/3d that is a GEMM at t
 ``covers-input`` (the kernel covers the input: F.linear on the flattened input), ``patches`` (stride equal to
 the kernel: non-overlapping patches as the rows of one F.linear) and ``pointwise`` (1x1 at stride 1: a matrix
 product over channels). In ``mode="auto"`` each eligible module's forward + backward is timed both ways at the
-shape, dtype, layout and device it saw, and the GEMM kept where it is clearly faster (AUTO_MARGIN; as
-cudnn.benchmark picks algorithms, but per module);
-``mode="always"`` swaps every eligible one.
+shape, dtype, layout and device it saw, stepped in turn (the project's paired method), and the GEMM kept where
+it is shown faster, its ratio's 95% CI under 1 (as cudnn.benchmark picks algorithms, but per module, and with
+a CI); where no difference is shown the convolution stays as written. ``mode="always"`` swaps every eligible
+one.
 
 A swapped module changes class only: to a subclass of its own (``nn.Conv2d`` -> ``Conv2dAsLinear``), so it is
 still an ``nn.Conv2d``, keeps its Parameter objects (an optimizer built before keeps working) and its
@@ -17,23 +18,25 @@ where the input is no longer of the kind it was swapped for.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from rcnn.disguise import gemm_kind
-from rcnn.measure.clock import Clock, median_ms
+from rcnn.measure.clock import Clock
 from rcnn.measure.inputs import Seen, channels_last, example_input
-from rcnn.measure.stats import runs_within
+from rcnn.measure.loop import in_turn
+from rcnn.measure.stats import TimingPolicy, median_difference, median_ratio
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 MODES = ("auto", "always")
-AUTO_MARGIN = 0.95  # mode auto swaps where the GEMM takes under 95% of the conv's time: a win, not noise
 
 
 def _covers_input(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -144,10 +147,62 @@ def as_linear_class(cls: type) -> type | None:
     return _AS_LINEAR[cls]
 
 
+# Mode auto's timing of one eligible convolution: its forward + backward at the input it saw, as the
+# convolution and as the GEMM, stepped in turn (rcnn.measure.loop.in_turn) until the paired ratio's 95% CI
+# excludes 1, or this policy stops (its deadline set by the caller's).
+DECISION_POLICY = TimingPolicy(
+    warmup=1, max_warmup=4, iterations=6, max_iterations=40, max_seconds=4.0, rel_precision=0.01
+)
+SAMPLE_MS = 2.0  # each timed value runs the path this long at least: a 0.1 ms conv timed once is clock noise
+MOST_CALLS = 64  # ... in at most this many calls
+
+
+@dataclass(frozen=True)
+class PathTiming:
+    """One eligible convolution timed both ways at its input, in turn: forward + backward ms per call as the
+    convolution and as the GEMM (medians), their paired ratio GEMM / convolution and what the GEMM saves per
+    call (convolution - GEMM), each with its paired bootstrap 95% CI, over ``rounds`` rounds."""
+
+    conv_ms: float
+    gemm_ms: float
+    ratio: float
+    ci_low: float
+    ci_high: float
+    saves_ms: float
+    saves_ci_low: float
+    saves_ci_high: float
+    rounds: int
+
+    @property
+    def gemm_faster(self) -> bool:
+        """The GEMM shown faster: the ratio's CI lies under 1 (no CI, no claim)."""
+        return self.ci_high < 1
+
+    @property
+    def verdict(self) -> str:
+        if self.gemm_faster:
+            return "the GEMM is faster"
+        if self.ci_low > 1:
+            return "the convolution is faster"
+        return "no difference shown"
+
+    def describe(self) -> str:
+        """'GEMM / conv 0.41 [95% CI 0.39, 0.43], 12 rounds in turn: the GEMM is faster'."""
+        return (
+            f"GEMM / conv {self.ratio:.2f} [95% CI {self.ci_low:.2f}, {self.ci_high:.2f}] at its input, "
+            f"forward + backward {self.conv_ms:.3g} vs {self.gemm_ms:.3g} ms, {self.rounds} rounds in turn: "
+            f"{self.verdict}"
+        )
+
+
+SWAP_TIMING = ("conv_ms", "gemm_ms", "ratio", "ci_low", "ci_high", "rounds")  # a Swap's numbers, PathTiming's
+
+
 @dataclass(frozen=True)
 class Swap:
     """One eligible convolution: its name, kind and the input it saw, whether it was swapped, and in mode auto
-    the forward + backward ms of either path at that input."""
+    the timing that decided it (rcnn.fix.PathTiming's numbers: forward + backward ms per call either way,
+    GEMM / conv with its 95% CI, the rounds)."""
 
     module: str
     kind: str
@@ -155,37 +210,70 @@ class Swap:
     swapped: bool
     conv_ms: float = float("nan")
     gemm_ms: float = float("nan")
+    ratio: float = float("nan")
+    ci_low: float = float("nan")
+    ci_high: float = float("nan")
+    rounds: int = 0
 
 
-def _time_paths(
-    module: nn.Module, seen: Seen, device: torch.device, repeats: int = 5, deadline: float | None = None
-) -> tuple[float, float]:
-    """Median forward + backward ms of ``module`` as the convolution and as the GEMM (its ``gemm`` set), at
-    the input it saw; gradients go to fresh tensors, not to ``.grad``. ``deadline`` (``time.monotonic()``):
-    fewer repeats, down to one a path, where ``repeats`` would not end before it."""
+def _conv_path(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The module computed as the convolution its class computes (a swapped one's convolution path), without
+    its hooks."""
+    if isinstance(module, AsLinear):
+        return functools.partial(super(AsLinear, module).forward)
+    return functools.partial(type(module).forward, module)
+
+
+def time_paths(
+    module: nn.Module, seen: Seen, kind: str, *, deadline: float | None = None, seed: int = 0
+) -> PathTiming:
+    """``module``'s forward + backward at the input it saw (``seen``), as the convolution and as the GEMM
+    ``kind`` names (rcnn.disguise), stepped in turn in a fresh order each round until the GEMM / conv ratio's
+    paired 95% CI excludes 1 or DECISION_POLICY stops (``deadline``, ``time.monotonic()`` seconds, bounding it
+    too). Gradients go to fresh tensors, not to ``.grad``; the module is left as it was."""
+    device = module.weight.device
     x = example_input(seen, device).requires_grad_(seen.input_requires_grad)
     params = [p for p in module.parameters() if p.requires_grad]
     wrt = [x] * seen.input_requires_grad + params
     clock = Clock(device)
-    kind, times, grad_was = module.gemm, [], torch.is_grad_enabled()
+    paths = {"conv": _conv_path(module), "gemm": lambda x: GEMMS[kind](x, module.weight, module.bias)}
+    autocasts = seen.autocasts(module)
 
-    def forward_backward() -> None:
-        out = seen.run(module, x)
+    def forward_backward(path: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        with torch.autocast(device.type, dtype=seen.output_dtype, enabled=autocasts):
+            out = path(x)
         if wrt:
             torch.autograd.grad(out, wrt, torch.ones_like(out))
 
+    grad_was = torch.is_grad_enabled()
     try:
         torch.set_grad_enabled(True)  # linearize may be called under no_grad: the backward is timed too
-        for i, path in enumerate((None, kind)):
-            module.gemm = path
-            first = clock.time(forward_backward) / 1e3  # burn-in, and what one run costs
-            # what is left shared by this path and the next
-            fit = runs_within(repeats, first * (2 - i), deadline)
-            times.append(median_ms(lambda: clock.time(forward_backward), repeats=fit, burn_in=1))
+        once = max(
+            clock.time(functools.partial(forward_backward, path)) for path in paths.values()
+        )  # burn-in
+        calls = max(1, min(MOST_CALLS, math.ceil(SAMPLE_MS / max(once, 1e-3))))
+
+        def step(path: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], dict[str, float]]:
+            return lambda: {"ms": clock.time(lambda: [forward_backward(path) for _ in range(calls)]) / calls}
+
+        def decided(samples: Mapping[str, Mapping[str, Sequence[float]]]) -> bool:
+            _, low, high = median_ratio(samples["gemm"]["ms"], samples["conv"]["ms"], seed=seed)
+            return high < 1 or low > 1
+
+        times = in_turn(
+            {name: step(path) for name, path in paths.items()},
+            DECISION_POLICY.until(deadline),
+            watched=("ms",),
+            settle="ms",
+            seed=seed,
+            decided=decided,
+        )
     finally:
-        module.gemm = kind
         torch.set_grad_enabled(grad_was)
-    return times[0], times[1]
+    conv, gemm = times["conv"]["ms"], times["gemm"]["ms"]
+    ratio = median_ratio(gemm, conv, seed=seed)
+    saves = median_difference(conv, gemm, seed=seed)
+    return PathTiming(float(np.median(conv)), float(np.median(gemm)), *ratio, *saves, rounds=len(conv))
 
 
 def _seen_by_module(model: nn.Module, forward: Callable[[], Any]) -> dict[str, Seen]:
@@ -219,14 +307,15 @@ def _seen_by_module(model: nn.Module, forward: Callable[[], Any]) -> dict[str, S
     return seen
 
 
-def _timing_key(module: nn.Module, seen: Seen) -> tuple:
-    """What decides a convolution's two timings: its kind and hyperparameters, the weights' shape, dtype and
-    layout, what it saw, and the backends' switches."""
+def _timing_key(module: nn.Module, seen: Seen, kind: str) -> tuple:
+    """What decides a convolution's two timings: the convolution class that computes it, its kind and
+    hyperparameters, the weights' shape, dtype and layout, what it saw, and the backends' switches."""
     weight = module.weight
     conv = tuple(getattr(module, k) for k in ("stride", "padding", "dilation", "groups", "padding_mode"))
+    computes = next(c for c in type(module).__mro__ if not issubclass(c, AsLinear))
     return (
-        type(module).__name__,
-        module.gemm,
+        computes.__qualname__,
+        kind,
         conv,
         module.bias is not None,
         tuple(weight.shape),
@@ -241,6 +330,24 @@ def _timing_key(module: nn.Module, seen: Seen) -> tuple:
     )
 
 
+def gemm_timing(
+    module: nn.Module, seen: Seen, *, timings: dict | None = None, deadline: float | None = None
+) -> PathTiming | None:
+    """The timing that decides whether ``module``, a convolution that saw ``seen``, is worth running as its
+    GEMM (``time_paths``), or None where it is no GEMM in disguise at that input. ``timings``: a dict kept by
+    the caller, where identical convolutions at identical inputs and backend switches share one timing, so
+    one decision (rcnn.doctor's flag and linearize's swap, the heads of a sweep's setting)."""
+    found = gemm_kind(module, seen.input_shape)
+    if found is None:
+        return None
+    kind = found[0]
+    timings = {} if timings is None else timings
+    key = _timing_key(module, seen, kind)
+    if key not in timings:
+        timings[key] = time_paths(module, seen, kind, deadline=deadline)
+    return timings[key]
+
+
 def linearize_with(
     model: nn.Module,
     forward: Callable[[], Any],
@@ -251,11 +358,13 @@ def linearize_with(
 ) -> list[Swap]:
     """``linearize`` with the example forward as a function (a detector's, with its targets and loss).
 
-    In mode auto identical convolutions (kind, hyperparameters, weights' shape, dtype and layout) at identical
-    inputs and backend switches share one timing, so one decision. ``timings``: a dict the caller keeps to
-    share them across calls too (models that share a backbone time it once); None: within this call.
-    ``deadline`` (``time.monotonic()`` seconds, None: none): the timings take fewer repeats, down to one a
-    path, where theirs would not end before it (a command's bound, rcnn.measure.stats.TimingPolicy)."""
+    In mode auto each eligible convolution is timed both ways, in turn, at its input (``gemm_timing``) and
+    swapped where the GEMM is shown faster (the ratio's 95% CI under 1); where it is not, the convolution
+    stays as written. Identical convolutions at identical inputs and backend switches share one timing, so
+    one decision. ``timings``: a dict the caller keeps to share them across calls too (models that share a
+    backbone time it once; the doctor's flags and its fix); None: within this call. ``deadline``
+    (``time.monotonic()`` seconds, None: none): the timings take fewer rounds, down to three, where theirs
+    would not end before it (a command's bound, rcnn.measure.stats.TimingPolicy)."""
     if mode not in MODES:
         raise ValueError(f"linearize: mode {mode!r} is not allowed; allowed: {', '.join(MODES)}")
     timings = {} if timings is None else timings
@@ -269,24 +378,15 @@ def linearize_with(
         if found is None or cls is None:
             continue
         kind = found[0]
-        was = type(module), {k: vars(module)[k] for k in ("gemm", "_gemm_at") if k in vars(module)}
-        module.__class__, module.gemm = cls, kind
-        vars(module).pop("_gemm_at", None)
-        conv_ms = gemm_ms = float("nan")
-        try:
-            if mode == "auto":
-                key = _timing_key(module, input_seen)
-                if key not in timings:
-                    timings[key] = _time_paths(module, input_seen, module.weight.device, deadline=deadline)
-                conv_ms, gemm_ms = timings[key]
-            swapped = mode == "always" or gemm_ms < AUTO_MARGIN * conv_ms
-        finally:  # declined, or the timing failed: the module exactly as it was
-            if mode == "auto" and not (gemm_ms < AUTO_MARGIN * conv_ms):
-                module.__class__ = was[0]
-                for key in ("gemm", "_gemm_at"):
-                    vars(module).pop(key, None)
-                vars(module).update(was[1])
-        swaps.append(Swap(name, kind, input_seen.input_shape, swapped, conv_ms, gemm_ms))
+        timing = (
+            gemm_timing(module, input_seen, timings=timings, deadline=deadline) if mode == "auto" else None
+        )
+        swapped = timing is None or timing.gemm_faster
+        if swapped:  # else declined: the module stays exactly as it was
+            module.__class__, module.gemm = cls, kind
+            vars(module).pop("_gemm_at", None)
+        numbers = {f: getattr(timing, f) for f in SWAP_TIMING} if timing else {}
+        swaps.append(Swap(name, kind, input_seen.input_shape, swapped, **numbers))
     return swaps
 
 
@@ -301,12 +401,13 @@ def linearize(model: nn.Module, *example_args: Any, mode: str = "auto", **exampl
         model: any module; changed in place, each swapped convolution to its AsLinear subclass.
         *example_args, **example_kwargs: a batch the model takes, ``model(*example_args, **example_kwargs)``;
             one forward runs on it (buffers such as BatchNorm's running stats are left as they were).
-        mode: ``"auto"`` swaps where the GEMM's forward + backward is faster than the convolution's at that
-            shape, dtype, layout and device (by AUTO_MARGIN); ``"always"`` swaps every eligible one.
+        mode: ``"auto"`` swaps where the GEMM's forward + backward, timed in turn with the convolution's at
+            that shape, dtype, layout and device, is faster with a 95% CI that excludes 1 (``gemm_timing``);
+            ``"always"`` swaps every eligible one.
 
     Returns:
         One Swap per eligible convolution: its name, kind, input shape, whether it was swapped, and in mode
-        auto the forward + backward ms of either path.
+        auto the timing that decided it (forward + backward ms either way, GEMM / conv with its CI).
 
     Raises:
         ValueError: no example, an unknown mode, or the forward failed on the example (nothing swapped).

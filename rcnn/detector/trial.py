@@ -454,12 +454,12 @@ def _print_in_turn(
     print(f"{'head':<28}" + "".join(f"{phase + ' ms':>18}" for phase in COMPARED))
     for k in knobs:
         print(f"{k.head:<28}" + "".join(f"{np.median(times[k.head][p]):>18.2f}" for p in COMPARED))
-    for k in knobs[1:]:
+    for k in knobs[1:]:  # the first head over each other, as the heads were listed ("conv / linear")
         ratios = []
         for phase in COMPARED:
-            ratio, low, high = median_ratio(times[k.head][phase], times[first][phase])
+            ratio, low, high = median_ratio(times[first][phase], times[k.head][phase])
             ratios.append(f"{phase} {ratio:.2f}x [95% CI {low:.2f}, {high:.2f}]")
-        print(f"{k.head} / {first} (paired over rounds): " + "; ".join(ratios))
+        print(f"{first} / {k.head} (paired over rounds): " + "; ".join(ratios))
 
 
 def add_knob_flags(parser: argparse.ArgumentParser) -> None:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map_only
 
 from rcnn.doctor.columns import OUTSIDE, ROOT
 from rcnn.measure.clock import Clock
@@ -39,7 +40,7 @@ from rcnn.measure.flops import FlopCount
 from rcnn.measure.inputs import Seen, tensors
 
 TIME_COLUMNS = ["forward_ms", "forward_inclusive_ms", "backward_ms", "backward_inclusive_ms"]
-FLOP_COLUMNS = ["forward_gflop", "backward_gflop", "backward_inclusive_gflop"]
+FLOP_COLUMNS = ["forward_gflop", "backward_gflop", "backward_inclusive_gflop", "backward_moved_mb"]
 MB = 2**20
 
 
@@ -111,6 +112,7 @@ class ModuleTimer:
         *,
         starting: Callable[[nn.Module, tuple, dict], None] | None = None,
         ending: Callable[[nn.Module], None] | None = None,
+        capture: Callable[[nn.Module], bool] | None = None,
     ) -> None:
         self.clock = clock
         self.model = model
@@ -119,6 +121,11 @@ class ModuleTimer:
         self.seen: dict[str, Seen] = {}
         self.flops: Counter[tuple[str, str]] = Counter()  # (module, column) -> FLOPs, in the counted step
         self.unknown_flops: set[tuple[str, str]] = set()  # cells where an op without a FLOP formula ran
+        self.moved: Counter[str] = Counter()  # module -> bytes its own backward's ops touched, counted step
+        # module -> its first recorded call's (args, kwargs), detached copies, for the modules ``capture``
+        # names: to run them alone again (rcnn.doctor.remedies)
+        self.inputs: dict[str, tuple[tuple, dict]] = {}
+        self.capture = capture
         self.starting, self.ending = starting, ending
         self._handles = [
             h
@@ -182,6 +189,8 @@ class ModuleTimer:
             if self._flop_counter is not None:
                 self._flop_counter.__enter__()
         name = self.modules[module]
+        if self.capture and name not in self.inputs and self.capture(module):
+            self.inputs[name] = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
         parent = self._stack[-1] if self._stack else None
         self._calls.append(_Call((*self._owner(), name), self.clock.mark(), parent=parent))
         self._stack.append(len(self._calls) - 1)
@@ -285,6 +294,11 @@ class ModuleTimer:
         for cell in self._cells():
             self.flops[cell] += flops
 
+    def _move(self, nbytes: int) -> None:
+        """A counted op touched ``nbytes``: in backward, the running node's module's."""
+        if self._in_backward:
+            self.moved[self._running[-1] if self._running else OUTSIDE] += nbytes
+
     def _uncounted(self, op: str) -> None:
         """A compute op without a FLOP formula ran: its cells are unknown (NaN), not 0."""
         self.unknown_flops.update(self._cells())
@@ -313,7 +327,8 @@ class ModuleTimer:
             self._saved = self._saved_now
         self._saved_now, self._saved_keys = Counter(), set()
 
-    def _phase_range(self, phase: str) -> contextlib.AbstractContextManager:
+    def phase_range(self, phase: str) -> contextlib.AbstractContextManager:
+        """The profiler range of a step's phase (``step: <phase>``), where the ranges are on."""
         return record_function(f"step: {phase}") if self.ranges else contextlib.nullcontext()
 
     def release_nodes(self) -> None:
@@ -331,7 +346,7 @@ class ModuleTimer:
         self.active = True
         start = self.clock.mark()
         try:
-            with self._creation, self._phase_range("forward"):
+            with self._creation, self.phase_range("forward"):
                 yield
         finally:
             self.record_phase("forward", start, self.clock.mark())
@@ -345,7 +360,7 @@ class ModuleTimer:
         start = self.clock.mark()
         self.backward_started()
         try:
-            with self._phase_range("backward"):
+            with self.phase_range("backward"):
                 yield
         finally:
             self.record_phase("backward", start, self.clock.mark())
@@ -357,7 +372,8 @@ class ModuleTimer:
         """Count FLOPs by module over one step's ``forward()`` and ``backward()`` inside this."""
         self.flops.clear()
         self.unknown_flops.clear()
-        with FlopCount(self._count, uncounted=self._uncounted):
+        self.moved.clear()
+        with FlopCount(self._count, uncounted=self._uncounted, moved=self._move):
             yield
 
     def flop_counter(self) -> FlopCount:
@@ -365,7 +381,8 @@ class ModuleTimer:
         each call into the model (``count_forwards``) and each backward of the counted step."""
         self.flops.clear()
         self.unknown_flops.clear()
-        return FlopCount(self._count, uncounted=self._uncounted)
+        self.moved.clear()
+        return FlopCount(self._count, uncounted=self._uncounted, moved=self._move)
 
     def count_forwards(self, counter: FlopCount | None) -> None:
         """Enter ``counter`` around each call into the model from now on (None: no longer)."""
@@ -424,11 +441,14 @@ class ModuleTimer:
         return table, totals
 
     def flop_table(self) -> pd.DataFrame:
-        """GFLOPs by module of the counted step: columns FLOP_COLUMNS, index as ``step_table``'s; NaN where a
+        """GFLOPs by module of the counted step, and the MiB its own backward's ops touched
+        (rcnn.measure.flops.bytes_touched): columns FLOP_COLUMNS, index as ``step_table``'s; NaN where a
         compute op without a FLOP formula ran (rcnn.measure.flops.is_compute_op)."""
         table = pd.DataFrame(0.0, index=pd.Index([*self.types, OUTSIDE], name="module"), columns=FLOP_COLUMNS)
         for (name, column), flops in self.flops.items():
             table.loc[name, column] += flops / 1e9
+        for name, nbytes in self.moved.items():
+            table.loc[name, "backward_moved_mb"] += nbytes / MB
         for name, column in self.unknown_flops:
             table.loc[name, column] = float("nan")
         return table

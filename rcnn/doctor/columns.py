@@ -20,12 +20,29 @@ MODULE_COLUMNS = (
     "peak_fraction",
     "flag",
     "evidence",
+    "saves_ms",  # what the flag's fix saves per step (ms, measured in turn) with its 95% CI; NaN unflagged
+    "saves_ci_low",
+    "saves_ci_high",
     "saved_mb",  # MiB autograd saved for the module's backward (its own forward's tensors, each storage once)
     "backward_peak_mb",  # MiB allocated at most during its backward (CUDA; NaN elsewhere)
+    "backward_moved_mb",  # MiB its own backward's ops read and wrote, counted from their tensors
 )
 WHY_COLUMNS = (
     "module",
+    "type",
     "flag",
+    "backward_ms",
+    "backward_share",
+    "saves_ms",
+    "saves_ci_low",
+    "saves_ci_high",
+    "ran",  # what its backward ran in the profiled step: ops (CPU) or kernels (CUDA), ms each
+    "backward_gflop",
+    "backward_moved_mb",
+    "peak_fraction",  # of the measured matmul peak
+    "bandwidth_fraction",  # of the measured copy bandwidth
+    "bound",  # what bounds it: compute, memory, or neither, from the two fractions
+    "remedy",  # what would make it faster, measured where the doctor knows; "no known fix" else
     "input_shape",
     "dtype",
     "layout",
@@ -36,6 +53,13 @@ WHY_COLUMNS = (
     "weight_grad_gflop",
     "weight_grad_impl",
     "gemm_ms",
+    "matters",  # a module that matters (the longest, or over EXPLAINED_SHARE of the backward); else a flag's
 )
-SLOW_PEAK_FRACTION = 0.25  # slow-for-its-flops: backward under this fraction of the matmul peak ...
-SLOW_MIN_FLOP_SHARE = 0.05  # ... while holding at least this share of the step's backward FLOPs
+# The modules that matter, each given a why row: every one over this share of the step's backward, and the
+# TOP_EXPLAINED longest in any case; and every flag whose fix saves at least FLAG_SHOWN_SHARE of the step.
+EXPLAINED_SHARE = 0.05
+TOP_EXPLAINED = 3
+FLAG_SHOWN_SHARE = 0.01
+# A module's backward is compute-bound at this fraction of the matmul peak or more, memory-bound at this
+# fraction of the copy bandwidth or more, and bound by neither under both.
+BOUND_FRACTION = 0.5

@@ -2,20 +2,23 @@
 
 ``python -m rcnn.doctor torchvision:vit_b_16 --image-size 64`` times training steps of the model (forward,
 loss, backward, optimizer) with every module instrumented (rcnn.doctor.attribution), counts each module's
-FLOPs, and sets its backward speed against the machine's measured matmul peak. It flags:
+FLOPs and the bytes its ops touch, and sets its backward against the machine's measured ceilings (the
+fastest of torch's matmul paths, the copy bandwidth). A flag is a measured saving:
 
-- ``gemm-in-disguise:<kind>``: a convolution that is a matrix product at the shape it saw (rcnn.disguise);
-- ``slow-for-its-flops``: a module whose own backward reaches under 25% of the peak while holding at least
-  5% of the step's backward FLOPs.
+- ``gemm-in-disguise:<kind>``: a convolution that is a matrix product at the shape it saw (rcnn.disguise)
+  and whose GEMM, timed in turn with it there, is faster (95% CI): what the fix saves a step, with its CI.
 
-For each flagged module it runs the backward alone at the recorded shape, dtype and layout, split into the
-input gradient and the weight gradient, names the backend implementation that ran each (oneDNN's primitives
-on CPU, the kernels on CUDA) and sets both beside the time the same FLOPs take at the matmul peak.
+Each module that matters (the 3 longest backwards, any over 5% of it) and each flag gets a why row: what its
+backward ran in a profiled step (ops on CPU, kernels on CUDA), its FLOPs and bytes and what bounds it; a
+module with weights run alone, split into the input and the weight gradient with the backend implementation
+that ran each (oneDNN's primitives on CPU, the kernels on CUDA); and what would make it faster, measured,
+where the doctor knows (rcnn.doctor.remedies: torchvision's RoIAlign), else "no known fix".
 MODEL is ``detector:<head>``, ``torchvision:<builder>``, ``timm:<name>``, ``hf:<model_type>`` or
 ``package.module:factory`` (rcnn.doctor.workloads). ``--out`` writes the tables, report.html (icicles of the
 module tree) and trace.json (one step for ui.perfetto.dev, its backward ops in their modules' ranges).
 
-``--max-seconds`` bounds the whole run: warm-up, measuring, the why rows and the fix's timings share it.
+``--max-seconds`` bounds the measuring: warm-up, the steps, the flags' and why rows' timings and the fix's
+share it (building the model and measuring the machine's ceilings come first).
 ``--out`` is written before anything is printed, so ``| head`` loses none of it (the command then ends
 quietly with 141, as a shell reports SIGPIPE).
 """
@@ -31,11 +34,10 @@ from pathlib import Path
 
 from rcnn.cli import Parser, run_command
 from rcnn.doctor.diagnosis import Diagnosis, Fixed, diagnose, fix
-from rcnn.doctor.trace import trace_workload
-from rcnn.doctor.watching import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
+from rcnn.doctor.files import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
 from rcnn.doctor.workloads import build_workload
 from rcnn.measure.device import DTYPES, amp_unavailable, resolve_device, set_tf32
-from rcnn.measure.machine import fingerprint, matmul_peak
+from rcnn.measure.machine import fingerprint, matmul_paths
 from rcnn.measure.settings import AMP, AMP_DTYPES, DEVICE, machine_name
 from rcnn.measure.stats import MAX_SECONDS, TimingPolicy
 from rcnn.outputs import check_sqlite_url, claim_folder, project_root
@@ -87,8 +89,9 @@ def _parser() -> argparse.ArgumentParser:
         "--max-seconds",
         type=MAX_SECONDS.arg(float),
         default=RUN_SECONDS,
-        help=f"the whole run's bound in seconds (default {RUN_SECONDS:g}): warm-up, measuring, the why rows "
-        "and --fix's timings share it, precision met or not",
+        help=f"the measuring's bound in seconds (default {RUN_SECONDS:g}): warm-up, the steps, the flags' "
+        "and the why rows' timings and --fix's share it, precision met or not (building the model and "
+        "measuring the machine's ceilings come before it)",
     )
     p.add_argument(
         "--fix",
@@ -186,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> None:
     """Measure, write --out and log to MLflow, then print; every check of the user's input comes first.
-    --max-seconds bounds it all from here (the policy's deadline)."""
-    deadline = time.monotonic() + args.max_seconds
+    --max-seconds bounds the measuring (the policy's deadline), from the first step on: building the model
+    and the machine's ceilings (measured once per process) come before it."""
     if args.out:  # before anything is measured: a folder it may fill, anywhere the user names
         earlier = claim_folder(args.out, DOCTOR_FILES, what="--out")
     device = resolve_device(args.device)
@@ -208,25 +211,30 @@ def _run(args: argparse.Namespace) -> None:
         **zoo_options,
     )
     dtype = AMP_DTYPES[args.amp]
-    peak = matmul_peak(device, DTYPES[dtype])
-    policy = TimingPolicy(max_seconds=args.max_seconds).until(deadline)
+    paths = matmul_paths(device, DTYPES[dtype])
+    policy = TimingPolicy(max_seconds=args.max_seconds).until(time.monotonic() + args.max_seconds)
+    timings: dict = {}  # the flags' GEMM timings, which the fix's swaps then read: one decision each
     diagnosis = diagnose(
         workload,
         device=device,
         amp=args.amp,
         policy=policy.within(DIAGNOSE_SHARE) if args.fix else policy,
-        peak_tflops=peak,
+        peak_tflops=max(paths.values()),
+        timings=timings,
     )
-    # One more step, traced with its modules' ranges, before the fix changes the model
-    trace = (
-        trace_workload(workload, device=device, amp=args.amp, path=Path(args.out) / "trace.json")
-        if args.out
+    peak = diagnosis.summary["peak_tflops"]  # raised where a module ran faster than the paths measured
+    fixed = (
+        fix(workload, device=device, amp=args.amp, policy=policy, peak_tflops=peak, timings=timings)
+        if args.fix
         else None
     )
-    fixed = fix(workload, device=device, amp=args.amp, policy=policy, peak_tflops=peak) if args.fix else None
     env = {
         "fingerprint": fingerprint(device),
-        "ceilings": {"matmul_tflops": {dtype: peak}},
+        "ceilings": {
+            "matmul_tflops": {dtype: peak},
+            "matmul_paths": {dtype: paths},
+            "copy_gbps": diagnosis.summary["copy_gbps"],
+        },
         "model": args.model,
         "batch": workload.batch_description,  # what the batch was: a factory or zoo may not take the options
         "options": {"batch_size": args.batch_size, "image_size": args.image_size, "frames": args.frames},
@@ -241,7 +249,7 @@ def _run(args: argparse.Namespace) -> None:
         f"{dtype}{', channels_last' if args.channels_last else ''}"
     )
     texts = doctor_files(diagnosis, env, title=title, fixed=fixed)
-    written = [*write_run(Path(args.out), texts, earlier, kept=(trace,)), trace] if args.out else []
+    written = write_run(Path(args.out), texts, earlier) if args.out else []
     # Logged before printing too (a reader closing the pipe stops nothing); a server that refuses is told
     # after the tables are printed, and loses none of them.
     run = _log_mlflow(args, diagnosis, texts) if args.mlflow else None

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from rcnn.doctor.attribution import ModuleTimer
-from rcnn.doctor.watching import Diagnosis, watch
+from rcnn.doctor.verdict import Diagnosis
+from rcnn.doctor.watching import watch
 from rcnn.doctor.workloads import Workload
 from rcnn.fix import Swap, linearize_with
 from rcnn.measure.clock import Clock
@@ -73,6 +74,7 @@ def diagnose(
     policy: TimingPolicy = TimingPolicy(),
     peak_tflops: float | None = None,
     explain: bool = True,
+    timings: dict | None = None,
 ) -> Diagnosis:
     """Run ``workload``'s training steps under rcnn.doctor.watching: FLOPs counted by module in the first,
     then warm-up, then steps timed by module until ``policy`` says stop; flag modules, and (``explain``)
@@ -85,7 +87,9 @@ def diagnose(
         policy: when warm-up ends and measuring stops (rcnn.measure.stats.TimingPolicy).
         peak_tflops: the measured matmul peak for the dtype ``amp`` computes in; None leaves peak fractions
             NaN and flags no module slow for its FLOPs.
-        explain: run each flagged module's backward alone (the why table); False leaves it empty.
+        explain: profile a step and build the why table (rcnn.doctor.verdict); False leaves it empty.
+        timings: the flags' GEMM timings, shared with ``fix`` (rcnn.fix.gemm_timing): a dict to fill, or
+            None for the diagnosis's own.
 
     Returns:
         A Diagnosis: ``modules`` (rcnn.doctor.columns.MODULE_COLUMNS, one row per module and the OUTSIDE
@@ -97,7 +101,14 @@ def diagnose(
     """
     step = training_step(workload, workload.model, device=device, amp=amp)
     # The same watch a user's own loop runs under: the steps are found as in theirs.
-    with watch(workload.model, steps=None, policy=policy, peak_tflops=peak_tflops, explain=explain) as w:
+    with watch(
+        workload.model,
+        steps=None,
+        policy=policy,
+        peak_tflops=peak_tflops,
+        explain=explain,
+        timings=timings,
+    ) as w:
         try:  # a model that cannot take its batch fails here, on the first step
             step()
         except (
@@ -147,12 +158,14 @@ def fix(
     peak_tflops: float | None,
     seed: int = 0,
     by_module: bool = True,
+    timings: dict | None = None,
 ) -> Fixed:
     """Linearize ``workload``'s model in place (rcnn.fix, mode auto, at the batch, dtype and layout it trains
     with) and measure it by module again; then step a copy of the original and the fixed model in turn
     (rcnn.measure.loop.in_turn: a fresh order each round, warmed up and measured as ``policy`` says; load
     and drift hit both alike), and set each phase's times after against before: the ratio of medians with a
-    paired bootstrap 95% CI over the rounds (rcnn.measure.stats.median_ratio)."""
+    paired bootstrap 95% CI over the rounds (rcnn.measure.stats.median_ratio). ``timings``: the diagnosis's
+    (``diagnose``'s): its flags and these swaps then come from one timing per convolution."""
     original = copy.deepcopy(workload.model)
 
     def forward() -> None:
@@ -162,7 +175,11 @@ def fix(
     # A deadline in ``policy`` bounds it all: the swaps' timings, the table after and the paired steps
     # share it (FIX_SHARES of the time left to each).
     swapped = linearize_with(
-        workload.model, forward, mode="auto", deadline=policy.within(FIX_SHARES["linearize"]).deadline
+        workload.model,
+        forward,
+        mode="auto",
+        timings=timings,
+        deadline=policy.within(FIX_SHARES["linearize"]).deadline,
     )
     swaps = pd.DataFrame([asdict(s) for s in swapped], columns=[f.name for f in fields(Swap)])
     after = (

@@ -4,15 +4,10 @@ CPU, the kernels on CUDA) and the time the same FLOPs take at the matmul peak.""
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import functools
 import math
-import os
-import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rcnn.measure.clock import Clock, median_ms
 from rcnn.measure.flops import FlopCount
 from rcnn.measure.inputs import Seen, example_input
-from rcnn.measure.profiler import capture
+from rcnn.measure.profiler import Spent, capture, captured
 from rcnn.measure.stats import runs_within
 
 
@@ -110,28 +105,6 @@ def backward_alone(
     return row
 
 
-@contextlib.contextmanager
-def _stdout_captured() -> Iterator[list[str]]:
-    """What C code prints on file descriptor 1 inside (oneDNN's verbose lines), appended to the list on
-    exit."""
-    lines: list[str] = []
-    sys.stdout.flush()
-    saved = os.dup(1)
-    with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), 1)
-        try:
-            yield lines
-        finally:
-            ctypes.CDLL(None).fflush(None)
-            os.dup2(saved, 1)
-            os.close(saved)
-            sink.seek(0)
-            lines += sink.read().decode(errors="replace").splitlines()
-
-
-Spent = dict[str, tuple[float, int]]  # what ran, by name: (ms, times it ran), summed over the captured runs
-
-
 def onednn_spent(lines: list[str]) -> Spent:
     """oneDNN verbose 'exec' lines summed by primitive: 'convolution jit:avx2 backward_weights' -> (ms, n)."""
     spent: dict[str, tuple[float, int]] = {}
@@ -184,7 +157,7 @@ class _OpTimes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
-        name = f"aten::{func._overloadpacket.__name__}"
+        name = f"{func.namespace}::{func._overloadpacket.__name__}"  # aten::mm, torchvision::roi_align
         ms, n = self.spent.get(name, (0.0, 0))
         self.spent[name] = ms + (time.perf_counter() - start) * 1e3, n + 1
         return out
@@ -210,7 +183,7 @@ def implementation(
                 spent[kernel.name] = ms + kernel.duration / 1e3, n + 1
         return per_run(spent, runs, total_ms)
     if torch.backends.mkldnn.enabled:
-        with _stdout_captured() as lines, torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+        with captured(1) as lines, torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
             for _ in range(runs):
                 run()
         if found := onednn_spent(lines):

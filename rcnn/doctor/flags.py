@@ -1,21 +1,40 @@
-"""The doctor's flags: which modules it names, on what evidence (thresholds in rcnn.doctor.columns), and in
-which order they matter."""
+"""The doctor's flags. A flag is a claim that fixing the module saves time, so each is measured: a
+convolution that is a matrix product at the shape it saw (rcnn.disguise) is flagged
+``gemm-in-disguise:<kind>`` only where its GEMM, timed in turn with the convolution at that input, is faster
+with a 95% CI that excludes 1 (rcnn.fix.gemm_timing: the timing rcnn.fix.linearize decides its swaps by,
+shared through one ``timings`` dict, so a module is flagged if and only if linearize would swap it). Each
+flag carries what the fix saves per step, with its CI; flags rank by it."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import pandas as pd
 from torch import nn
 
 from rcnn.disguise import BY_HAND, FIX, gemm_kind
 from rcnn.doctor.attribution import ModuleTimer
-from rcnn.doctor.columns import OUTSIDE, ROOT, SLOW_MIN_FLOP_SHARE, SLOW_PEAK_FRACTION
-from rcnn.fix import CONVS, AsLinear, as_linear_class
+from rcnn.doctor.columns import ROOT
+from rcnn.fix import CONVS, AsLinear, PathTiming, as_linear_class, gemm_timing
 
 GEMM_FLAG = "gemm-in-disguise"
-SLOW_FLAG = "slow-for-its-flops"
 LINEARIZED = "linearized"  # the evidence of a swapped convolution that runs as a matrix product: no flag
+CHECKED = "checked"  # the evidence of an eligible convolution whose GEMM was not shown faster: no flag
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What the doctor found of one module: its flag ('' for none), the evidence, and for a flag what its fix
+    saves per step (ms, with its 95% CI; the timing's per-call saving times the module's calls a step)."""
+
+    flag: str
+    evidence: str
+    saves_ms: float = math.nan
+    saves_ci_low: float = math.nan
+    saves_ci_high: float = math.nan
+    timing: PathTiming | None = None
 
 
 def _runs_as_gemm(module: nn.Module, input_shape: tuple[int, ...]) -> bool:
@@ -26,7 +45,7 @@ def _runs_as_gemm(module: nn.Module, input_shape: tuple[int, ...]) -> bool:
     return found is not None and found[0] == module.gemm
 
 
-def _fix_for(module: nn.Module, kind: str) -> str:
+def fix_for(module: nn.Module, kind: str) -> str:
     """What fixes a GEMM in disguise: rcnn.fix.linearize, or for a subclass it leaves alone, what would."""
     if as_linear_class(type(module)) is not None:
         return f"fix: {FIX}"
@@ -42,61 +61,50 @@ def flags(
     model: nn.Module,
     timer: ModuleTimer,
     table: pd.DataFrame,
-    peak_tflops: float | None,
-    contended: bool = False,
-) -> dict[str, tuple[str, str]]:
-    """module name -> (flags, evidence), both joined with '; ', for the modules the doctor flags, and for a
-    convolution rcnn.fix swapped that runs as its matrix product: no flag, evidence ``linearized: ...``
-    (``rank`` leaves it out).
+    *,
+    timings: dict | None = None,
+    deadline: float | None = None,
+) -> dict[str, Finding]:
+    """module name -> Finding for every convolution that is a GEMM in disguise at the shape it saw: flagged
+    where its GEMM is shown faster (rcnn.fix.gemm_timing, measured now, or found in ``timings``), its saving
+    per step from the calls a step ``table`` holds; else no flag, the evidence saying what was checked. A
+    convolution rcnn.fix swapped that runs as its matrix product: no flag, evidence ``linearized: ...``.
 
-    ``contended``: the steps did not have the CPU cores they asked for (rcnn.measure.cores): their times say
-    nothing of a module's speed, so none is flagged slow-for-its-flops.
+    ``timings``: the dict rcnn.fix.linearize_with shares its timings through (None: this call's own);
+    ``deadline`` (``time.monotonic()`` seconds): the timings take fewer rounds where theirs would end past it.
     """
-    out: dict[str, tuple[list[str], list[str]]] = {}
+    out: dict[str, Finding] = {}
     modules = {name or ROOT: module for name, module in model.named_modules()}
+    timings = {} if timings is None else timings
     for name, seen in timer.seen.items():
         module = modules[name]
         if _runs_as_gemm(module, seen.input_shape):
-            out[name] = ([], [f"{LINEARIZED}: runs as one matrix product ({module.gemm}, rcnn.fix)"])
-        elif found := gemm_kind(module, seen.input_shape):
-            kind, evidence = found
-            out.setdefault(name, ([], []))
-            out[name][0].append(f"{GEMM_FLAG}:{kind}")
-            out[name][1].append(f"{evidence}; {_fix_for(module, kind)}")
-    total_flops = table["backward_gflop"].sum()
-    if peak_tflops and total_flops > 0 and not contended:
-        for name, row in table.drop(index=OUTSIDE).iterrows():
-            share = row["backward_gflop"] / total_flops
-            if share >= SLOW_MIN_FLOP_SHARE and row["peak_fraction"] < SLOW_PEAK_FRACTION:
-                out.setdefault(name, ([], []))
-                out[name][0].append(SLOW_FLAG)
-                out[name][1].append(
-                    f"backward at {row['peak_fraction']:.0%} of the matmul peak with {share:.0%} "
-                    f"of the step's backward FLOPs"
-                )
-    return {name: ("; ".join(f), "; ".join(e)) for name, (f, e) in out.items()}
+            out[name] = Finding("", f"{LINEARIZED}: runs as one matrix product ({module.gemm}, rcnn.fix)")
+            continue
+        found = gemm_kind(module, seen.input_shape)
+        if found is None:
+            continue
+        kind, evidence = found
+        timing = gemm_timing(module, seen, timings=timings, deadline=deadline)
+        assert timing is not None  # gemm_kind found it: a GEMM in disguise at this input
+        if not timing.gemm_faster:
+            checked = f"{CHECKED} as {GEMM_FLAG}:{kind}: {evidence}; {timing.describe()}"
+            out[name] = Finding("", checked, timing=timing)
+            continue
+        calls = float(table.loc[name, "calls"])
+        out[name] = Finding(
+            f"{GEMM_FLAG}:{kind}",
+            f"{evidence}; {timing.describe()}; {fix_for(module, kind)}",
+            saves_ms=timing.saves_ms * calls,
+            saves_ci_low=timing.saves_ci_low * calls,
+            saves_ci_high=timing.saves_ci_high * calls,
+            timing=timing,
+        )
+    return out
 
 
-def rank(found: Mapping[str, tuple[str, str]], table: pd.DataFrame) -> list[str]:
+def rank(found: Mapping[str, Finding]) -> list[str]:
     """The flagged modules of ``found`` (``flags``' result; those with no flag left out) in the order they
-    matter: GEMMs in disguise first (each has a drop-in fix), then the rest; each group by the module's own
-    backward time, longest first.
-
-    Args:
-        found: module name -> (flags, evidence), as ``flags`` returns.
-        table: the by-module table, indexed by module name or with a ``module`` column; its ``backward_ms``
-            orders each group (a module missing from it goes last).
-
-    Returns:
-        Module names, most telling first.
-    """
-    if "module" in table.columns:
-        table = table.set_index("module")
-    backward = table["backward_ms"]
-    flagged = [name for name, (flag, _) in found.items() if flag]
-
-    def key(name: str) -> tuple[bool, float]:
-        ms = backward.get(name, float("nan"))
-        return (not found[name][0].startswith(GEMM_FLAG), -ms if ms == ms else float("inf"))
-
-    return sorted(flagged, key=key)
+    matter: by what their fix saves a step, most first."""
+    flagged = [name for name, finding in found.items() if finding.flag]
+    return sorted(flagged, key=lambda name: -found[name].saves_ms)

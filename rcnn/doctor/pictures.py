@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from rcnn.doctor.columns import OUTSIDE, ROOT, SLOW_PEAK_FRACTION, WHY_COLUMNS
+from rcnn.doctor.columns import BOUND_FRACTION, OUTSIDE, ROOT, WHY_COLUMNS
 from rcnn.rules import UserError
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ TOP_COLUMNS = {  # beside the icicles, headed short to fit: what ranks them (a b
     "peak_fraction": "of peak",
     "flag": "flag",
 }
-FLAG_COLUMNS = ["module", "flag", "backward_ms", "evidence"]
+FLAG_COLUMNS = ["module", "flag", "saves_ms", "saves_ci_low", "saves_ci_high", "backward_ms", "evidence"]
 FIX_PHASES = ("forward", "backward", "forward_backward")
 
 
@@ -303,12 +303,15 @@ def render_report(
         _top(modules, top),
     ]
     below = [
-        "<h2>Flagged modules</h2>",
+        "<h2>Flags: measured savings</h2>",
+        '<p class="note">A flag is a fix timed in turn with the module as it is: saves_ms per step, with its '
+        "95% CI.</p>",
         _flags(modules),
-        "<h2>Why, for each flagged module</h2>",
-        '<p class="note">Its backward run alone at the shape, dtype and layout it saw, split into the input '
-        "and the weight gradient, with the implementation that ran each; GEMM: the same FLOPs at the matmul "
-        "peak.</p>",
+        "<h2>Why, for the modules that matter and each flag</h2>",
+        '<p class="note">What its backward ran in the profiled step, its FLOPs and the bytes its ops '
+        "touched against the measured ceilings (bound), what would make it faster where known (remedy); a "
+        "module with weights also run alone, split into the input and the weight gradient with the "
+        "implementation that ran each (gemm_ms: the same FLOPs at the matmul peak).</p>",
         _why(why),
     ]
     if fix is not None or swaps is not None or modules_after is not None:
@@ -549,11 +552,13 @@ def _top(modules: pd.DataFrame, top: int) -> str:
 
 
 def _flags(modules: pd.DataFrame) -> str:
-    """Every flagged module, of most own backward time first."""
+    """Every flagged module, of most saved a step first (of most own backward time, in a table without
+    savings)."""
     table = _prepared(modules)
     flagged = table[table["flag"] != ""]
-    if "backward_ms" in flagged.columns:
-        own = pd.to_numeric(flagged["backward_ms"], errors="coerce")
+    key = "saves_ms" if "saves_ms" in flagged.columns else "backward_ms"
+    if key in flagged.columns:
+        own = pd.to_numeric(flagged[key], errors="coerce")
         flagged = flagged.assign(_own=own).sort_values("_own", ascending=False, kind="stable")
     if flagged.empty:
         return '<p class="note" id="flags">No module flagged.</p>'
@@ -563,7 +568,7 @@ def _flags(modules: pd.DataFrame) -> str:
 
 def _why(why: pd.DataFrame) -> str:
     if why.empty:
-        return '<p class="note" id="why">No why rows (no module flagged, or the run ended before them).</p>'
+        return '<p class="note" id="why">No why rows (the run ended before them, or explain was off).</p>'
     frame = why.reindex(columns=[c for c in WHY_COLUMNS if c in why.columns] or list(why.columns))
     return _table(frame, "why")
 
@@ -603,7 +608,7 @@ def _legend() -> str:
     return (
         '<div class="legend"><span>colour: backward speed as a fraction of the measured matmul peak: 0</span>'
         f'<span class="scale" style="background: linear-gradient(to right, {stops})"></span>'
-        f"<span>1 (under {SLOW_PEAK_FRACTION:g}, with much of the FLOPs: slow-for-its-flops);</span>"
+        f"<span>1 (compute-bound from {BOUND_FRACTION:g});</span>"
         f'<span class="swatch" style="background:{UNKNOWN}"></span><span>none: no matmul FLOPs, a '
         f"container, or no peak;</span><span>{FLAG_MARK} [flag], black outline: flagged; own time: the gap "
         "a box's children leave</span></div>"
@@ -618,7 +623,7 @@ h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-top: 1.2em; }
 table.doctor { border-collapse: collapse; font-size: 0.8em; }
 table.doctor th, table.doctor td { border-bottom: 1px solid #ddd; padding: 2px 6px; text-align: left;
   vertical-align: top; overflow-wrap: break-word; }
-#why td:nth-child(8), #why td:nth-child(11) { min-width: 20em; }
+#why td:nth-child(9), #why td:nth-child(15), #why td:nth-child(16) { min-width: 20em; }
 .note, .lead { font-size: 0.9em; } .note { color: #555; }
 .bars { display: flex; margin: 0.5em 0; font-size: 0.8em; }
 .bar { padding: 3px; overflow: hidden; white-space: nowrap; color: #fff; }

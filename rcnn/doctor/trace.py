@@ -21,43 +21,64 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from rcnn.doctor.attribution import ModuleTimer
-from rcnn.doctor.diagnosis import training_step
-from rcnn.doctor.workloads import Workload
-from rcnn.measure.clock import Clock
+from rcnn.measure.profiler import Spent, by_range, quiet_profiler
 from rcnn.outputs import write_atomic
 
 FORWARD, BACKWARD, PHASE = "forward: ", "backward: ", "step: "  # the ranges' name prefixes
 
 
+class StepProfile:
+    """torch.profiler over one step with ``timer``'s module ranges on: ``start()`` before the step,
+    ``stop()`` after it. Then ``ran``: what each module's backward ran (rcnn.measure.profiler.by_range of
+    the ``backward: <module>`` ranges: ops' self host time, and on CUDA the kernels), and ``trace``: the
+    Chrome trace-event JSON of the step. Run it after warm-up: the profiler's and the ranges' overhead land
+    in this step only."""
+
+    def __init__(self, timer: ModuleTimer) -> None:
+        self.timer = timer
+        self.ran: dict[str, Spent] = {}
+        self.trace: str | None = None
+        self._profiler: profile | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._profiler is not None
+
+    def start(self) -> None:
+        activities = [ProfilerActivity.CPU]
+        if self.timer.clock.cuda:
+            activities.append(ProfilerActivity.CUDA)
+        self.timer.ranges = True
+        self._profiler = profile(activities=activities)
+        with quiet_profiler():
+            self._profiler.__enter__()
+
+    def stop(self, keep: bool = True) -> None:
+        """End the profile; ``keep``: read what it holds (else the step was cut short: nothing kept)."""
+        profiler, self._profiler = self._profiler, None
+        if profiler is None:
+            return
+        self.timer.ranges = False
+        if self.timer.clock.cuda:
+            torch.cuda.synchronize()
+        with quiet_profiler():
+            profiler.__exit__(None, None, None)
+        if not keep:
+            return
+        self.ran = by_range(profiler.events(), BACKWARD)
+        with tempfile.TemporaryDirectory() as scratch:  # the profiler writes a file: read back whole
+            profiler.export_chrome_trace(f"{scratch}/trace.json")
+            self.trace = Path(scratch, "trace.json").read_text()
+
+
 def trace_step(timer: ModuleTimer, step: Callable[[], Any], path: str | Path) -> Path:
     """Run ``step()`` (one training step inside ``timer.forward()`` and ``timer.backward()``, such as
-    rcnn.doctor.diagnosis.training_step's) once under torch.profiler with the module ranges on, and write its
-    trace to ``path`` (Chrome trace-event JSON). Run it after warm-up: the profiler's and the ranges'
-    overhead land in this step only."""
-    activities = [ProfilerActivity.CPU]
-    if timer.clock.cuda:
-        activities.append(ProfilerActivity.CUDA)
-    timer.ranges = True
+    rcnn.doctor.diagnosis.training_step's) once under a StepProfile and write its trace to ``path``."""
+    profiled = StepProfile(timer)
+    profiled.start()
     try:
-        with profile(activities=activities) as profiler:
-            step()
-            if timer.clock.cuda:
-                torch.cuda.synchronize()
-    finally:
-        timer.ranges = False
-    with tempfile.TemporaryDirectory() as scratch:  # the profiler writes in place: the file goes atomically
-        profiler.export_chrome_trace(f"{scratch}/trace.json")
-        write_atomic(path, Path(scratch, "trace.json").read_text())
-    return Path(path)
-
-
-def trace_workload(workload: Workload, *, device: torch.device, amp: str, path: str | Path) -> Path:
-    """Trace one training step of a workload (the command's ``--out``): a step to warm the hooks, then the
-    traced one (``trace_step``)."""
-    timer = ModuleTimer(workload.model, Clock(device))
-    try:
-        step = training_step(workload, workload.model, device=device, amp=amp, timer=timer)
         step()
-        return trace_step(timer, step, path)
     finally:
-        timer.remove()
+        profiled.stop()
+    write_atomic(path, profiled.trace or "")
+    return Path(path)

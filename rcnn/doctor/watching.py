@@ -20,13 +20,9 @@ follow (a backward through ``torch.autograd.grad``, or run in another thread).
 from __future__ import annotations
 
 import contextlib
-import json
-import math
-import re
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,47 +32,25 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.overrides import TorchFunctionMode
 
-from rcnn.doctor import pictures
 from rcnn.doctor.attribution import ModuleTimer
-from rcnn.doctor.columns import MODULE_COLUMNS, OUTSIDE, ROOT, WHY_COLUMNS
-from rcnn.doctor.explain import backward_alone
-from rcnn.doctor.flags import GEMM_FLAG, SLOW_FLAG, flags, rank
+from rcnn.doctor.columns import ROOT
+from rcnn.doctor.files import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
+from rcnn.doctor.remedies import remedy_for
+from rcnn.doctor.trace import StepProfile
+from rcnn.doctor.verdict import Diagnosis, tabulate
 from rcnn.measure.clock import Clock
-from rcnn.measure.cores import CoreUse, contended
+from rcnn.measure.cores import CoreUse
 from rcnn.measure.device import DTYPES
 from rcnn.measure.flops import FlopCount
-from rcnn.measure.inputs import channels_last, described, tensors
-from rcnn.measure.machine import fingerprint, matmul_peak
+from rcnn.measure.inputs import channels_last, describe_call, tensors
+from rcnn.measure.machine import copy_peak, fingerprint, matmul_paths
 from rcnn.measure.settings import machine_name
-from rcnn.measure.stats import TimingPolicy, median_precision, settled
-from rcnn.outputs import claim_folder, write_atomic
+from rcnn.measure.stats import TimingPolicy, settled
+from rcnn.outputs import claim_folder
 from rcnn.rules import UserError, ValueNotAllowed
 
-NO_REPORT = f"the page draws with plotly: {pictures.INSTALL}"
-# What a folder the doctor writes may hold (the command's --out, with --fix; ``save``): the rest is foreign.
-DOCTOR_FILES = re.compile(r"modules(_fixed)?\.csv|why\.csv|fix\.csv|env\.json|trace\.json|report\.html")
 MEASURED = "measured"  # peak_tflops: measure the matmul peak for the dtype the steps computed in
-PRINTED_COLUMNS = [
-    "module",
-    "type",
-    "calls",
-    "forward_ms",
-    "backward_ms",
-    "backward_inclusive_ms",
-    "backward_share",
-    "backward_gflop",
-    "backward_tflops",
-    "peak_fraction",
-    "saved_mb",
-    "flag",
-]
-SLOW_SHOWN = (
-    3  # slow-for-its-flops modules printed with their why (GEMMs in disguise: all); the rest in files
-)
-NOTES = {  # under the table, for the rows that are no module of the model's own
-    ROOT: "work in the model's own forward, outside its submodules, e.g. functional calls like roi_align",
-    OUTSIDE: "work no module's forward created: the loss, the optimizer, autograd's own",
-}
+STEPS_SHARE = 0.6  # of a policy's deadline: the steps' share; the verdict's timings get the rest
 # Where a step stands: none open; its forwards run; its last event was a backward of the model's graph.
 _IDLE, _FORWARD, _BACKWARD = "idle", "forward", "backward"
 _BACKWARDS = {torch.Tensor.backward, torch.autograd.backward}  # the calls that run a step's backward
@@ -89,90 +63,6 @@ class NothingWatched(UserError):
 
 class NothingWatchedWarning(UserWarning):
     """Issued where a ``with watch(...)`` block ends without a measured step."""
-
-
-@dataclass(frozen=True)
-class Diagnosis:
-    modules: pd.DataFrame  # rcnn.doctor.columns.MODULE_COLUMNS: one row per module, then the OUTSIDE row
-    why: pd.DataFrame  # rcnn.doctor.columns.WHY_COLUMNS: one row per flagged module
-    summary: dict[str, Any]
-
-    def report(self, top: int = 15, title: str = "", out: str | Path | None = None) -> str:
-        """The diagnosis as the command prints it: ``title``, the steps and totals, the ``top`` modules by
-        their own backward time with the OUTSIDE row, then the why of each flagged module in the order they
-        matter (rcnn.doctor.flags.rank: every GEMM in disguise, then the SLOW_SHOWN slow-for-its-flops
-        modules of most backward time; the rest are in ``out``'s why.csv)."""
-        s = self.summary
-        lines = [title] if title else []
-        lines.append(
-            f"{s['warmup_steps']} warm-up and {s['steps']} timed steps (the step backward's median known to "
-            f"{s['precision']:.1%}); times are means of the middle half of the steps: forward "
-            f"{s['forward_ms']:.1f} ms, backward {s['backward_ms']:.1f} ms; "
-            + (
-                f"matmul peak {s['peak_tflops']} TFLOP/s ({s['dtype']})"
-                if s["peak_tflops"]
-                else "no matmul peak (peak fractions NaN)"
-            )
-        )
-        if s.get("warmup_cut"):
-            lines.append("Warm-up ended at the --max-seconds bound before the step times settled.")
-        if contended(share := s.get("core_share")):
-            lines.append(
-                f"The steps got {share:.0%} of the CPU time their threads could use: the cores were shared "
-                "with other work, so times are the scheduler's, not the modules'; none is flagged "
-                "slow-for-its-flops. Rerun on an idle machine, or with fewer threads (OMP_NUM_THREADS)."
-            )
-        modules = self.modules
-        shown = modules[modules["module"] != OUTSIDE].nlargest(top, "backward_ms")
-        shown = pd.concat([shown, modules[modules["module"] == OUTSIDE]])
-        columns = PRINTED_COLUMNS + (
-            ["backward_peak_mb"] if modules["backward_peak_mb"].notna().any() else []
-        )
-        lines.append(
-            f"\nTop {top} modules by their own backward time (ms per step; inclusive: with their children; "
-            "saved_mb: what autograd saved for their backward):"
-        )
-        lines.append(shown[columns].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
-        lines += [f"{name}: {note}" for name, note in NOTES.items() if name in set(shown["module"])]
-        why, hidden = self._why_shown()
-        if len(why):
-            lines.append(
-                "\nWhy, for each flagged module (its backward run alone; GEMM: the same FLOPs at the matmul "
-                "peak):"
-            )
-            for row in why.itertuples():
-                lines.append(
-                    f"- {row.module} [{row.flag}] {row.input_shape} {row.dtype} {row.layout}: "
-                    f"input grad {row.input_grad_ms:.2f} ms ({row.input_grad_impl}); "
-                    f"weight grad {row.weight_grad_ms:.2f} ms ({row.weight_grad_impl}); "
-                    f"GEMM {row.gemm_ms:.2f} ms"
-                )
-            if hidden:
-                where = f"{Path(out) / 'why.csv'}" if out else "why.csv (--out)"
-                lines.append(f"- and {hidden} more flagged {SLOW_FLAG}, of less backward time: in {where}")
-        return "\n".join(lines)
-
-    def _why_shown(self) -> tuple[pd.DataFrame, int]:
-        """The why rows to print, in the order they matter, and how many more there are."""
-        modules = self.modules
-        found = {row.module: (row.flag, row.evidence) for row in modules.itertuples() if row.flag}
-        order = [name for name in rank(found, modules) if name in set(self.why["module"])]
-        gemms = [name for name in order if GEMM_FLAG in found[name][0]]
-        rest = [name for name in order if name not in gemms]
-        why = self.why.set_index("module").loc[gemms + rest[:SLOW_SHOWN]].reset_index()
-        return why, len(rest[SLOW_SHOWN:])
-
-
-def typical(tables: list[pd.DataFrame], totals: dict[str, list[float]]) -> tuple[pd.DataFrame, dict]:
-    """The middle half of the measured steps (by backward time), averaged row by row: as robust to an outlying
-    step as a median, and unlike per-row medians the rows, the OUTSIDE row included, add up to the steps'."""
-    backward = totals["backward_ms"]
-    order = sorted(range(len(backward)), key=lambda i: backward[i])
-    cut = len(order) // 4
-    kept = order[cut : len(order) - cut]
-    table = pd.concat([tables[i] for i in kept]).groupby(level=0, sort=False).mean()
-    total = {phase: sum(values[i] for i in kept) / len(kept) for phase, values in totals.items()}
-    return table, total
 
 
 def compiled(model: nn.Module) -> str | None:
@@ -201,13 +91,6 @@ def _top_function_mode() -> Any:
 def _device_of(model: nn.Module) -> torch.device:
     tensor = next(iter([*model.parameters(), *model.buffers()]), None)
     return tensor.device if tensor is not None else torch.device("cpu")
-
-
-def _described(args: tuple, kwargs: dict, most: int = 6) -> str:
-    """The tensors a call took, by dtype and shape: 'float32 (2, 3, 64, 64)', the first ``most`` of them."""
-    found = [*tensors(args), *tensors(kwargs)]
-    shown = [described(t) for t in found[:most]]
-    return ", ".join(shown) + (f", and {len(found) - most} more tensors" if len(found) > most else "")
 
 
 class _Watching(TorchFunctionMode):
@@ -243,6 +126,7 @@ class Watch:
         policy: TimingPolicy,
         peak_tflops: float | str | None,
         explain: bool,
+        timings: dict | None = None,
     ) -> None:
         if what := compiled(model):
             raise ValueNotAllowed(
@@ -254,7 +138,10 @@ class Watch:
         if steps is not None and steps < 1:
             raise ValueNotAllowed("steps", f"{steps!r} is too small; allowed: >= 1, or None for the policy's")
         self.model, self.steps, self.policy = model, steps, policy
+        # With a deadline, the steps get STEPS_SHARE of the time to it, the verdict (flags, why rows) the rest
+        self._steps_policy = policy
         self.peak_tflops, self.explain = peak_tflops, explain
+        self.timings = {} if timings is None else timings  # the flags' GEMM timings (rcnn.fix.gemm_timing)
         self.device = _device_of(model)
         self.clock = Clock(self.device)
         self.detached = False
@@ -286,6 +173,9 @@ class Watch:
         self._cores = CoreUse(self.device)  # whether the timed steps had their CPU cores
         self._in_cores = False
         self._last_s = 0.0  # the last step's forward and backward, in seconds: what the next should take
+        self._profile: StepProfile | None = None  # the step after warm-up, profiled (``explain``)
+        self._profiled = False
+        self._called: nn.Module | None = None  # the module the step's first call went into
 
     # -- the block
 
@@ -293,7 +183,15 @@ class Watch:
         if self._entered:
             raise ValueNotAllowed("watch", "this watch was entered before; allowed: a new watch(model)")
         self._entered = True
-        self._timer = ModuleTimer(self.model, self.clock, starting=self._starting, ending=self._ending)
+        self._steps_policy = self.policy.within(STEPS_SHARE)
+        self._timer = ModuleTimer(
+            self.model,
+            self.clock,
+            starting=self._starting,
+            ending=self._ending,
+            capture=lambda module: remedy_for(module) is not None,  # what a remedy runs again alone
+        )
+        self._profile = StepProfile(self._timer) if self.explain else None
         self._optimizer_hook = register_optimizer_step_post_hook(self._optimizer_stepped)
         self._mode = _Watching(self)
         self._mode.__enter__()
@@ -366,6 +264,7 @@ class Watch:
             self._forward_start = self.clock.mark()
         self._forwards += 1
         if self._forwards == 1 and self._finished > 0:
+            self._called = module
             self._seen_call(args, kwargs)
         self._timer.active = True
 
@@ -374,9 +273,9 @@ class Watch:
 
     def _seen_call(self, args: tuple, kwargs: dict) -> None:
         """What the step's first forward took, and the autocast it ran under."""
-        described = _described(args, kwargs)
-        if described not in self._inputs and len(self._inputs) < 5:
-            self._inputs.append(described)
+        said = describe_call(self._called or self.model, args, kwargs)
+        if said not in self._inputs and len(self._inputs) < 5:
+            self._inputs.append(said)
         first = next(tensors((args, kwargs)), None)
         self._layout = first is not None and channels_last(first)
         if self._amp is None:
@@ -401,7 +300,10 @@ class Watch:
         start = self.clock.mark()
         timer.backward_started()
         try:
-            with self._counting if self._counting is not None else contextlib.nullcontext():
+            with (
+                self._counting if self._counting is not None else contextlib.nullcontext(),
+                timer.phase_range("backward"),
+            ):
                 out = func(*args, **kwargs)
         finally:
             end = self.clock.mark()
@@ -440,6 +342,8 @@ class Watch:
         if self._finished == 0:  # the first step counts FLOPs by module: it is neither warm-up nor timed
             self._counting = self._timer.flop_counter()
             self._timer.count_forwards(self._counting)
+        elif self._measuring and self._profile is not None and not self._profiled:
+            self._profile.start()  # the step after warm-up: profiled, for what each module's backward ran
         elif self._measuring:
             self._cores.__enter__()
             self._in_cores = True
@@ -456,6 +360,10 @@ class Watch:
         if self._in_cores:
             self._cores.__exit__(None, None, None)
             self._in_cores = False
+        if self._profile is not None and self._profile.running:  # the profiled step: neither warm nor timed
+            self._profile.stop(keep=self._backwards > 0)
+            self._profiled = self._backwards > 0
+            return
         if self._backwards == 0:  # forwards alone: no step
             return
         self.clock.sync()
@@ -468,10 +376,10 @@ class Watch:
             timer.count_forwards(None)
         elif not self._measuring:
             self._warm.append(totals["forward_ms"] + totals["backward_ms"])
-            if self.policy.warmed_up(self._warm):  # settled, or its deadline keeps time for the timed steps
+            if self._steps_policy.warmed_up(self._warm):  # settled, or its deadline keeps time for the rest
                 self._measuring = True
-                self._warmup_cut = self.policy.warm_up_cut(self._warm) and not settled(
-                    self.policy, self._warm
+                self._warmup_cut = self._steps_policy.warm_up_cut(self._warm) and not settled(
+                    self._steps_policy, self._warm
                 )
         else:
             if not self._tables:
@@ -487,7 +395,7 @@ class Watch:
         if self.steps is not None:
             return len(self._tables) >= self.steps
         elapsed = time.perf_counter() - self._measure_started
-        return self.policy.done([self._totals["backward_ms"]], elapsed, next_s=self._last_s)
+        return self._steps_policy.done([self._totals["backward_ms"]], elapsed, next_s=self._last_s)
 
     def _detach(self) -> None:
         """Every hook off: the model, its nodes, the optimizer hook, and the mode once it is innermost (if it
@@ -495,6 +403,8 @@ class Watch:
         if self.detached:
             return
         self.detached = True
+        if self._profile is not None:
+            self._profile.stop(keep=False)  # a profile still open: its step never ended
         self._timer.remove()
         # torch is iterating over the optimizer hooks while one runs: removed there, the next would fail.
         # It returns at once from now on, and comes off where the block ends.
@@ -542,9 +452,11 @@ class Watch:
 
     def _build(self) -> tuple[Diagnosis, dict]:
         dtype = self._dtype()
-        peak = self.peak_tflops
+        peak, paths = self.peak_tflops, {}
         if peak == MEASURED:
-            peak = matmul_peak(self.device, DTYPES[dtype])
+            paths = matmul_paths(self.device, DTYPES[dtype])
+            peak = max(paths.values())
+        copy_gbps = copy_peak(self.device) if self.explain else None  # what the why rows set bytes against
         diagnosis = tabulate(
             self.model,
             self._timer,
@@ -552,11 +464,15 @@ class Watch:
             self._totals,
             self._flops,
             peak_tflops=peak,
+            copy_gbps=copy_gbps,
             explain=self.explain,
             device=self.device,
             precision_met=self.policy.precision_met([self._totals["backward_ms"]]),
             core_share=self._cores.share,
             deadline=self.policy.deadline,
+            ran=self._profile.ran if self._profiled else None,
+            timings=self.timings,
+            trace=self._profile.trace if self._profiled else None,
             extra={
                 "warmup_cut": self._warmup_cut,
                 "warmup_steps": len(self._warm),
@@ -568,7 +484,11 @@ class Watch:
         )
         env = {
             "fingerprint": fingerprint(self.device),
-            "ceilings": {"matmul_tflops": {dtype: peak}},
+            "ceilings": {
+                "matmul_tflops": {dtype: diagnosis.summary["peak_tflops"]},
+                "matmul_paths": {dtype: paths},
+                "copy_gbps": copy_gbps,
+            },
             "model": f"{type(self.model).__module__}.{type(self.model).__qualname__}",
             "inputs": self._inputs,
             "amp": self._amp or "off",
@@ -627,7 +547,9 @@ class Watch:
         return self.report()
 
     def save(self, folder: str | Path) -> list[Path]:
-        """Write modules.csv, why.csv, env.json and report.html (where plotly is installed) into ``folder``:
+        """Write modules.csv, why.csv, env.json, trace.json (the profiled step's torch.profiler trace, its
+        backward ops in their modules' ranges: rcnn.doctor.trace) and report.html (where plotly is installed)
+        into ``folder``:
         absent, empty, or one the doctor wrote (its files are replaced). Raises NothingWatched, writing
         nothing, without a timed step, and rcnn.outputs.OutputError for a folder holding other files. Returns
         the paths written."""
@@ -640,122 +562,6 @@ class Watch:
         return write_run(folder, texts, old)
 
 
-def write_run(
-    folder: Path, texts: dict[str, str], earlier: list[Path], kept: tuple[Path, ...] = ()
-) -> list[Path]:
-    """Write a run's ``texts`` into ``folder`` (each atomically), then remove the files of ``earlier`` (what
-    claim_folder found: the doctor's own) that this run did not write nor keeps (``kept``): an earlier
-    --fix's tables or page would not belong to these. Returns the paths written."""
-    for name, text in texts.items():
-        write_atomic(folder / name, text)
-    ours = {*texts, *(path.name for path in kept)}
-    for path in earlier:  # claim_folder's entries: the folder's plain files, by name
-        if path.name not in ours:
-            path.unlink(missing_ok=True)
-    return [folder / name for name in texts]
-
-
-def doctor_files(diagnosis: Diagnosis, env: dict, *, title: str, fixed: Any = None) -> dict[str, str]:
-    """The texts of the files a doctor run writes (the command's --out, ``Watch.save``): modules.csv,
-    why.csv, env.json, with ``fixed`` (rcnn.doctor.diagnosis.Fixed) modules_fixed.csv and fix.csv, and
-    report.html (rcnn.doctor.pictures) where plotly is installed."""
-    texts = {
-        "modules.csv": diagnosis.modules.to_csv(index=False),
-        "why.csv": diagnosis.why.to_csv(index=False),
-    }
-    after = fixed.after if fixed else None
-    if fixed:
-        texts["fix.csv"] = fixed.swaps.to_csv(index=False)
-    if after:
-        texts["modules_fixed.csv"] = after.modules.to_csv(index=False)
-    texts["env.json"] = json.dumps(env, indent=2, sort_keys=True, default=str) + "\n"
-    try:
-        pictures.require_plotly()
-    except ImportError:
-        return texts
-    texts["report.html"] = pictures.render_report(
-        diagnosis.modules,
-        diagnosis.why,
-        diagnosis.summary,
-        title=title,
-        fix=fixed.summary if fixed else None,
-        swaps=fixed.swaps if fixed else None,
-        modules_after=after.modules if after else None,
-    )
-    return texts
-
-
-def tabulate(
-    model: nn.Module,
-    timer: ModuleTimer,
-    tables: list[pd.DataFrame],
-    totals: dict[str, list[float]],
-    flop_table: pd.DataFrame | None,
-    *,
-    peak_tflops: float | None,
-    explain: bool,
-    device: torch.device,
-    precision_met: bool,
-    core_share: float | None = None,
-    deadline: float | None = None,
-    extra: dict[str, Any],
-) -> Diagnosis:
-    """The diagnosis of the timed steps: their typical table with FLOPs, shares, TFLOP/s against the peak and
-    flags, and (``explain``) each flagged module's backward run alone. The one place a Diagnosis is built."""
-    table, total = typical(tables, totals)
-    table = table.join(flop_table if flop_table is not None else timer.flop_table())
-    table["type"] = pd.Series(timer.types)
-    table.loc[OUTSIDE, "type"] = ""
-    table["backward_share"] = table["backward_ms"] / total["backward_ms"]
-    # GFLOP per ms is TFLOP/s.
-    table["backward_tflops"] = (table["backward_gflop"] / table["backward_ms"]).where(
-        table["backward_ms"] > 0
-    )
-    table["peak_fraction"] = table["backward_tflops"] / peak_tflops if peak_tflops else float("nan")
-    # Steps that waited for their cores say nothing of a module's speed: none is flagged slow for its FLOPs.
-    found = flags(model, timer, table, peak_tflops, contended=contended(core_share))
-    found = {name: flag_evidence for name, flag_evidence in found.items() if flag_evidence[0]}
-    table["flag"] = pd.Series({name: f for name, (f, _) in found.items()})
-    table["evidence"] = pd.Series({name: e for name, (_, e) in found.items()})
-    table[["flag", "evidence"]] = table[["flag", "evidence"]].fillna("")
-    modules = table.rename_axis("module").reset_index()[list(MODULE_COLUMNS)]
-    why_rows = []
-    if explain:
-        named = {name or ROOT: module for name, module in model.named_modules()}
-        for name in (
-            modules.set_index("module").loc[list(found)].sort_values("backward_ms", ascending=False).index
-        ):
-            alone = (
-                backward_alone(named[name], timer.seen[name], device, peak_tflops, deadline=deadline)
-                if name in timer.seen
-                else {
-                    "input_grad_impl": "not run alone: its forward takes more than one tensor, or it has "
-                    "no parameters of its own"
-                }
-            )
-            why_rows.append({"module": name, "flag": found[name][0], **alone})
-    why = pd.DataFrame(why_rows, columns=list(WHY_COLUMNS))
-    backward = totals["backward_ms"]
-    peaks = table["backward_peak_mb"]
-    summary = {
-        "forward_ms": total["forward_ms"],
-        "backward_ms": total["backward_ms"],
-        "warmup_steps": 0,
-        "steps": len(backward),
-        "precision": median_precision(backward),
-        "precision_met": precision_met,
-        "peak_tflops": peak_tflops,
-        "dtype": "fp32",
-        "outside_backward_share": float(table.loc[OUTSIDE, "backward_share"]),
-        "flagged": len(found),
-        "saved_mb": float(table["saved_mb"].sum()),
-        "backward_peak_mb": float(peaks.max()) if peaks.notna().any() else math.nan,
-        "core_share": core_share,
-        **extra,
-    }
-    return Diagnosis(modules, why, summary)
-
-
 def watch(
     model: nn.Module,
     steps: int | None = 20,
@@ -763,9 +569,11 @@ def watch(
     policy: TimingPolicy | None = None,
     peak_tflops: float | str | None = MEASURED,
     explain: bool = True,
+    timings: dict | None = None,
 ) -> Watch:
     """Watch ``model`` in the loop inside the ``with`` block: time each module's forward and backward, count
-    its FLOPs, the bytes autograd saved for its backward, and flag it, as ``python -m rcnn.doctor`` does.
+    its FLOPs, the bytes autograd saved for its backward, and flag where a fix is measured to save time, as
+    ``python -m rcnn.doctor`` does.
 
     Args:
         model: the module the loop trains, uncompiled (torch.compile'd code would hide the hooks).
@@ -774,8 +582,13 @@ def watch(
         policy: when warm-up ends (``TimingPolicy.warmed_up``) and, with ``steps`` None, when timing stops;
             default ``TimingPolicy()``, the project's timing defaults.
         peak_tflops: the matmul peak (TFLOP/s) of the dtype the steps compute in; ``"measured"`` measures it
-            when the diagnosis is built; None leaves peak fractions NaN and flags none slow for its FLOPs.
-        explain: run each flagged module's backward alone for the why rows (after the loop).
+            when the diagnosis is built (the fastest of torch's product paths, rcnn.measure.machine); None
+            leaves peak fractions NaN.
+        explain: profile the step after warm-up (what each module's backward ran; trace.json) and build a
+            why row for each module that matters and each flag, after the loop: their backward alone, their
+            bound, the measured remedies (rcnn.doctor.verdict). False: the table and flags only.
+        timings: a dict shared with rcnn.fix.linearize_with (the flags' GEMM timings, so that a flag and a
+            swap come from one timing); None: the watch's own.
 
     Returns:
         A Watch: a context manager, then ``print(w)``, ``w.table()``, ``w.save(folder)``, ``w.diagnosis``;
@@ -792,5 +605,10 @@ def watch(
         >>> print(w)
     """
     return Watch(
-        model, steps=steps, policy=policy or TimingPolicy(), peak_tflops=peak_tflops, explain=explain
+        model,
+        steps=steps,
+        policy=policy or TimingPolicy(),
+        peak_tflops=peak_tflops,
+        explain=explain,
+        timings=timings,
     )

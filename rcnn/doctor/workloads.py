@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rcnn.factory import call_factory, import_factory
-from rcnn.measure.inputs import described
+from rcnn.measure.inputs import describe_batch
 from rcnn.rules import ValueNotAllowed, first_line
 
 NUM_CLASSES = 4  # object classes of the synthetic detection targets, background excluded
@@ -64,33 +64,6 @@ class Workload:
     def batch_description(self) -> str:
         """What the batch is, from its tensors: their dtypes and shapes (``describe_batch``)."""
         return describe_batch(self.batch)
-
-
-def describe_batch(batch: Any) -> str:
-    """A batch's tensors by dtype and shape, in its structure: 'float32 (2, 3, 320, 320)' for images,
-    '[2 x float32 (3, 320, 320)]' for a list of equal ones, '{input_ids: int64 (2, 128), labels: ...}' for a
-    dict; anything else by its type's name.
-
-    Example:
-        >>> describe_batch({"pixel_values": torch.zeros(2, 3, 64, 64)})
-        '{pixel_values: float32 (2, 3, 64, 64)}'
-    """
-    if isinstance(batch, torch.Tensor):
-        return described(batch)
-    if isinstance(batch, dict):
-        return "{" + ", ".join(f"{key}: {describe_batch(value)}" for key, value in batch.items()) + "}"
-    if isinstance(batch, (list, tuple)):
-        items = [describe_batch(item) for item in batch]
-        if len(items) > 1 and len(set(items)) == 1:  # images of one size: the count, once
-            inner = f"{len(items)} x {items[0]}"
-        elif len(items) > 4:  # targets of different sizes: the first, and how many
-            inner = f"{len(items)} items: {items[0]}, ..."
-        else:
-            inner = ", ".join(items)
-        return f"[{inner}]" if isinstance(batch, list) else f"({inner})"
-    if isinstance(batch, (int, float, bool, str)) or batch is None:
-        return repr(batch)
-    return type(batch).__name__
 
 
 class ModelError(ValueNotAllowed):

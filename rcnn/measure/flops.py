@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_iter
 from torch.utils.flop_counter import conv_flop_count, flop_registry
 
 aten = torch.ops.aten
@@ -97,14 +98,28 @@ def is_compute_op(name: str) -> bool:
     return any(_COMPUTE_TOKEN.fullmatch(token) for token in name.split("_"))
 
 
+def bytes_touched(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: object) -> int:
+    """The bytes an aten call's tensors hold, its inputs and outputs (each tensor's elements, not its
+    storage's): what it reads and writes at least, counted, not measured (caches may serve some of it, and a
+    kernel may read a tensor twice). A view moves nothing: 0."""
+    if getattr(func, "is_view", False):
+        return 0
+    return sum(
+        t.numel() * t.element_size()
+        for t in tree_iter((args, kwargs, out))
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided
+    )
+
+
 class FlopCount(TorchDispatchMode):
-    """Counts the FLOPs of each aten call inside (FLOP_FORMULAS), and the compute ops that ran without a
-    formula.
+    """Counts the FLOPs of each aten call inside (FLOP_FORMULAS), the compute ops that ran without a
+    formula, and (``moved``) the bytes each call's tensors hold.
 
     Args:
         count: called with the FLOPs of each call with a formula, as it runs.
         uncounted: called with the name of each compute op (``is_compute_op``) that ran without a formula, as
             it runs (e.g. 'mkldnn_rnn_layer'): its FLOPs are unknown.
+        moved: called with each call's ``bytes_touched``, as it runs.
 
     Attributes:
         counted: the FLOPs of the calls with a formula, summed.
@@ -117,13 +132,17 @@ class FlopCount(TorchDispatchMode):
     """
 
     def __init__(
-        self, count: Callable[[int], None] | None = None, uncounted: Callable[[str], None] | None = None
+        self,
+        count: Callable[[int], None] | None = None,
+        uncounted: Callable[[str], None] | None = None,
+        moved: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__()
         self.counted = 0
         self.uncounted_ops: Counter[str] = Counter()
         self._count = count
         self._uncounted = uncounted
+        self._moved = moved
 
     @property
     def total(self) -> float:
@@ -140,6 +159,8 @@ class FlopCount(TorchDispatchMode):
             if out is not NotImplemented:
                 return out
         out = func(*args, **kwargs)
+        if self._moved:
+            self._moved(bytes_touched(func, args, kwargs, out))
         if packet in FLOP_FORMULAS:
             flops = FLOP_FORMULAS[packet](*args, **kwargs, out_val=out)
             self.counted += flops

@@ -3,6 +3,7 @@ doctor's backward alone, the fix's timing of both paths)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,44 @@ def example_input(seen: Seen, device: torch.device) -> torch.Tensor:
 def described(t: torch.Tensor) -> str:
     """A tensor as the doctor's tables and headers name it: 'float32 (2, 3, 64, 64)'."""
     return f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
+
+
+def describe_batch(batch: Any) -> str:
+    """A batch's tensors by dtype and shape, in its structure: 'float32 (2, 3, 320, 320)' for images,
+    '[2 x float32 (3, 320, 320)]' for a list of equal ones, '{input_ids: int64 (2, 128), labels: ...}' for a
+    dict; anything else by its type's name.
+
+    Example:
+        >>> describe_batch({"pixel_values": torch.zeros(2, 3, 64, 64)})
+        '{pixel_values: float32 (2, 3, 64, 64)}'
+    """
+    if isinstance(batch, torch.Tensor):
+        return described(batch)
+    if isinstance(batch, dict):
+        return "{" + ", ".join(f"{key}: {describe_batch(value)}" for key, value in batch.items()) + "}"
+    if isinstance(batch, (list, tuple)):
+        items = [describe_batch(item) for item in batch]
+        if len(items) > 1 and len(set(items)) == 1:  # images of one size: the count, once
+            inner = f"{len(items)} x {items[0]}"
+        elif len(items) > 4:  # targets of different sizes: the first, and how many
+            inner = f"{len(items)} items: {items[0]}, ..."
+        else:
+            inner = ", ".join(items)
+        return f"[{inner}]" if isinstance(batch, list) else f"({inner})"
+    if isinstance(batch, (int, float, bool, str)) or batch is None:
+        return repr(batch)
+    return type(batch).__name__
+
+
+def describe_call(module: nn.Module, args: tuple, kwargs: dict) -> str:
+    """A call's arguments as the caller gave them, each by its parameter's name in the module's forward:
+    'images: [2 x float32 (3, 320, 320)]; targets: [2 x {boxes: float32 (3, 4), labels: int64 (3,)}]'.
+    Positions stand for the names where the forward's signature does not take the call."""
+    try:
+        arguments = inspect.signature(module.forward).bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):  # a forward without a signature to read, or a call it does not bind
+        arguments = {f"argument {i}": value for i, value in enumerate(args)} | kwargs
+    return "; ".join(f"{name}: {describe_batch(value)}" for name, value in arguments.items())
 
 
 def channels_last(x: torch.Tensor) -> bool:

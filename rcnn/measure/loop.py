@@ -129,6 +129,7 @@ def in_turn(
     settle: Settle = "step",
     seed: int = 0,
     cores: CoreUse | None = None,
+    decided: Callable[[Mapping[K, Mapping[str, Sequence[float]]]], bool] | None = None,
 ) -> dict[K, dict[str, list[float]]]:
     """Step several variants in turn: each round runs every step function once, in a fresh random order
     (``random.Random(seed).sample``), so no variant always runs first or after the same other one.
@@ -139,7 +140,9 @@ def in_turn(
     variant comes from round ``i``, paired (``rcnn.measure.stats.median_ratio``). ``TimingPolicy.fixed``
     runs a set number of rounds. The policy's deadline bounds warm-up and measuring together, a round at a
     time (TimingPolicy). ``cores``: entered around every measured round (rcnn.measure.cores), its ``share``
-    then that of the measured rounds.
+    then that of the measured rounds. ``decided``: a test of the values measured so far that ends measuring
+    once it holds, from ``policy.iterations`` rounds on (a comparison whose CI already excludes 1 needs no
+    more precision).
     """
     if not watched or not steps:
         raise ValueError("in_turn needs at least one step function and one watched value")
@@ -157,11 +160,12 @@ def in_turn(
         round_s = time.perf_counter() - began
     samples: dict[K, dict[str, list[float]]] = {name: {} for name in names}
     started = time.perf_counter()
+    rounds = 0
     while not policy.done(
         [samples[name].get(key, []) for name in names for key in watched],
         time.perf_counter() - started,
         next_s=round_s,
-    ):
+    ) and not (decided is not None and rounds >= policy.iterations and decided(samples)):
         began = time.perf_counter()
         for name in rng.sample(names, len(names)):
             with cores or contextlib.nullcontext():
@@ -169,4 +173,5 @@ def in_turn(
             for key, value in _check_watched(sample, watched, f"variant {name!r}").items():
                 samples[name].setdefault(key, []).append(value)
         round_s = time.perf_counter() - began
+        rounds += 1
     return samples

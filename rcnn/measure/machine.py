@@ -6,9 +6,11 @@ from __future__ import annotations
 import platform
 import re
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import torchvision
 
 from rcnn.measure.clock import Clock, median_ms
@@ -26,7 +28,9 @@ def cpu_model() -> str:
 
 
 def onednn_version() -> str:
-    match = re.search(r"oneDNN v([\d.]+)", torch.__config__.show())
+    """The oneDNN torch was built with: torch.__config__ names it "MKL-DNN v3.12.0" in torch 2.14 and
+    "oneDNN v..." in other builds; "n/a" where it has none."""
+    match = re.search(r"(?:oneDNN|MKL-DNN) v([\d.]+)", torch.__config__.show())
     return match.group(1) if match else "n/a"
 
 
@@ -70,39 +74,99 @@ def fingerprint(device: torch.device) -> dict:
     return env
 
 
-def matmul_size(device: torch.device) -> int:
-    """The square matmul that measures the peak: big enough to reach it, quick on a CPU."""
-    return 8192 if device.type == "cuda" else 2048
+def matmul_sizes(device: torch.device) -> tuple[int, ...]:
+    """The square products that measure the peak: big enough to reach it, quick on a CPU."""
+    return (4096, 8192) if device.type == "cuda" else (1024, 2048)
 
 
-def matmul_peak(device: torch.device, dtype: torch.dtype) -> float:
-    """The measured matmul peak in TFLOP/s of ``dtype`` on ``device``, as every ceiling here is measured."""
-    return round(measure_matmul_tflops(device, dtype, n=matmul_size(device)), 3)
+def _mm(a: torch.Tensor, b: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: torch.mm(a, b)
+
+
+def _linear_with_bias(a: torch.Tensor, b: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """``a @ b`` as nn.Linear computes it, with a bias (cuBLASLt's fused epilogue on CUDA)."""
+    weight, bias = b.t().contiguous(), torch.zeros(b.shape[1], device=b.device, dtype=b.dtype)
+    return lambda: F.linear(a, weight, bias)
+
+
+def _conv1x1(a: torch.Tensor, b: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """``a @ b`` as a 1x1 convolution: a's rows as the positions, b's columns as the output channels (oneDNN
+    on CPU, cuDNN on CUDA)."""
+    x = a.t().reshape(1, a.shape[1], a.shape[0], 1)  # (1, K, M, 1): K channels at M positions
+    weight = b.t().reshape(b.shape[1], b.shape[0], 1, 1).contiguous()  # (N, K, 1, 1)
+    return lambda: F.conv2d(x, weight)
+
+
+# The paths torch has from a matrix product to a kernel, each (a, b) -> a function computing a @ b: BLAS
+# (MKL, cuBLAS) through torch.mm, nn.Linear's bias-fused GEMM, and a convolution's (oneDNN, cuDNN). On some
+# machines one library beats another at the same product (a 2-core AMD EPYC: oneDNN's 1x1 convolution 0.333
+# TFLOP/s, MKL's mm 0.21), so a ceiling measured through one path alone is exceeded by the others' kernels.
+MATMUL_PATHS: dict[str, Callable[[torch.Tensor, torch.Tensor], Callable[[], torch.Tensor]]] = {
+    "mm": _mm,
+    "linear+bias": _linear_with_bias,
+    "conv1x1": _conv1x1,
+}
+
+
+_MEASURED: dict[tuple, dict[str, float]] = {}  # this process's measured paths, by what decides them
+
+
+def matmul_paths(device: torch.device, dtype: torch.dtype, repeats: int = 5) -> dict[str, float]:
+    """TFLOP/s of each of MATMUL_PATHS at each of ``matmul_sizes``, keyed 'mm 2048': measured, median of
+    ``repeats`` runs on random data each. The matmul peak is the fastest of them (their ``max``): no module's
+    kernels, whichever library runs them, are then expected to exceed it. Measured once per process for a
+    device, dtype, thread count and backend switches (the doctor's every run in a process reads the same
+    ceiling)."""
+    key = (
+        str(device),
+        dtype,
+        torch.get_num_threads(),
+        torch.backends.mkldnn.enabled,
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+    )
+    if key not in _MEASURED:
+        out = {}
+        for n in matmul_sizes(device):
+            a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+            for name, path in MATMUL_PATHS.items():
+                out[f"{name} {n}"] = round(tflops_of(path(a, b), 2 * n**3, device, repeats), 3)
+        _MEASURED[key] = out
+    return dict(_MEASURED[key])
 
 
 def ceilings(device: torch.device) -> dict:
     """Measured peaks: matmul TFLOP/s for each dtype the sweep can use on ``device`` (fp32 without TF32; on
-    CUDA also ``tf32``, fp32 with it: knob tf32), copy GB/s."""
+    CUDA also ``tf32``, fp32 with it: knob tf32), the fastest of the paths in ``matmul_paths`` (each path's
+    own too), and copy GB/s."""
     cuda = device.type == "cuda"
+    paths = {}
     with tf32(False):
-        matmul = {
-            name: matmul_peak(device, DTYPES[name])
-            for amp, name in AMP_DTYPES.items()
-            if amp_unavailable(amp, device) is None
-        }
+        for amp, name in AMP_DTYPES.items():
+            if amp_unavailable(amp, device) is None:
+                paths[name] = matmul_paths(device, DTYPES[name])
     if cuda:
         with tf32(True):
-            matmul["tf32"] = matmul_peak(device, torch.float32)
-    return {"matmul_tflops": matmul, "copy_gbps": round(measure_copy_gbps(device, 2048 if cuda else 256), 1)}
+            paths["tf32"] = matmul_paths(device, torch.float32)
+    return {
+        "matmul_tflops": {name: max(each.values()) for name, each in paths.items()},
+        "matmul_paths": paths,
+        "copy_gbps": copy_peak(device),
+    }
 
 
-def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, repeats: int = 5) -> float:
-    """Median TFLOP/s of an n x n x n matrix product on random data (zeros can run faster)."""
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+def copy_peak(device: torch.device) -> float:
+    """The measured copy bandwidth of ``device`` in GB/s (bytes read plus written): what a memory-bound
+    module's bytes are set against."""
+    return round(measure_copy_gbps(device, 2048 if device.type == "cuda" else 256), 1)
+
+
+def tflops_of(run: Callable[[], object], flops: int, device: torch.device, repeats: int = 5) -> float:
+    """TFLOP/s of ``run()``, doing ``flops``: the median of ``repeats`` timed runs after a burn-in (library
+    handles, kernel choice, primitive caches)."""
     clock = Clock(device)
-    # Burn-in: library handles, kernel choice
-    ms = median_ms(lambda: clock.time(lambda: a @ b), repeats=repeats)
-    return 2 * n**3 / (ms * 1e-3) / 1e12
+    ms = median_ms(lambda: clock.time(run), repeats=repeats)
+    return flops / (ms * 1e-3) / 1e12
 
 
 def measure_copy_gbps(device: torch.device, megabytes: int, repeats: int = 5) -> float:

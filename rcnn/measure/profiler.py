@@ -3,11 +3,51 @@ table of the top operators and device kernels."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
+import re
+import sys
+import tempfile
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+# What torch.profiler's Kineto prints on stderr when a CPU-only capture starts and stops (torch 2.14):
+# 'USDT:... profiler_start', '... gpuGetDeviceCount failed with code 35'. Nothing a user can act on.
+PROFILER_CHATTER = re.compile(r"^(USDT:.*profiler_(start|stop)|ERROR:.*gpuGetDeviceCount failed.*)$")
+
+
+@contextlib.contextmanager
+def captured(fd: int) -> Iterator[list[str]]:
+    """What C code writes on file descriptor ``fd`` (1: oneDNN's verbose lines; 2: Kineto's) inside, its
+    lines appended to the list on exit (C's buffers flushed first)."""
+    lines: list[str] = []
+    (sys.stdout if fd == 1 else sys.stderr).flush()
+    saved = os.dup(fd)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), fd)
+        try:
+            yield lines
+        finally:
+            ctypes.CDLL(None).fflush(None)
+            os.dup2(saved, fd)
+            os.close(saved)
+            sink.seek(0)
+            lines += sink.read().decode(errors="replace").splitlines()
+
+
+@contextlib.contextmanager
+def quiet_profiler() -> Iterator[None]:
+    """Inside, torch.profiler's start or stop prints nothing of PROFILER_CHATTER; anything else on stderr
+    is passed on."""
+    with captured(2) as lines:
+        yield
+    for line in lines:
+        if not PROFILER_CHATTER.match(line):
+            print(line, file=sys.stderr)
 
 
 def capture(
@@ -15,9 +55,15 @@ def capture(
 ) -> torch.autograd.profiler_util.EventList:
     """Profile ``steps`` calls of ``step`` (already warmed up) and return the profiler's events."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    prof = profile(activities=activities)
+    with quiet_profiler():
+        prof.__enter__()
+    try:
         for _ in range(steps):
             step()
+    finally:
+        with quiet_profiler():
+            prof.__exit__(None, None, None)
     return prof.events()
 
 
@@ -58,3 +104,29 @@ def range_table(
             for name, ms, calls in entries[:top]
         ]
     return rows
+
+
+Spent = dict[str, tuple[float, int]]  # what ran, by name: (ms, times it ran)
+
+
+def by_range(events: torch.autograd.profiler_util.EventList, prefix: str) -> dict[str, Spent]:
+    """What ran inside the ranges whose names start with ``prefix``, by the rest of the range's name (a
+    module's, for rcnn.doctor's ``backward: <module>`` ranges): each operator's self host time, and each
+    device kernel's time under the name ``kernel: <name>``, summed (ms, calls). An op belongs to the
+    innermost such range around it on its thread."""
+    out: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU or e.name.startswith(prefix):
+            continue
+        parent = e.cpu_parent
+        while parent is not None and not parent.name.startswith(prefix):
+            parent = parent.cpu_parent
+        if parent is None:
+            continue
+        spent = out[parent.name[len(prefix) :]]
+        spent[e.name][0] += e.self_cpu_time_total / 1e3
+        spent[e.name][1] += 1
+        for kernel in getattr(e, "kernels", []):
+            spent[f"kernel: {kernel.name}"][0] += kernel.duration / 1e3
+            spent[f"kernel: {kernel.name}"][1] += 1
+    return {name: {op: (ms, int(n)) for op, (ms, n) in spent.items()} for name, spent in out.items()}

@@ -112,6 +112,22 @@ def median_ratio(
     return float(ratio(x, y)), low, high
 
 
+def median_difference(
+    minuend: Sequence[float], subtrahend: Sequence[float], seed: int = 0
+) -> tuple[float, float, float]:
+    """median(minuend) - median(subtrahend) of paired values (variants stepped in turn, as ``median_ratio``),
+    with a paired bootstrap 95% CI: (difference, CI low, CI high). What one variant saves over the other."""
+    x, y = np.asarray(minuend, dtype=float), np.asarray(subtrahend, dtype=float)
+    if x.shape != y.shape:
+        raise ValueError(f"paired values need the same number of rounds, got {len(x)} and {len(y)}")
+
+    def difference(a: np.ndarray, b: np.ndarray, axis: int = -1) -> np.ndarray:
+        return _median(a, axis) - _median(b, axis)
+
+    low, high = bootstrap_ci((x, y), difference, paired=True, seed=seed)
+    return float(difference(x, y)), low, high
+
+
 def median_precision(samples: Sequence[float]) -> float:
     """Half-width of the distribution-free 95% CI of the median (order statistics), relative to the median.
 

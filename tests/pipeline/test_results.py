@@ -233,3 +233,24 @@ def test_pooled_ratios_leave_out_the_settings_with_the_automatic_fix():
     assert (both["linearize"].astype(str) == "True").any()  # compared per setting, with the fix too ...
     again = both.query("batch_size == 'all' and phase == 'head_backward'")
     assert again["ratio"].tolist() == pooled["ratio"].tolist()  # ... but the headline is the heads as written
+
+
+def test_a_head_faster_than_the_measured_peak_raises_the_ceiling_and_no_fraction_exceeds_one():
+    from pipeline.analysis import within_ceilings
+
+    trials = pd.DataFrame(
+        {
+            "amp": ["off", "off", "bf16"],
+            "tf32": ["n/a"] * 3,
+            "head_forward_tflops": [0.10, 0.20, 0.5],
+            "head_backward_tflops": [0.25, 0.05, 0.6],
+            "head_forward_peak_fraction": [0.5, 1.0, 0.5],
+            "head_backward_peak_fraction": [1.25, 0.25, 0.6],
+        }
+    )
+    fixed, raised = within_ceilings(trials, {"matmul_tflops": {"fp32": 0.2, "bf16": 1.0}})
+    assert raised == {"fp32": 0.25}  # bf16's ceiling held
+    assert fixed["head_backward_peak_fraction"].tolist() == pytest.approx([1.0, 0.2, 0.6])
+    assert fixed["head_forward_peak_fraction"].tolist() == pytest.approx([0.4, 0.8, 0.5])
+    same, none = within_ceilings(trials, {"matmul_tflops": {"fp32": 1.0, "bf16": 1.0}})
+    assert none == {} and same is trials

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from rcnn.fix import AUTO_MARGIN, Conv2dAsLinear, as_linear_class, linearize
+from rcnn.fix import Conv2dAsLinear, PathTiming, as_linear_class, linearize
 from tests.fixtures.question_heads import conv as question_conv
 
 # (conv, input shape, kind): each kind, in 1, 2 and 3 dimensions
@@ -125,13 +125,33 @@ def test_convolutions_that_are_not_gemms_are_left_alone():
     assert [type(m) for m in model] == classes
 
 
-def test_mode_auto_times_both_paths_and_keeps_the_faster():
+def test_mode_auto_times_both_paths_in_turn_and_swaps_where_the_gemm_is_shown_faster():
     model = nn.Sequential(nn.Conv2d(16, 32, 7), nn.Flatten())
     swaps = linearize(model, torch.randn(8, 16, 7, 7))
     (swap,) = swaps
-    assert swap.kind == "covers-input" and swap.conv_ms > 0 and swap.gemm_ms > 0
-    assert swap.swapped == (swap.gemm_ms < AUTO_MARGIN * swap.conv_ms)
+    assert swap.kind == "covers-input" and swap.conv_ms > 0 and swap.gemm_ms > 0 and swap.rounds >= 6
+    assert swap.ci_low <= swap.ratio <= swap.ci_high  # GEMM / conv, paired over the rounds
+    assert swap.swapped == (swap.ci_high < 1)
     assert isinstance(model[0], Conv2dAsLinear) == swap.swapped
+
+
+def timing(ratio, low, high):
+    return PathTiming(1.0, ratio, ratio, low, high, 1 - ratio, 0.0, 0.0, rounds=6)
+
+
+@pytest.mark.parametrize(
+    "low, high, swapped",
+    [(0.5, 0.7, True), (0.9, 1.05, False), (1.1, 1.3, False)],
+    ids=["gemm-shown-faster", "no-difference-shown", "conv-shown-faster"],
+)
+def test_a_swap_needs_the_gemm_shown_faster(monkeypatch, low, high, swapped):
+    from rcnn import fix
+
+    monkeypatch.setattr(fix, "time_paths", lambda *a, **k: timing((low + high) / 2, low, high))
+    model = nn.Sequential(nn.Conv2d(4, 8, 7))
+    (swap,) = linearize(model, torch.randn(2, 4, 7, 7))
+    assert swap.swapped == swapped == isinstance(model[0], Conv2dAsLinear)
+    assert (swap.ci_low, swap.ci_high) == (low, high)
 
 
 def test_bad_use_is_one_clear_value_error_and_swaps_nothing():
@@ -237,12 +257,12 @@ def test_a_declined_or_failed_swap_leaves_the_module_exactly_as_it_was(monkeypat
 
     model = nn.Sequential(nn.Conv2d(4, 8, 7), Conv2dAsLinear(8, 8, 1))
     model[1].gemm = None  # a user's choice: always the conv
-    monkeypatch.setattr(fix, "_time_paths", lambda *a, **k: (1.0, 2.0))  # the GEMM slower: declined
+    monkeypatch.setattr(fix, "time_paths", lambda *a, **k: timing(2.0, 1.8, 2.2))  # the GEMM slower
     swaps = linearize(model, torch.randn(2, 4, 7, 7))
     assert [s.swapped for s in swaps] == [False, False]
     assert type(model[0]) is nn.Conv2d and "gemm" not in vars(model[0])
     assert model[1].gemm is None
-    monkeypatch.setattr(fix, "_time_paths", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(fix, "time_paths", lambda *a, **k: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         linearize(model, torch.randn(2, 4, 7, 7))
     assert type(model[0]) is nn.Conv2d and model[1].gemm is None
@@ -277,9 +297,9 @@ def test_timings_kept_by_the_caller_time_each_convolution_once(monkeypatch):
     import rcnn.fix as fix
 
     calls = []
-    real = fix._time_paths
+    real = fix.time_paths
     monkeypatch.setattr(
-        fix, "_time_paths", lambda *args, **kwargs: calls.append(args[1]) or real(*args, **kwargs)
+        fix, "time_paths", lambda *args, **kwargs: calls.append(args[1]) or real(*args, **kwargs)
     )
     timings: dict = {}
     x = torch.randn(4, 16, 7, 7)
@@ -300,26 +320,23 @@ def test_identical_convolutions_in_one_call_share_one_timing_and_one_decision(mo
     import rcnn.fix as fix
 
     calls = []
-    times = iter([(1.0, 0.9), (1.0, 1.0), (1.0, 0.9)])  # would the second be timed, it would be declined
-    monkeypatch.setattr(fix, "_time_paths", lambda *args, **kwargs: calls.append(args[1]) or next(times))
+    # would the second be timed, it would be declined
+    times = iter([timing(0.9, 0.8, 0.95), timing(1.0, 0.9, 1.1), timing(0.9, 0.8, 0.95)])
+    monkeypatch.setattr(fix, "time_paths", lambda *args, **kwargs: calls.append(args[1]) or next(times))
     model = nn.Sequential(*[nn.Conv2d(16, 16, 1) for _ in range(3)])  # one shape, dtype and layout
     swaps = linearize(model, torch.randn(2, 16, 5, 5, requires_grad=True))  # each sees what the others see
     assert len(calls) == 1 and [s.swapped for s in swaps] == [True] * 3
     assert len({(s.conv_ms, s.gemm_ms) for s in swaps}) == 1
 
 
-def test_a_deadline_cuts_the_timings_repeats_down_to_one(monkeypatch):
+def test_a_deadline_cuts_the_timings_rounds_down_to_three():
     import time
 
     import rcnn.fix as fix
 
-    runs = []
-    real = fix.median_ms
-    monkeypatch.setattr(fix, "median_ms", lambda timed, **kw: runs.append(kw["repeats"]) or real(timed, **kw))
-    linearize(nn.Sequential(nn.Conv2d(8, 8, 7)), torch.randn(2, 8, 7, 7))
-    assert runs == [5, 5]
-    runs.clear()
+    (swap,) = linearize(nn.Sequential(nn.Conv2d(8, 8, 3)), torch.randn(2, 8, 3, 3))
+    assert swap.rounds >= fix.DECISION_POLICY.iterations
     x = torch.randn(2, 8, 7, 7)
     model = nn.Sequential(nn.Conv2d(8, 8, 7))
-    fix.linearize_with(model, lambda: model(x), deadline=time.monotonic() - 1)  # already past
-    assert runs == [1, 1]
+    (swap,) = fix.linearize_with(model, lambda: model(x), deadline=time.monotonic() - 1)  # already past
+    assert swap.rounds == 3  # a median and its CI need three

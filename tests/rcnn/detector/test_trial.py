@@ -213,6 +213,10 @@ def test_settings_that_do_not_apply_are_refused_before_any_work(monkeypatch):
     monkeypatch.setattr(bench, "build_detector", lambda *args: pytest.fail("a detector was built"))
     with pytest.raises(ValueNotAllowed, match="amp: fp16 does not apply on cpu"):
         run_trial(TINY_CONFIG, Knobs(amp="fp16"), SAMPLES, device=CPU, policy=QUICK)
+    import rcnn.measure.device
+
+    # bf16 alone applies where the CPU has it natively; without oneDNN it does not, whatever the CPU
+    monkeypatch.setattr(rcnn.measure.device, "cpu_has_native_bf16", lambda: True)
     with pytest.raises(ValueNotAllowed, match="amp with onednn: as set, does not apply on cpu"):
         run_trial(TINY_CONFIG, Knobs(amp="bf16", onednn=False), SAMPLES, device=CPU, policy=QUICK)
 
@@ -463,11 +467,11 @@ def test_the_bench_with_two_heads_prints_their_paired_ratio(capsys):
     medians = {
         m[1]: [float(v) for v in m[2].split()] for m in re.finditer(r"^(conv|linear) +([\d. ]+)$", out, re.M)
     }
-    ratios = re.search(r"linear / conv \(paired over rounds\): head_backward ([\d.]+)x \[95% CI "
+    ratios = re.search(r"conv / linear \(paired over rounds\): head_backward ([\d.]+)x \[95% CI "
                        r"(\S+), (\S+)\]; backward ([\d.]+)x .*; step ([\d.]+)x", out)  # fmt: skip
     assert ratios and set(medians) == {"conv", "linear"}, out
-    for i, phase in enumerate(bench.COMPARED):  # each ratio is the printed medians' (ratio of medians)
-        expected = medians["linear"][i] / medians["conv"][i]
+    for i, phase in enumerate(bench.COMPARED):  # the first head over the second, the printed medians' ratio
+        expected = medians["conv"][i] / medians["linear"][i]
         assert float(ratios[{0: 1, 1: 4, 2: 5}[i]]) == pytest.approx(expected, rel=0.05, abs=0.01), phase
 
 

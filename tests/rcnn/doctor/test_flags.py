@@ -1,12 +1,16 @@
+import math
 from types import SimpleNamespace
 
 import pandas as pd
+import pytest
 import torch
 from torch import nn
 
+from rcnn import fix
+from rcnn.doctor import flags as doctor_flags
 from rcnn.doctor.columns import OUTSIDE
 from rcnn.doctor.flags import flags, rank
-from rcnn.fix import linearize
+from rcnn.fix import PathTiming, linearize, linearize_with
 from rcnn.measure.inputs import Seen
 
 
@@ -17,62 +21,107 @@ class Scaled(nn.Conv2d):
         return nn.functional.conv2d(x, 2 * self.weight, self.bias)
 
 
-def seen(*shape):
-    return Seen(shape, torch.float32, torch.float32, False)
+def seen(*shape, requires_grad=True):
+    return Seen(shape, torch.float32, torch.float32, False, requires_grad)
 
 
-def table(rows):
-    """A by-module table: name -> (backward_ms, backward_gflop, peak_fraction), then the OUTSIDE row."""
-    frame = pd.DataFrame.from_dict(
-        rows, orient="index", columns=["backward_ms", "backward_gflop", "peak_fraction"]
-    )
-    frame.loc[OUTSIDE] = [0.0, 0.0, float("nan")]
+def table(calls):
+    """A by-module table: name -> calls a step, then the OUTSIDE row."""
+    frame = pd.DataFrame({"calls": calls}, dtype=float)
+    frame.loc[OUTSIDE] = [0.0]
     return frame
 
 
-def test_a_swapped_convolution_reads_as_fixed_and_its_twin_is_flagged():
+def timing(ratio, low, high, saves=1.0):
+    """A GEMM timing: GEMM / conv ``ratio`` [low, high], the GEMM saving ``saves`` ms a call [CI +-0.1]."""
+    return PathTiming(2.0, 2.0 * ratio, ratio, low, high, saves, saves - 0.1, saves + 0.1, rounds=8)
+
+
+@pytest.fixture
+def timed(monkeypatch):
+    """gemm_timing answering from a name -> PathTiming map set by the test (by the module's out_channels)."""
+    answers = {}
+
+    def gemm_timing(module, seen, *, timings=None, deadline=None):
+        return answers[module.out_channels]
+
+    monkeypatch.setattr(doctor_flags, "gemm_timing", gemm_timing)
+    return answers
+
+
+def test_a_flag_needs_the_gemm_shown_faster_and_carries_its_saving_per_step(timed):
+    model = nn.Sequential(nn.Conv2d(8, 4, 7), nn.Conv2d(8, 5, 7), nn.Conv2d(8, 6, 7))
+    timed |= {4: timing(0.4, 0.35, 0.45, saves=1.5), 5: timing(0.98, 0.9, 1.05), 6: timing(1.3, 1.2, 1.4)}
+    timer = SimpleNamespace(seen={name: seen(2, 8, 7, 7) for name in "012"})
+    found = flags(model, timer, table({"0": 2, "1": 1, "2": 1}))
+    assert found["0"].flag == "gemm-in-disguise:covers-input"
+    assert (found["0"].saves_ms, found["0"].saves_ci_low, found["0"].saves_ci_high) == pytest.approx(
+        (3, 2.8, 3.2)
+    )
+    assert "GEMM / conv 0.40 [95% CI 0.35, 0.45]" in found["0"].evidence
+    assert found["0"].evidence.endswith("fix: run it as a matrix product (rcnn.fix.linearize)")
+    # No difference shown, or the conv faster: checked, no flag, and the evidence says what was measured
+    assert found["1"].flag == "" and found["1"].evidence.startswith(
+        "checked as gemm-in-disguise:covers-input"
+    )
+    assert found["1"].evidence.endswith("no difference shown") and math.isnan(found["1"].saves_ms)
+    assert found["2"].flag == "" and found["2"].evidence.endswith("the convolution is faster")
+    assert rank(found) == ["0"]
+
+
+def test_a_swapped_convolution_reads_as_fixed_and_its_twin_is_flagged(timed):
     model = nn.Sequential(nn.Conv2d(8, 8, 7), nn.Conv2d(8, 8, 7))
+    timed[8] = timing(0.5, 0.4, 0.6)
     linearize(model[1], torch.randn(2, 8, 7, 7), mode="always")
     assert type(model[1]).__name__ == "Conv2dAsLinear"
     timer = SimpleNamespace(seen={"0": seen(2, 8, 7, 7), "1": seen(2, 8, 7, 7)})
-    found = flags(model, timer, table({"0": (1, 1, 1), "1": (1, 1, 1)}), peak_tflops=1.0)
-    assert found["0"][0] == "gemm-in-disguise:covers-input"
-    assert found["0"][1].endswith("fix: run it as a matrix product (rcnn.fix.linearize)")
-    assert found["1"][0] == "" and found["1"][1].startswith("linearized: runs as one matrix product")
-    assert rank(found, table({"0": (1, 1, 1), "1": (1, 1, 1)})) == ["0"]
+    found = flags(model, timer, table({"0": 1, "1": 1}))
+    assert found["0"].flag == "gemm-in-disguise:covers-input"
+    assert found["1"].flag == "" and found["1"].evidence.startswith("linearized: runs as one matrix product")
+    assert rank(found) == ["0"]
     # Where its input no longer qualifies it runs as the conv: what it then is, it is flagged as.
-    found = flags(model, SimpleNamespace(seen={"1": seen(2, 8, 1, 1)}), table({"1": (1, 1, 1)}), 1.0)
+    found = flags(model, SimpleNamespace(seen={"1": seen(2, 8, 1, 1)}), table({"1": 1}))
     assert "1" not in found  # a 7x7 kernel on a 1x1 input is no GEMM
 
 
-def test_a_subclass_with_its_own_forward_is_told_what_would_fix_it():
+def test_a_subclass_with_its_own_forward_is_told_what_would_fix_it(timed):
     model = nn.Sequential(Scaled(8, 8, 7))
-    found = flags(model, SimpleNamespace(seen={"0": seen(2, 8, 7, 7)}), table({"0": (1, 1, 1)}), 1.0)
-    flag, evidence = found["0"]
-    assert flag == "gemm-in-disguise:covers-input"
+    timed[8] = timing(0.5, 0.4, 0.6)
+    found = flags(model, SimpleNamespace(seen={"0": seen(2, 8, 7, 7)}), table({"0": 1}))
+    assert found["0"].flag == "gemm-in-disguise:covers-input"
+    evidence = found["0"].evidence
     assert "a Conv2d subclass with its own forward (Scaled): rcnn.fix.linearize leaves it alone" in evidence
     assert "F.linear(x.flatten(1), weight.flatten(1), bias)" in evidence
     assert "fix: run it as a matrix product (rcnn.fix.linearize)" not in evidence
 
 
-def test_contended_cores_flag_nothing_slow_for_its_flops():
-    model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 7))
-    timer = SimpleNamespace(seen={"0": seen(2, 8, 7, 7), "1": seen(2, 8, 7, 7)})
-    slow = table({"0": (5.0, 10.0, 0.01), "1": (1.0, 1.0, 0.01)})  # both far below the peak
-    assert flags(model, timer, slow, 1.0)["0"][0] == "slow-for-its-flops"
-    found = flags(model, timer, slow, 1.0, contended=True)
-    assert "0" not in found and found["1"][0] == "gemm-in-disguise:covers-input"
-
-
-def test_gemms_in_disguise_rank_first_then_by_backward_time():
+def test_flags_rank_by_what_they_save():
     found = {
-        "backbone.a": ("slow-for-its-flops", ""),
-        "backbone.b": ("slow-for-its-flops", ""),
-        "head.fc6": ("gemm-in-disguise:covers-input; slow-for-its-flops", ""),
-        "head.fc7": ("gemm-in-disguise:covers-input", ""),
-        "swapped": ("", "linearized: ..."),
+        "a": doctor_flags.Finding("gemm-in-disguise:pointwise", "", saves_ms=0.5),
+        "b": doctor_flags.Finding("gemm-in-disguise:covers-input", "", saves_ms=9.0),
+        "c": doctor_flags.Finding("", "checked as ..."),
+        "d": doctor_flags.Finding("gemm-in-disguise:patches", "", saves_ms=2.0),
     }
-    times = pd.DataFrame(
-        {"module": list(found), "backward_ms": [30.0, 50.0, 2.0, 9.0, 99.0]}
-    )  # a column, as modules.csv has it
-    assert rank(found, times) == ["head.fc7", "head.fc6", "backbone.b", "backbone.a"]
+    assert rank(found) == ["b", "d", "a"]
+
+
+def test_a_module_is_flagged_if_and_only_if_linearize_swaps_it_from_one_timing(monkeypatch):
+    """The doctor's flags and linearize's swaps read one timing per convolution through a shared dict: the
+    same decisions, each convolution timed once."""
+    model = nn.Sequential(nn.Conv2d(8, 32, 7), nn.Conv2d(32, 32, 1), nn.Conv2d(32, 32, 1))
+    x = torch.randn(4, 8, 7, 7)
+    calls = []
+    real = fix.time_paths
+    monkeypatch.setattr(fix, "time_paths", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    # what each saw in a training forward: the images need no gradient
+    timer = SimpleNamespace(
+        seen={"0": seen(4, 8, 7, 7, requires_grad=False), "1": seen(4, 32, 1, 1), "2": seen(4, 32, 1, 1)}
+    )
+    timings = {}
+    found = flags(model, timer, table({"0": 1, "1": 1, "2": 1}), timings=timings)
+    assert len(calls) == 2  # the two identical 1x1 convs at one input share a timing
+    swaps = linearize_with(model, lambda: model(x).sum(), timings=timings)
+    assert len(calls) == 2  # none timed again
+    assert {s.module for s in swaps if s.swapped} == {name for name, f in found.items() if f.flag}
+    for s in swaps:
+        assert s.ratio == found[s.module].timing.ratio and s.rounds == found[s.module].timing.rounds

@@ -209,10 +209,11 @@ def test_save_writes_the_tables_and_the_page_and_refuses_a_foreign_folder(tmp_pa
                 opt.step()
                 opt.zero_grad()
     out = tmp_path / "doctor-run"
-    assert sorted(p.name for p in w.save(out)) == ["env.json", "modules.csv", "report.html", "why.csv"]
+    written = sorted(p.name for p in w.save(out))
+    assert written == ["env.json", "modules.csv", "report.html", "trace.json", "why.csv"]
     assert '"2"' in (out / "report.html").read_text()  # the icicle's tree holds the second Linear
     env = json.loads((out / "env.json").read_text())
-    assert env["inputs"] == ["float32 (8, 16)"] and env["amp"] == "off"
+    assert env["inputs"] == ["input: float32 (8, 16)"] and env["amp"] == "off"  # nn.Sequential's argument
     assert env["ceilings"]["matmul_tflops"] == {"fp32": 1.0} and env["fingerprint"]["torch"]
     assert (
         env["summary"]["steps"] == 2 and env["summary"]["core_share"] > 0
@@ -226,7 +227,7 @@ def test_save_writes_the_tables_and_the_page_and_refuses_a_foreign_folder(tmp_pa
         w.save(foreign)
     assert sorted(p.name for p in foreign.iterdir()) == ["mine.txt"]
     printed = str(w)
-    assert "Top 15 modules" in printed and "in its own loop: float32 (8, 16)" in printed
+    assert "Top 15 modules" in printed and "in its own loop: input: float32 (8, 16)" in printed
 
 
 @pytest.mark.gpu
@@ -281,7 +282,7 @@ def test_autocast_and_channels_last_are_read_as_the_steps_ran():
             opt.zero_grad()
     env = w.env
     assert (env["amp"], env["dtype"], env["channels_last"]) == ("bf16", "bf16", True)
-    assert env["inputs"] == ["float32 (2, 3, 16, 16)"] and w.diagnosis.summary["dtype"] == "bf16"
+    assert env["inputs"] == ["input: float32 (2, 3, 16, 16)"] and w.diagnosis.summary["dtype"] == "bf16"
 
 
 def test_without_plotly_save_writes_the_tables_and_says_why_there_is_no_page(tmp_path, monkeypatch):
@@ -300,7 +301,7 @@ def test_without_plotly_save_writes_the_tables_and_says_why_there_is_no_page(tmp
             opt.zero_grad()
     with pytest.warns(UserWarning, match=r"report.html not written: .*pip install plotly"):
         written = w.save(tmp_path / "run")
-    assert sorted(p.name for p in written) == ["env.json", "modules.csv", "why.csv"]
+    assert sorted(p.name for p in written) == ["env.json", "modules.csv", "trace.json", "why.csv"]
 
 
 class SlowForward(nn.Module):
