@@ -25,17 +25,18 @@ import numpy as np
 
 from rcnn.cli import Parser, run_command
 from rcnn.detector.data import synthetic_samples
-from rcnn.detector.knobs import backend_flags, knobs_for
+from rcnn.detector.knobs import knobs_for
 from rcnn.detector.model import DetectorConfig
 from rcnn.detector.schema import BACKBONE, IMAGE_SIZE, ROIS_PER_IMAGE
-from rcnn.detector.trial import Trainer
+from rcnn.detector.trial import Trainer, side_by_side
 from rcnn.doctor.attribution import ModuleTimer
 from rcnn.doctor.columns import OUTSIDE
 from rcnn.measure.device import resolve_device
 from rcnn.measure.loop import in_turn
+from rcnn.measure.options import add_rounds_options, rounds_policy
 from rcnn.measure.settings import DEVICE
-from rcnn.measure.stats import TimingPolicy, bootstrap_ci, median_ratio
-from rcnn.rules import Rule, UserError, ValueNotAllowed
+from rcnn.measure.stats import bootstrap_ci, median_ratio
+from rcnn.rules import UserError, ValueNotAllowed
 
 HEAD_MODULES = ("roi_heads.box_head", "roi_heads.box_predictor")
 
@@ -50,10 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backbone", type=BACKBONE.arg(), metavar=BACKBONE.metavar, default="resnet18_fpn")
     parser.add_argument("--image-size", type=IMAGE_SIZE.arg(int), default=256)
     parser.add_argument("--rois-per-image", type=ROIS_PER_IMAGE.arg(int), default=128)
-    parser.add_argument("--rounds", type=Rule(minimum=3).arg(int), default=20, help="steps of each detector")
-    parser.add_argument(
-        "--warmup", type=Rule(minimum=1).arg(int), default=3, help="untimed steps of each first"
-    )
+    add_rounds_options(parser, rounds=20, warmup=3)
     args = parser.parse_args(argv)
     return run_command(lambda: _run(args))
 
@@ -90,21 +88,15 @@ def _run(args: argparse.Namespace) -> int:
 
     names = [(head, doctor) for head in ("linear", "conv") for doctor in (True, False)]
     knobs = {head: knobs_for(device, head=head) for head in ("linear", "conv")}
-    with backend_flags(knobs["linear"]):
-        trainers = {
-            (head, doctor): Trainer(config, knobs[head], samples, device=device) for head, doctor in names
-        }
+    with side_by_side(config, {name: knobs[name[0]] for name in names}, samples, device=device) as trainers:
         timers = {name: ModuleTimer(trainers[name].model, trainers[name].clock) for name in names if name[1]}
         try:
             times = in_turn(
-                {name: _stepper(trainers[name], timers.get(name)) for name in names},
-                TimingPolicy.fixed(args.rounds, warmup=args.warmup),
+                {name: _stepper(trainers[name], timers.get(name)) for name in names}, rounds_policy(args)
             )
         finally:
-            for name, trainer in trainers.items():
-                if name in timers:
-                    timers[name].remove()
-                trainer.close()
+            for timer in timers.values():
+                timer.remove()
     series = {name: {key: np.asarray(v) for key, v in phases.items()} for name, phases in times.items()}
     doctor = {head: series[head, True] for head in ("linear", "conv")}
     plain = {head: series[head, False] for head in ("linear", "conv")}

@@ -14,6 +14,7 @@ Writes the tables to --out (default reports/fix.md). Run by hand (minutes), from
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import sys
 import time
@@ -32,6 +33,7 @@ from rcnn.measure.clock import Clock
 from rcnn.measure.device import resolve_device
 from rcnn.measure.loop import in_turn
 from rcnn.measure.machine import cpu_model
+from rcnn.measure.options import add_timing_options
 from rcnn.measure.settings import DEVICE
 from rcnn.measure.stats import TimingPolicy, median_ratio
 from rcnn.outputs import check_output, project_root, text_start, write_atomic
@@ -48,6 +50,9 @@ MODELS = {  # name -> (MODEL spec, input): small inputs, so that a CPU runs them
     "resnet18": ("torchvision:resnet18", {"image_size": 128}),
     "FastRCNNHeadConv": ("detector:tests.fixtures.question_heads:conv", {"image_size": 256}),
 }
+
+# The paired steps of each model: 3 rounds of burn-in, then until precise, bounded by --max-seconds
+POLICY = TimingPolicy(warmup=3, iterations=10, max_iterations=40, max_seconds=20.0)
 
 
 def input_label(sizes: dict) -> str:
@@ -87,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--models", default=",".join(MODELS), help="comma-separated, of: " + ", ".join(MODELS)
     )
-    parser.add_argument("--max-seconds", type=float, default=20.0, help="per model, for the paired steps")
+    add_timing_options(
+        parser, defaults=POLICY, only=("max_seconds",), max_seconds_help="per model, for the paired steps"
+    )
     parser.add_argument("--out", default="reports/fix.md", help="the markdown report to write")
     args = parser.parse_args(argv)
     return run_command(lambda: _run(args))
@@ -101,7 +108,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError(f"--models: {', '.join(unknown)} not allowed; allowed: {', '.join(MODELS)}")
     device = resolve_device(args.device)
     check_output(args.out, text_start("the fix report", TITLE), root=project_root(Path.cwd()), what="--out")
-    policy = TimingPolicy(warmup=3, iterations=10, max_iterations=40, max_seconds=args.max_seconds)
+    policy = dataclasses.replace(POLICY, max_seconds=args.max_seconds)
     where = cpu_model() if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(f"{device.type} ({where}), torch {torch.__version__}, fp32, batch 2")
 

@@ -37,7 +37,7 @@ from rcnn.detector.data import Sample, synthetic_samples
 from rcnn.detector.knobs import Knobs, backend_flags, knobs_for
 from rcnn.detector.model import DetectorConfig
 from rcnn.detector.schema import BACKBONE, IMAGE_SIZE, ROIS_PER_IMAGE
-from rcnn.detector.trial import Trainer, isolated_head_ms, run_trial
+from rcnn.detector.trial import Trainer, isolated_head_ms, run_trial, side_by_side
 from rcnn.measure.device import resolve_device
 from rcnn.measure.loop import in_turn
 from rcnn.measure.settings import DEVICE
@@ -59,20 +59,14 @@ def interleaved(
     """Build one detector per entry (knobs, hooks on) and step them in turn (rcnn.measure.loop.in_turn: a
     fresh order each round), ``warmup`` rounds, then ``rounds`` measured ones: name -> phase -> per-round
     times (ms). The backend knobs (oneDNN, cuDNN) must be the same for all."""
-    with backend_flags(next(iter(knobs.values()))[0]):
-        trainers = {
-            name: Trainer(config, k, samples, device=device, seed=seed, probe=probe)
-            for name, (k, probe) in knobs.items()
-        }
-        try:
-            times = in_turn(
-                {name: trainer.stepper() for name, trainer in trainers.items()},
-                TimingPolicy.fixed(rounds, warmup=warmup),
-                seed=seed,
-            )
-        finally:
-            for trainer in trainers.values():
-                trainer.close()
+    settings = {name: k for name, (k, _) in knobs.items()}
+    probes = {name: probe for name, (_, probe) in knobs.items()}
+    with side_by_side(config, settings, samples, device=device, seed=seed, probe=probes) as trainers:
+        times = in_turn(
+            {name: trainer.stepper() for name, trainer in trainers.items()},
+            TimingPolicy.fixed(rounds, warmup=warmup),
+            seed=seed,
+        )
     return {name: {phase: np.asarray(v) for phase, v in phases.items()} for name, phases in times.items()}
 
 

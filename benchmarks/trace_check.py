@@ -30,15 +30,13 @@ from rcnn.doctor.workloads import build_workload
 from rcnn.measure.clock import Clock
 from rcnn.measure.cores import CoreUse
 from rcnn.measure.loop import in_turn
-from rcnn.measure.stats import TimingPolicy, median_ratio
-from rcnn.rules import Rule
-
-ROUNDS = Rule(minimum=3)
+from rcnn.measure.options import add_rounds_options, rounds_policy
+from rcnn.measure.stats import median_ratio
 
 
 def main(argv: list[str] | None = None) -> int:
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=ROUNDS.arg(int), default=8, help="paired rounds")
+    add_rounds_options(p, rounds=8, warmup=1)
     p.add_argument("--image-size", type=int, default=256)
     args = p.parse_args(argv)
     return run_command(lambda: run(args))
@@ -66,7 +64,7 @@ def run(args: argparse.Namespace) -> None:
     cores = CoreUse(cpu)
     times = in_turn(
         {"plain": lambda: traced(plain_step), "ranges": lambda: traced(step)},
-        TimingPolicy.fixed(args.rounds, warmup=1),
+        rounds_policy(args),
         cores=cores,
     )
     ratio, low, high = median_ratio(times["ranges"]["step"], times["plain"]["step"])

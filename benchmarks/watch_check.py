@@ -32,6 +32,7 @@ from rcnn.doctor.watching import watch
 from rcnn.doctor.workloads import build_workload
 from rcnn.measure.device import resolve_device
 from rcnn.measure.loop import in_turn
+from rcnn.measure.options import add_rounds_options, rounds_policy
 from rcnn.measure.settings import DEVICE
 from rcnn.measure.stats import TimingPolicy, median_ratio
 from rcnn.rules import Rule
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", type=DEVICE.arg(), metavar=DEVICE.metavar, default="cpu")
     parser.add_argument("--image-size", type=Rule(minimum=64, multiple_of=32).arg(int), default=256)
-    parser.add_argument("--rounds", type=Rule(minimum=3).arg(int), default=15, help="steps of each variant")
+    add_rounds_options(parser, rounds=15, warmup=2)
     parser.add_argument("--steps", type=Rule(minimum=3).arg(int), default=12, help="steps watch times")
     args = parser.parse_args(argv)
     return run_command(lambda: _run(args))
@@ -122,7 +123,7 @@ def _run(args: argparse.Namespace) -> int:
     # 2 and 3. Overhead: unwatched, watched (a watch that does not detach) and detached, in turn.
     variants = {name: copy.deepcopy(workload.model) for name in ("plain", "watched", "detached")}
     steps = {name: _loop_step(m, workload.batch, device) for name, m in variants.items()}
-    rounds = TimingPolicy.fixed(args.rounds, warmup=2)
+    rounds = rounds_policy(args)
     with watch(variants["detached"], steps=2, policy=TimingPolicy.fixed(2), peak_tflops=None) as gone:
         while not gone.detached:
             steps["detached"]()

@@ -14,11 +14,10 @@ from pathlib import Path
 
 from pipeline.common import run_stage, stage_parser, write_json
 from pipeline.params import Params, keyed
+from pipeline.results import ENV_FILE
 from rcnn.measure.device import resolve_device
 from rcnn.measure.machine import ceilings, fingerprint
-from rcnn.outputs import check_output, check_writable, json_object, project_root
-
-ENV_FILE = json_object("an env.json", "fingerprint", "ceilings")  # how --out is recognised as one it wrote
+from rcnn.outputs import check_output, check_writable, project_root
 
 
 def stage(args: argparse.Namespace, params: Params) -> None:

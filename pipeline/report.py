@@ -42,6 +42,8 @@ from pipeline.params import Params
 from pipeline.results import (
     ADDED_MODULE_COLUMNS,
     ALL_SETTINGS,
+    ENV_FILE,
+    WRITTEN,
     complete,
     fastest,
     headline_compile,
@@ -855,6 +857,18 @@ def log_to_mlflow(r: Results, out: Path, uri: str, trials_path: str) -> None:
         mlflow.log_artifact(trials_path)
 
 
+# The tables a report is rendered from, kept beside it under tables/ by these names: the report folder
+# re-renders without the sweep (python -m pipeline.report --trials reports/tables/trials.csv ...).
+TABLES = {
+    "trials": "trials.csv",
+    "comparisons": "comparisons.csv",
+    "kernels": "kernels.csv",
+    "modules": "modules.csv",
+    "summary": "summary.json",
+    "env": "env.json",
+}
+
+
 def written_files() -> dict[str, Kind]:
     """Every file the report stage writes under its folder, and how an earlier one is recognised."""
     return {
@@ -863,7 +877,16 @@ def written_files() -> dict[str, Kind]:
         BOX_HEADS_PAGE: text_start("the box heads' icicles", BOX_HEADS_START),
         **{f"figures/{f.name}.png": PNG for f in FIGURES},
         **{f"plots/{f.name}.csv": CSV for f in FIGURES},
+        **{f"tables/{name}": WRITTEN.get(role, ENV_FILE) for role, name in TABLES.items()},
     }
+
+
+def keep_tables(args: argparse.Namespace, out: Path) -> None:
+    """Copy the tables the report was rendered from into ``out``/tables (TABLES), each as it was read."""
+    for role, name in TABLES.items():
+        source = getattr(args, role)
+        if source and Path(source).resolve() != (out / "tables" / name).resolve():
+            write_atomic(out / "tables" / name, Path(source).read_text())
 
 
 def stage(args: argparse.Namespace, params: Params) -> None:
@@ -884,6 +907,7 @@ def stage(args: argparse.Namespace, params: Params) -> None:
     write_atomic(out / "report.html", to_html(text, out, r.device))
     if page := box_heads_page(r.modules):
         write_atomic(out / BOX_HEADS_PAGE, page)
+    keep_tables(args, out)
     if args.mlflow:
         log_to_mlflow(r, out, params.tracking.mlflow_uri, args.trials)
     print(f"wrote {out / 'report.md'} and {out / 'report.html'}")

@@ -59,6 +59,7 @@ WRITTEN = {
     "modules": csv_with("trial", "module", "backward_ms", "flag"),
     "summary": json_object("a summary", "trials", "complete"),
 }
+ENV_FILE = json_object("an env.json", "fingerprint", "ceilings")  # what the env stage writes
 
 
 def trial_row(measured: dict | None = None, **columns: object) -> dict:

@@ -6,12 +6,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import sys
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -52,14 +53,10 @@ from rcnn.fix import linearize_with
 from rcnn.measure.clock import BACKWARD_RANGE, Clock, ModuleSpanProbe, PeakMemory, Stopwatch
 from rcnn.measure.device import autocast, compile_forward, grad_scaler, resolve_device
 from rcnn.measure.loop import in_turn, warm_up_then_measure
+from rcnn.measure.options import add_timing_options, timing_policy
 from rcnn.measure.profiler import capture, range_table
 from rcnn.measure.settings import DEVICE
 from rcnn.measure.stats import (
-    ITERATIONS,
-    MAX_ITERATIONS,
-    MAX_SECONDS,
-    REL_PRECISION,
-    WARMUP,
     Stats,
     TimingPolicy,
     median_precision,
@@ -67,7 +64,9 @@ from rcnn.measure.stats import (
     summarize,
 )
 from rcnn.measure.step import train_step
-from rcnn.rules import UserError, ValueNotAllowed, at_least
+from rcnn.rules import UserError, ValueNotAllowed
+
+K = TypeVar("K", bound=Hashable)  # what names each setting stepped side by side
 
 
 @dataclass(frozen=True)
@@ -420,6 +419,31 @@ def isolated_head_ms(
 COMPARED = ("head_backward", "backward", "step")  # the phases several heads are set against each other in
 
 
+@contextlib.contextmanager
+def side_by_side(
+    config: DetectorConfig,
+    knobs: Mapping[K, Knobs],
+    samples: list[Sample],
+    *,
+    device: torch.device,
+    seed: int = 0,
+    probe: Mapping[K, bool] | None = None,
+) -> Iterator[dict[K, Trainer]]:
+    """One Trainer per knob setting, built side by side inside the backend flags they share (oneDNN, cuDNN:
+    the first setting's), and closed after: what steps in turn (rcnn.measure.loop.in_turn). ``probe``: per
+    setting, whether its head's hooks stay on (Trainer's ``probe``; default on)."""
+    with backend_flags(next(iter(knobs.values()))):
+        trainers: dict[K, Trainer] = {}
+        try:
+            for name, k in knobs.items():
+                on = probe.get(name, True) if probe else True
+                trainers[name] = Trainer(config, k, samples, device=device, seed=seed, probe=on)
+            yield trainers
+        finally:
+            for trainer in trainers.values():
+                trainer.close()
+
+
 def heads_in_turn(
     config: DetectorConfig,
     knobs: list[Knobs],
@@ -433,14 +457,9 @@ def heads_in_turn(
     turn, a fresh order each round, until ``policy`` says stop (rcnn.measure.loop.in_turn): head -> phase ->
     one time per round (ms). The machine's load and drift hit every head alike: two trials run one after
     the other can rank the heads the wrong way round on a shared machine."""
-    with backend_flags(knobs[0]):
-        trainers = {k.head: Trainer(config, k, samples, device=device, seed=seed) for k in knobs}
-        try:
-            steps = {head: trainer.stepper() for head, trainer in trainers.items()}
-            return in_turn(steps, policy, watched=WATCHED, seed=seed)
-        finally:
-            for trainer in trainers.values():
-                trainer.close()
+    with side_by_side(config, {k.head: k for k in knobs}, samples, device=device, seed=seed) as trainers:
+        steps = {head: trainer.stepper() for head, trainer in trainers.items()}
+        return in_turn(steps, policy, watched=WATCHED, seed=seed)
 
 
 def _print_in_turn(
@@ -526,32 +545,11 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto picks CUDA when there is a GPU",
     )
-    p.add_argument(
-        "--warmup",
-        type=WARMUP.arg(int),
-        default=TimingPolicy.warmup,
-        help="least untimed steps; more until step times settle",
-    )
-    p.add_argument(
-        "--iterations", type=ITERATIONS.arg(int), default=TimingPolicy.iterations, help="least timed steps"
-    )
-    p.add_argument(
-        "--max-iterations",
-        type=MAX_ITERATIONS.arg(int),
-        default=TimingPolicy.max_iterations,
-        help="most timed steps (>= --iterations)",
-    )
-    p.add_argument(
-        "--max-seconds",
-        type=MAX_SECONDS.arg(float),
-        default=TimingPolicy.max_seconds,
-        help="the whole run's bound in seconds (building, warm-up and measuring), precision met or not",
-    )
-    p.add_argument(
-        "--rel-precision",
-        type=REL_PRECISION.arg(float),
-        default=TimingPolicy.rel_precision,
-        help="stop once the backward medians' 95%% CI half-width is this fraction of the median",
+    add_timing_options(
+        p,
+        only=("warmup", "iterations", "max_iterations", "max_seconds", "rel_precision"),
+        max_seconds_help="the whole run's bound in seconds (building, warm-up and measuring), precision met "
+        "or not",
     )
     p.add_argument("--data", help="a COCO-format folder; default: synthetic images made in memory")
     p.add_argument(
@@ -561,18 +559,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    try:  # as timing.max_iterations in params.yaml: a bound below its floor is refused, not ignored
-        at_least(args.max_iterations, args.iterations, "--max-iterations", "--iterations")
-    except ValueNotAllowed as err:
-        parser.error(str(err))
+    args = _parser().parse_args(argv)
     return run_command(lambda: _run(args), user_errors=(FloatingPointError,))  # a diverging model: one line
 
 
 def _run(args: argparse.Namespace) -> None:
     """One trial as the flags set it, printed."""
-    deadline = time.monotonic() + args.max_seconds  # --max-seconds bounds the whole run
+    policy = timing_policy(args)  # its deadline, --max-seconds from now, bounds the whole run
     try:
         device = resolve_device(args.device)
         if args.data:
@@ -600,16 +593,6 @@ def _run(args: argparse.Namespace) -> None:
             )
         values = {name: getattr(args, name) for name in KNOB_NAMES[1:]}
         knobs = [knobs_for(device, head=head, **values) for head in heads]
-        # No --max-warmup: the default cap, raised to --warmup so that stays the least number of warm-up
-        # steps.
-        policy = TimingPolicy(
-            warmup=args.warmup,
-            max_warmup=max(args.warmup, TimingPolicy.max_warmup),
-            iterations=args.iterations,
-            max_iterations=args.max_iterations,
-            max_seconds=args.max_seconds,
-            rel_precision=args.rel_precision,
-        ).until(deadline)
         if len(knobs) > 1:
             times = heads_in_turn(config, knobs, samples, device=device, policy=policy)
         else:

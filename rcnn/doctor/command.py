@@ -29,7 +29,6 @@ import argparse
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 from rcnn.cli import Parser, run_command
@@ -37,9 +36,10 @@ from rcnn.doctor.diagnosis import Diagnosis, Fixed, diagnose, fix
 from rcnn.doctor.files import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
 from rcnn.doctor.workloads import build_workload
 from rcnn.measure.device import DTYPES, amp_unavailable, resolve_device, set_tf32
-from rcnn.measure.machine import fingerprint, matmul_paths
+from rcnn.measure.machine import copy_peak, fingerprint, matmul_paths
+from rcnn.measure.options import add_timing_options, timing_policy
 from rcnn.measure.settings import AMP, AMP_DTYPES, DEVICE, machine_name
-from rcnn.measure.stats import MAX_SECONDS, TimingPolicy
+from rcnn.measure.stats import TimingPolicy
 from rcnn.outputs import check_sqlite_url, claim_folder, project_root
 from rcnn.rules import Rule, ValueNotAllowed, first_line
 
@@ -49,6 +49,7 @@ BATCH_SIZE = Rule(minimum=1)
 IMAGE_SIZE = Rule(minimum=16)  # a zoo may ask more (the detector's FPN: a multiple of 32, at least 64)
 # --max-seconds' default: a detector's steps, its why rows and the fix's timings fit on 2 CPU cores
 RUN_SECONDS = 120.0
+POLICY = TimingPolicy(max_seconds=RUN_SECONDS)  # the timing flags' defaults
 DIAGNOSE_SHARE = 0.4  # with --fix: the diagnosis's share of --max-seconds; the fix's timings get the rest
 
 
@@ -85,13 +86,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--top", type=TOP.arg(int), default=15, help="modules to print, by their own backward time"
     )
-    p.add_argument(
-        "--max-seconds",
-        type=MAX_SECONDS.arg(float),
-        default=RUN_SECONDS,
-        help=f"the measuring's bound in seconds (default {RUN_SECONDS:g}): warm-up, the steps, the flags' "
-        "and the why rows' timings and --fix's share it, precision met or not (building the model and "
-        "measuring the machine's ceilings come before it)",
+    add_timing_options(
+        p,
+        defaults=POLICY,
+        max_seconds_help="the measuring's bound in seconds: warm-up, the steps, the flags' and the why rows' "
+        "timings and --fix's share it, precision met or not (building the model and measuring the "
+        "machine's ceilings come before it)",
     )
     p.add_argument(
         "--fix",
@@ -212,7 +212,8 @@ def _run(args: argparse.Namespace) -> None:
     )
     dtype = AMP_DTYPES[args.amp]
     paths = matmul_paths(device, DTYPES[dtype])
-    policy = TimingPolicy(max_seconds=args.max_seconds).until(time.monotonic() + args.max_seconds)
+    copy_peak(device)  # measured once per process: the diagnosis's why rows then read it, outside the bound
+    policy = timing_policy(args, defaults=POLICY)  # its deadline, --max-seconds from now, bounds the rest
     timings: dict = {}  # the flags' GEMM timings, which the fix's swaps then read: one decision each
     diagnosis = diagnose(
         workload,

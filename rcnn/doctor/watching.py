@@ -2,19 +2,14 @@
 ``print(w)``, ``w.table()``, ``w.save(folder)``. The command (``python -m rcnn.doctor``) runs its built-in
 workloads through the same watch (rcnn.doctor.diagnosis.diagnose), so both give one table.
 
-A step is found without markers. It begins with the first call into the watched model (into any of its
-modules, when nothing of it is running) after the previous step, and holds every forward of the model and
-every backward that runs the graph they built (``Tensor.backward``, seen by a torch function mode while the
-block runs): several forwards per step, and gradient accumulation over micro-batches (a forward while the
-gradients are still there continues the step). It ends at an optimizer step of an optimizer holding the
-model's parameters (torch's global optimizer hook, so GradScaler's ``step`` is one), or at the next forward
-once the gradients were reset to None, or where the block ends. A loss computed outside the model, autocast,
-GradScaler and channels-last change nothing of that. Forwards under ``no_grad`` belong to no step.
+Steps are found without markers (rcnn.doctor.steps: several forwards, gradient accumulation, a loss outside
+the model, autocast, GradScaler); this module measures them.
 
 The first step counts FLOPs by module (the counting slows it); then warm-up steps until
-``TimingPolicy.warmed_up`` their times; then ``steps`` timed steps, after which every hook comes off, and
-the rest of the loop runs as if never watched. ``w.step()`` marks a step by hand where the detection cannot
-follow (a backward through ``torch.autograd.grad``, or run in another thread).
+``TimingPolicy.warmed_up`` their times; then one step under torch.profiler (``explain``: what each module's
+backward ran, trace.json); then ``steps`` timed steps, after which every hook comes off, and the rest of the
+loop runs as if never watched. ``w.step()`` marks a step by hand where the detection cannot follow (a
+backward through ``torch.autograd.grad``, or run in another thread).
 """
 
 from __future__ import annotations
@@ -22,20 +17,19 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.overrides import TorchFunctionMode
 
 from rcnn.doctor.attribution import ModuleTimer
 from rcnn.doctor.columns import ROOT
 from rcnn.doctor.files import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
 from rcnn.doctor.remedies import remedy_for
+from rcnn.doctor.steps import StepFinder
 from rcnn.doctor.trace import StepProfile
 from rcnn.doctor.verdict import Diagnosis, tabulate
 from rcnn.measure.clock import Clock
@@ -51,9 +45,6 @@ from rcnn.rules import UserError, ValueNotAllowed
 
 MEASURED = "measured"  # peak_tflops: measure the matmul peak for the dtype the steps computed in
 STEPS_SHARE = 0.6  # of a policy's deadline: the steps' share; the verdict's timings get the rest
-# Where a step stands: none open; its forwards run; its last event was a backward of the model's graph.
-_IDLE, _FORWARD, _BACKWARD = "idle", "forward", "backward"
-_BACKWARDS = {torch.Tensor.backward, torch.autograd.backward}  # the calls that run a step's backward
 
 
 class NothingWatched(UserError):
@@ -79,40 +70,9 @@ def compiled(model: nn.Module) -> str | None:
     return None
 
 
-def _top_function_mode() -> Any:
-    """The innermost torch function mode active in this thread. torch names no public way to read it; this is
-    the one place that does."""
-    try:
-        return torch.overrides._get_current_function_mode()
-    except AttributeError:
-        return None
-
-
 def _device_of(model: nn.Module) -> torch.device:
     tensor = next(iter([*model.parameters(), *model.buffers()]), None)
     return tensor.device if tensor is not None else torch.device("cpu")
-
-
-class _Watching(TorchFunctionMode):
-    """Active for the whole block: claims for the step the autograd nodes every torch call makes while the
-    step's forwards run (inside the model, and a loss outside it), and times each backward of its graph."""
-
-    def __init__(self, watch: Watch) -> None:
-        super().__init__()
-        self.watch = watch
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        w = self.watch
-        if w.detached:
-            return func(*args, **kwargs)
-        # torch.autograd.grad: in a step marked by hand only (elsewhere it may be a penalty term in a forward)
-        if func in _BACKWARDS or (func is torch.autograd.grad and w._explicit):
-            return w._backward(func, args, kwargs)
-        out = func(*args, **kwargs)
-        if w._phase == _FORWARD:
-            w._timer.claim(out)
-        return out
 
 
 class Watch:
@@ -146,28 +106,20 @@ class Watch:
         self.clock = Clock(self.device)
         self.detached = False
         self._entered = False
-        self._phase = _IDLE
-        self._explicit = False
-        self._finished = 0  # steps ended with a backward, the FLOP-counting one included
+        self._steps = StepFinder(model, self)
+        self._done_steps = 0  # steps ended with a backward, the FLOP-counting one included
         self._warm: list[float] = []
         self._tables: list[pd.DataFrame] = []
         self._totals: dict[str, list[float]] = {"forward_ms": [], "backward_ms": []}
         self._per_step: list[tuple[int, int]] = []  # (forwards, backwards) of each measured step
-        self._forwards = self._backwards = 0  # in the open step
         self._forward_start: Any = None  # the mark of the first forward since the step's last backward
-        self._grad_forwards = self._no_grad_forwards = self._backward_calls = 0
-        self._probe: torch.Tensor | None = None  # a parameter the last backward gave a gradient
         self._counting: FlopCount | None = None
         self._flops: pd.DataFrame | None = None
         self._inputs: list[str] = []
         self._layout = False
         self._amp: str | None = None
         self._measure_started = 0.0
-        self._param_ids = {id(p) for p in model.parameters()}
-        self._holders: dict[int, bool] = {}  # optimizer id -> whether it holds the model's parameters
         self._result: tuple[Diagnosis, dict] | None = None
-        self._mode: _Watching | None = None
-        self._in_optimizer_hook = False
         self._measuring = policy.warmed_up([])  # no warm-up asked: the step after the FLOP step is timed
         self._warmup_cut = False  # warm-up ended at the policy's deadline
         self._cores = CoreUse(self.device)  # whether the timed steps had their CPU cores
@@ -175,7 +127,6 @@ class Watch:
         self._last_s = 0.0  # the last step's forward and backward, in seconds: what the next should take
         self._profile: StepProfile | None = None  # the step after warm-up, profiled (``explain``)
         self._profiled = False
-        self._called: nn.Module | None = None  # the module the step's first call went into
 
     # -- the block
 
@@ -187,25 +138,20 @@ class Watch:
         self._timer = ModuleTimer(
             self.model,
             self.clock,
-            starting=self._starting,
-            ending=self._ending,
+            starting=self._steps.call_began,
+            ending=self._steps.call_ended,
             capture=lambda module: remedy_for(module) is not None,  # what a remedy runs again alone
         )
         self._profile = StepProfile(self._timer) if self.explain else None
-        self._optimizer_hook = register_optimizer_step_post_hook(self._optimizer_stepped)
-        self._mode = _Watching(self)
-        self._mode.__enter__()
+        self._steps.attach()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self.detached:
-            if exc_type is None and not self._explicit:
-                self._end_step()  # the last step, if it ran its backward
+            if exc_type is None and not self._steps.explicit:
+                self._steps.end()  # the last step, if it ran its backward
             self._detach()
-        self._optimizer_hook.remove()
-        if self._mode is not None and _top_function_mode() is self._mode:
-            self._mode.__exit__(None, None, None)
-            self._mode = None
+        self._steps.close()
         if exc_type is None and (problem := self._nothing()):
             warnings.warn(problem, NothingWatchedWarning, stacklevel=2)
 
@@ -216,7 +162,7 @@ class Watch:
         on, and comes off where the block ends)."""
         if not self._entered or self.detached:
             return 0
-        return self._timer.hooks + 1 + (self._mode is not None)
+        return self._timer.hooks + self._steps.hooks
 
     @property
     def measured(self) -> int:
@@ -230,71 +176,38 @@ class Watch:
         if not self._entered or self.detached:
             yield
             return
-        self._end_step()
-        if self.detached:
+        with self._steps.mark():
             yield
-            return
-        self._explicit = True
-        self._begin_step()
-        try:
-            yield
-        finally:
-            self._explicit = False
-            self._end_step()
 
-    # -- events
+    # -- what rcnn.doctor.steps found (StepEvents): each step measured as its place in the run asks
 
-    def _starting(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """A call into the model begins (nothing of it running): a new step, or another forward of this."""
-        if self.detached:
-            return
-        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-            self._no_grad_forwards += 1  # no step's: it builds no graph
-            return
-        self._grad_forwards += 1
-        if not self._explicit:
-            if self._phase == _BACKWARD and (self._probe is None or self._probe.grad is None):
-                self._end_step()  # the gradients were reset: the last step is over
-            if self.detached:
-                return
-            if self._phase == _IDLE:
-                self._begin_step()
-        self._phase = _FORWARD
+    def step_began(self) -> None:
+        self._timer.begin_step()
+        self._forward_start = None
+        if self._done_steps == 0:  # the first step counts FLOPs by module: it is neither warm-up nor timed
+            self._counting = self._timer.flop_counter()
+            self._timer.count_forwards(self._counting)
+        elif self._measuring and self._profile is not None and not self._profiled:
+            self._profile.start()  # the step after warm-up: profiled, for what each module's backward ran
+        elif self._measuring:
+            self._cores.__enter__()
+            self._in_cores = True
+
+    def forward_began(self, module: nn.Module, args: tuple, kwargs: dict, first: bool) -> None:
         if self._forward_start is None:
             self._forward_start = self.clock.mark()
-        self._forwards += 1
-        if self._forwards == 1 and self._finished > 0:
-            self._called = module
-            self._seen_call(args, kwargs)
+        if first and self._done_steps > 0:
+            self._seen_call(module, args, kwargs)
         self._timer.active = True
 
-    def _ending(self, module: nn.Module) -> None:
+    def forward_ended(self) -> None:
         self._timer.active = False
 
-    def _seen_call(self, args: tuple, kwargs: dict) -> None:
-        """What the step's first forward took, and the autocast it ran under."""
-        said = describe_call(self._called or self.model, args, kwargs)
-        if said not in self._inputs and len(self._inputs) < 5:
-            self._inputs.append(said)
-        first = next(tensors((args, kwargs)), None)
-        self._layout = first is not None and channels_last(first)
-        if self._amp is None:
-            self._amp = "off"
-            kind = self.device.type
-            try:
-                if torch.is_autocast_enabled(kind):
-                    self._amp = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(
-                        torch.get_autocast_dtype(kind), "off"
-                    )
-            except (TypeError, RuntimeError):  # a device type autocast does not know
-                pass
+    def created(self, output: Any) -> None:
+        self._timer.claim(output)
 
-    def _backward(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """Run a backward; time it as the step's when it runs the graph of the step's forwards."""
-        self._backward_calls += 1
-        # No forward since the last backward: not the step's graph (inside a marked step, any backward is).
-        if self._phase != _FORWARD and not self._explicit:
-            return func(*args, **kwargs)
+    def backward(self, run: Callable[[], Any]) -> tuple[Any, bool]:
+        """Run a backward of the step, timed; whether it ran the graph of the step's forwards."""
         timer = self._timer
         before = timer.node_runs()
         start = self.clock.mark()
@@ -304,7 +217,7 @@ class Watch:
                 self._counting if self._counting is not None else contextlib.nullcontext(),
                 timer.phase_range("backward"),
             ):
-                out = func(*args, **kwargs)
+                out = run()
         finally:
             end = self.clock.mark()
             ran = timer.node_runs() > before  # else some other graph's: the step's forward goes on
@@ -314,46 +227,11 @@ class Watch:
                 timer.record_phase("forward", self._forward_start, start)
             timer.record_phase("backward", start, end)
             self._forward_start = None
-            self._backwards += 1
-            self._phase = _BACKWARD
-            self._probe = next((p for p in self.model.parameters() if p.grad is not None), None)
-        return out
+        return out, ran
 
-    def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if self.detached or self._explicit or self._phase != _BACKWARD:
-            return
-        holds = self._holders.get(id(optimizer))
-        if holds is None:
-            holds = any(id(p) in self._param_ids for group in optimizer.param_groups for p in group["params"])
-            self._holders[id(optimizer)] = holds
-        if holds:
-            self._in_optimizer_hook = True
-            try:
-                self._end_step()
-            finally:
-                self._in_optimizer_hook = False
-
-    # -- steps
-
-    def _begin_step(self) -> None:
-        self._timer.begin_step()
-        self._forwards = self._backwards = 0
-        self._forward_start = None
-        if self._finished == 0:  # the first step counts FLOPs by module: it is neither warm-up nor timed
-            self._counting = self._timer.flop_counter()
-            self._timer.count_forwards(self._counting)
-        elif self._measuring and self._profile is not None and not self._profiled:
-            self._profile.start()  # the step after warm-up: profiled, for what each module's backward ran
-        elif self._measuring:
-            self._cores.__enter__()
-            self._in_cores = True
-        self._phase = _FORWARD
-
-    def _end_step(self) -> None:
-        """Close the open step: the FLOP step, a warm-up step or a timed one; detach after the last."""
-        phase, self._phase = self._phase, _IDLE
-        if phase == _IDLE:
-            return
+    def step_ended(self, forwards: int, backwards: int) -> None:
+        """Close the step: the FLOP step, a warm-up step, the profiled one or a timed one; detach after the
+        last."""
         timer = self._timer
         timer.active = False
         timer.release_nodes()
@@ -361,15 +239,15 @@ class Watch:
             self._cores.__exit__(None, None, None)
             self._in_cores = False
         if self._profile is not None and self._profile.running:  # the profiled step: neither warm nor timed
-            self._profile.stop(keep=self._backwards > 0)
-            self._profiled = self._backwards > 0
+            self._profile.stop(keep=backwards > 0)
+            self._profiled = backwards > 0
             return
-        if self._backwards == 0:  # forwards alone: no step
+        if backwards == 0:  # forwards alone: no step
             return
         self.clock.sync()
         table, totals = timer.step_table()
         self._last_s = (totals["forward_ms"] + totals["backward_ms"]) / 1e3
-        number, self._finished = self._finished, self._finished + 1
+        number, self._done_steps = self._done_steps, self._done_steps + 1
         if number == 0:
             self._flops = timer.flop_table()
             self._counting = None
@@ -385,11 +263,30 @@ class Watch:
             if not self._tables:
                 self._measure_started = time.perf_counter()
             self._tables.append(table)
-            self._per_step.append((self._forwards, self._backwards))
+            self._per_step.append((forwards, backwards))
             for phase_name, value in totals.items():
                 self._totals[phase_name].append(value)
             if self._done():
                 self._detach()
+
+    def _seen_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """What the step's first forward took (by the forward's own argument names), and the autocast it ran
+        under."""
+        said = describe_call(module, args, kwargs)
+        if said not in self._inputs and len(self._inputs) < 5:
+            self._inputs.append(said)
+        first = next(tensors((args, kwargs)), None)
+        self._layout = first is not None and channels_last(first)
+        if self._amp is None:
+            self._amp = "off"
+            kind = self.device.type
+            try:
+                if torch.is_autocast_enabled(kind):
+                    self._amp = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(
+                        torch.get_autocast_dtype(kind), "off"
+                    )
+            except (TypeError, RuntimeError):  # a device type autocast does not know
+                pass
 
     def _done(self) -> bool:
         if self.steps is not None:
@@ -398,22 +295,14 @@ class Watch:
         return self._steps_policy.done([self._totals["backward_ms"]], elapsed, next_s=self._last_s)
 
     def _detach(self) -> None:
-        """Every hook off: the model, its nodes, the optimizer hook, and the mode once it is innermost (if it
-        is not, a mode the user entered later sits above it: it passes calls through until the block ends)."""
+        """Every hook off: the model's, its nodes', and the step finder's."""
         if self.detached:
             return
         self.detached = True
         if self._profile is not None:
             self._profile.stop(keep=False)  # a profile still open: its step never ended
         self._timer.remove()
-        # torch is iterating over the optimizer hooks while one runs: removed there, the next would fail.
-        # It returns at once from now on, and comes off where the block ends.
-        if not self._in_optimizer_hook:
-            self._optimizer_hook.remove()
-        self._probe = None
-        if self._mode is not None and _top_function_mode() is self._mode:
-            self._mode.__exit__(None, None, None)
-            self._mode = None
+        self._steps.detach()
 
     # -- results
 
@@ -422,24 +311,25 @@ class Watch:
         if self._tables:
             return None
         name = type(self.model).__name__
-        if not self._grad_forwards and self._no_grad_forwards:
+        seen = self._steps
+        if not seen.grad_forwards and seen.no_grad_forwards:
             return (
                 f"watch: {name} ran forward only under torch.no_grad or inference_mode "
-                f"({self._no_grad_forwards} calls): no graph, no backward, nothing to time; watch it in a "
+                f"({seen.no_grad_forwards} calls): no graph, no backward, nothing to time; watch it in a "
                 "training loop, where its loss runs backward"
             )
-        if not self._grad_forwards:
+        if not seen.grad_forwards:
             return (
                 f"watch: {name} ran no forward inside the block: nothing to time; run its training loop in it"
             )
-        if not self._finished:
+        if not seen.ended:
             return (
-                f"watch: {name} ran {self._grad_forwards} forwards and no backward of their graph inside "
+                f"watch: {name} ran {seen.grad_forwards} forwards and no backward of their graph inside "
                 "the block: nothing to time (a backward through torch.autograd.grad, or in another thread, "
                 "is not seen; mark each step with `with w.step():`)"
             )
         return (
-            f"watch: {name} ran {self._finished} steps inside the block, all of them the FLOP-counting one "
+            f"watch: {name} ran {seen.ended} steps inside the block, all of them the FLOP-counting one "
             f"and warm-up ({len(self._warm)}): nothing timed; run more steps inside the block"
         )
 

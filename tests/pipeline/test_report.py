@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -446,3 +447,19 @@ def test_the_report_stage_writes_the_box_heads_page_and_links_it(tmp_path, tiny_
     assert "[box_heads.html](box_heads.html)" in (out / "report.md").read_text()
     assert (out / "box_heads.html").read_text().count("Plotly.newPlot") >= 3
     assert report.main(["--params", str(tiny_params())] + report_args(folder, out) + modules) == 0  # its own
+
+
+def test_the_report_keeps_the_tables_it_was_rendered_from_and_renders_again_from_them(tmp_path, tiny_params):
+    folder = write_results(tmp_path / "results")
+    out = tmp_path / "reports"
+    modules = ["--modules", str(ROOT / "reports" / "compile-cpu-xeon" / "modules.csv")]
+    assert report.main(["--params", str(tiny_params())] + report_args(folder, out) + modules) == 0
+    tables = out / "tables"
+    assert sorted(p.name for p in tables.iterdir()) == sorted(report.TABLES.values())
+    assert (tables / "trials.csv").read_text() == (folder / "trials.csv").read_text()
+    first = (out / "report.md").read_text()
+    # The sweep's results gone: the report folder renders again from its own tables, the same text
+    shutil.rmtree(folder)
+    again = [f"--{role}={tables / name}" for role, name in report.TABLES.items()]
+    assert report.main(["--params", str(tiny_params()), *again, f"--out={out}"]) == 0
+    assert (out / "report.md").read_text() == first

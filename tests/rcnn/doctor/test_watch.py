@@ -10,7 +10,8 @@ from torch import nn
 
 from rcnn.doctor.attribution import MB
 from rcnn.doctor.columns import MODULE_COLUMNS, OUTSIDE, WHY_COLUMNS
-from rcnn.doctor.watching import NothingWatched, NothingWatchedWarning, _top_function_mode, watch
+from rcnn.doctor.steps import _Following, top_function_mode
+from rcnn.doctor.watching import NothingWatched, NothingWatchedWarning, watch
 from rcnn.measure.loop import in_turn
 from rcnn.measure.stats import TimingPolicy, median_ratio
 from rcnn.outputs import OutputError
@@ -90,7 +91,7 @@ def test_the_hooks_come_off_after_the_steps_and_the_loop_then_runs_as_unwatched(
             assert w.hooks > 0 or w.detached
             steps["watched"]()
         assert w.detached and w.hooks == 0 and _hooks(watched) == before
-        assert not isinstance(_top_function_mode(), type(w._mode) if w._mode else ())
+        assert not isinstance(top_function_mode(), _Following)
         off = in_turn({k: steps[k] for k in ("watched", "plain")}, rounds)
     assert w.diagnosis.summary["steps"] == 2
     watching, _, _ = median_ratio(on["busy"]["step"], on["plain"]["step"])
@@ -113,7 +114,7 @@ def test_two_watches_at_once_detach_each_in_its_optimizer_hook():
         assert first.detached and second.detached and first.hooks == second.hooks == 0
     assert first.diagnosis.summary["steps"] == 1 and second.diagnosis.summary["steps"] == 3
     assert _hooks(models[0]) == _hooks(models[1]) == 0
-    assert _top_function_mode() is None
+    assert top_function_mode() is None
 
 
 def test_the_bytes_saved_for_backward_by_module_each_storage_once():
@@ -154,7 +155,7 @@ def test_w_step_marks_steps_the_detection_cannot_follow(one_thread):
     assert w.table().set_index("module").loc["sleepy", "backward_ms"] == pytest.approx(
         SLEEP_S * 1e3, rel=0.05
     )
-    assert merged._finished == 1  # five steps found as one
+    assert merged._steps.ended == 1  # five steps found as one
     with watch(model, steps=2, policy=QUICK, peak_tflops=None, explain=False) as by_grad:
         for _ in range(5):
             with by_grad.step():  # a backward through torch.autograd.grad: seen inside a marked step
