@@ -57,9 +57,10 @@ def add_timing_options(
         if field == "max_seconds" and max_seconds_help:
             help_text = max_seconds_help
         default = getattr(defaults, field)
-        parser.add_argument(
-            flag(field), type=rule.arg(kind), default=default, help=f"{help_text} (default {default:g})"
-        )
+        said = f"default {default:g}" + (", or --warmup where that is more" if field == "max_warmup" else "")
+        # --max-warmup left unset (None) is raised to --warmup by timing_policy: it cannot sit below it
+        given = None if field == "max_warmup" else default
+        parser.add_argument(flag(field), type=rule.arg(kind), default=given, help=f"{help_text} ({said})")
 
 
 def timing_policy(args: argparse.Namespace, *, defaults: TimingPolicy = TimingPolicy()) -> TimingPolicy:
