@@ -53,7 +53,7 @@ from rcnn.fix import linearize_with
 from rcnn.measure.clock import BACKWARD_RANGE, Clock, ModuleSpanProbe, PeakMemory, Stopwatch
 from rcnn.measure.device import autocast, compile_forward, grad_scaler, resolve_device
 from rcnn.measure.loop import in_turn, warm_up_then_measure
-from rcnn.measure.options import add_timing_options, timing_policy
+from rcnn.measure.options import add_timing_options, check_timing_options, timing_policy
 from rcnn.measure.profiler import capture, range_table
 from rcnn.measure.settings import DEVICE
 from rcnn.measure.stats import (
@@ -559,7 +559,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    check_timing_options(parser, args)
     return run_command(lambda: _run(args), user_errors=(FloatingPointError,))  # a diverging model: one line
 
 

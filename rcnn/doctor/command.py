@@ -37,7 +37,7 @@ from rcnn.doctor.files import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
 from rcnn.doctor.workloads import build_workload
 from rcnn.measure.device import DTYPES, amp_unavailable, resolve_device, set_tf32
 from rcnn.measure.machine import copy_peak, fingerprint, matmul_paths
-from rcnn.measure.options import add_timing_options, timing_policy
+from rcnn.measure.options import add_timing_options, check_timing_options, timing_policy
 from rcnn.measure.settings import AMP, AMP_DTYPES, DEVICE, machine_name
 from rcnn.measure.stats import TimingPolicy
 from rcnn.outputs import check_sqlite_url, claim_folder, project_root
@@ -183,7 +183,9 @@ def tracking_uri() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    check_timing_options(parser, args, defaults=POLICY)
     return run_command(lambda: _run(args), user_errors=(FloatingPointError,))  # a diverging model: one line
 
 

@@ -19,7 +19,7 @@ from rcnn.measure.stats import (
     WARMUP,
     TimingPolicy,
 )
-from rcnn.rules import Rule, at_least
+from rcnn.rules import Rule, ValueNotAllowed, at_least
 
 # TimingPolicy field -> (its Rule, the value's type, help); the flag is the field's name, dashed
 OPTIONS: dict[str, tuple[Rule, type, str]] = {
@@ -61,6 +61,17 @@ def add_timing_options(
         # --max-warmup left unset (None) is raised to --warmup by timing_policy: it cannot sit below it
         given = None if field == "max_warmup" else default
         parser.add_argument(flag(field), type=rule.arg(kind), default=given, help=f"{help_text} ({said})")
+
+
+def check_timing_options(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, *, defaults: TimingPolicy = TimingPolicy()
+) -> None:
+    """Refuse, as the parser refuses a bad value (one line, exit 2, before anything runs), a bound below its
+    floor."""
+    try:
+        timing_policy(args, defaults=defaults)
+    except ValueNotAllowed as err:
+        parser.error(str(err))
 
 
 def timing_policy(args: argparse.Namespace, *, defaults: TimingPolicy = TimingPolicy()) -> TimingPolicy:
