@@ -30,7 +30,7 @@ from rcnn.doctor.columns import (
     WHY_COLUMNS,
 )
 from rcnn.doctor.explain import backward_alone, per_run
-from rcnn.doctor.flags import Finding, flags, rank
+from rcnn.doctor.flags import LINEARIZED, Finding, flags, rank
 from rcnn.measure.cores import contended
 from rcnn.measure.profiler import Spent
 from rcnn.measure.stats import median_precision
@@ -384,6 +384,8 @@ def _remedy(
     known = remedies.remedy_for(module)
     if known and name in timer.inputs:
         return remedies.measure(known, module, timer.inputs[name], device, deadline)
-    if finding:  # linearized, or checked as a GEMM and not shown faster
+    if finding and finding.evidence.startswith(LINEARIZED):  # fixed already
+        return finding.evidence
+    if finding:  # checked as a GEMM and not shown faster
         return f"{finding.evidence}; {remedies.NO_FIX}"
     return remedies.NO_FIX

@@ -35,8 +35,11 @@ def test_tables_for_a_users_model(project, capsys):
     assert modules["backward_ms"].sum() == pytest.approx(env["summary"]["backward_ms"])
     assert modules["backward_share"].sum() == pytest.approx(1)
     # The 7x7 conv on 7x7 features and the 1x1 conv on its 1x1 output are GEMMs; the padded 3x3 conv is not.
+    # fc6's GEMM is 2x faster: flagged; fc7's (0.1 ms) is flagged where shown faster, checked in any case.
     assert modules.loc["fc6", "flag"].startswith("gemm-in-disguise:covers-input")
-    assert modules.loc["fc7", "flag"].startswith("gemm-in-disguise:covers-input")
+    assert modules.loc["fc7", "flag"].startswith("gemm-in-disguise:covers-input") or modules.loc[
+        "fc7", "evidence"
+    ].startswith("checked as gemm-in-disguise:covers-input")
     assert "7x7 covers its 7x7 input" in modules.loc["fc6", "evidence"]
     assert "gemm-in-disguise" not in modules.loc["features", "flag"]
     # FLOPs: fc6 is 2 * 2 images * 16*7*7 * 64 forward; backward twice that (input and weight gradients).
