@@ -124,9 +124,15 @@ def run(*argv: str) -> subprocess.CompletedProcess:
     )
 
 
+@functools.cache
+def help_of(*argv: str) -> subprocess.CompletedProcess:
+    """What ``argv`` (a command's ``--help``) prints: run once per session, as many pages show one command."""
+    return run(*argv)
+
+
 def check_help(argv: list[str], passed: list[str]) -> None:
     """The help ``argv`` prints (exit 0) names every option in ``passed``."""
-    result = run(*argv)
+    result = help_of(*argv)
     assert result.returncode == 0, f"{shlex.join(argv)}: exit {result.returncode}\n{result.stderr[-2000:]}"
     missing = [
         flag for flag in passed if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", result.stdout)
