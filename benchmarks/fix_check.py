@@ -152,7 +152,11 @@ def _run(args: argparse.Namespace) -> int:
 
     per_module = pd.DataFrame(swaps)
     if len(per_module):
-        per_module["gemm / conv"] = (per_module["gemm_ms"] / per_module["conv_ms"]).round(2)
+        per_module["gemm / conv [95% CI]"] = [
+            f"{r:.2f} [{lo:.2f}, {hi:.2f}]"
+            for r, lo, hi in zip(per_module["ratio"], per_module["ci_low"], per_module["ci_high"])
+        ]
+        per_module = per_module.drop(columns=["ratio", "ci_low", "ci_high"])
         per_module["input_shape"] = per_module["input_shape"].map(lambda s: "x".join(map(str, s)))
     text = "\n".join(
         [
@@ -160,10 +164,9 @@ def _run(args: argparse.Namespace) -> int:
             "",
             f"`python -m benchmarks.fix_check` on {device.type} ({where}, {platform.machine()}), torch "
             f"{torch.__version__}, fp32, batch 2, untrained models, inputs as listed. `rcnn.fix.linearize` "
-            "in mode "
-            "auto: each eligible convolution is timed forward + backward both ways at its input and swapped "
-            "where the "
-            "GEMM is faster. Then the original and the fixed model are stepped in turn (forward, backward, "
+            "in mode auto: each eligible convolution is timed forward + backward both ways at its input, "
+            "stepped in turn, and swapped where the GEMM is shown faster (GEMM / conv with its paired 95% CI "
+            "under 1). Then the original and the fixed model are stepped in turn (forward, backward, "
             "optimizer) "
             "until the backward medians are known to 5% or the time runs out; ratios are after / before "
             "medians with "

@@ -40,6 +40,7 @@ from rcnn.detector.schema import BACKBONE, IMAGE_SIZE, ROIS_PER_IMAGE
 from rcnn.detector.trial import Trainer, isolated_head_ms, run_trial, side_by_side
 from rcnn.measure.device import resolve_device
 from rcnn.measure.loop import in_turn
+from rcnn.measure.options import add_rounds_options
 from rcnn.measure.settings import DEVICE
 from rcnn.measure.stats import ITERATIONS, TimingPolicy, compare, median_ratio
 from rcnn.rules import Rule, UserError, ValueNotAllowed
@@ -117,12 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backbone", type=BACKBONE.arg(), metavar=BACKBONE.metavar, default="resnet18_fpn")
     parser.add_argument("--image-size", type=IMAGE_SIZE.arg(int), default=256)
     parser.add_argument("--rois-per-image", type=ROIS_PER_IMAGE.arg(int), default=128)
-    parser.add_argument(
-        "--rounds",
-        type=Rule(minimum=3).arg(int),
-        default=40,
-        help="steps of each detector for checks 1 and 2",
-    )
+    add_rounds_options(parser, rounds=40, warmup=3)  # checks 1 and 2: steps of each detector in turn
     parser.add_argument("--checks", type=CHECKS.arg(), default="12345", help="which checks to run, e.g. 12")
     parser.add_argument(
         "--metrics-interval",
@@ -166,8 +162,12 @@ def _run(args: argparse.Namespace) -> int:
     samples = synthetic_samples(
         num_images=8, image_size=args.image_size, num_classes=config.num_classes, seed=0
     )
-    fixed = TimingPolicy(warmup=3, iterations=args.fixed, max_iterations=args.fixed, max_seconds=float("inf"))
-    adaptive = TimingPolicy(warmup=3, iterations=6, max_iterations=args.fixed, max_seconds=float("inf"))
+    fixed = TimingPolicy(
+        warmup=args.warmup, iterations=args.fixed, max_iterations=args.fixed, max_seconds=float("inf")
+    )
+    adaptive = TimingPolicy(
+        warmup=args.warmup, iterations=6, max_iterations=args.fixed, max_seconds=float("inf")
+    )
     print(f"device {device}, {config}, oneDNN {'off' if args.no_onednn else 'on'}")
 
     print(f"\n{'check':<46}{'value':>12}  target")
@@ -182,7 +182,7 @@ def _run(args: argparse.Namespace) -> int:
             samples,
             device,
             rounds=args.rounds,
-            warmup=3,
+            warmup=args.warmup,
         )
         hooks_diff = runs["conv"]["head_backward"] - runs["linear"]["head_backward"]
         ab_diff = runs["conv"]["backward"] - runs["linear"]["backward"]

@@ -185,7 +185,7 @@ def within_ceilings(trials: pd.DataFrame, ceilings: dict) -> tuple[pd.DataFrame,
     raised = {}
     for dtype, top in achieved.groupby(dtypes).max().items():
         if peaks.get(dtype) and top > peaks[dtype]:
-            raised[dtype] = round(float(top), 3)
+            raised[dtype] = float(top)  # unrounded: rounded down, a fraction would sit above 1
     if not raised:
         return trials, raised
     ceiling = dtypes.map(lambda d: raised.get(d, peaks.get(d, np.nan)))

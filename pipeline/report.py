@@ -693,8 +693,9 @@ def environment_section(r: Results, lock: Path | None) -> list[str]:
         f"Measured ceilings: matmul {ceilings.get('matmul_tflops')} TFLOP/s{_paths_said(ceilings)}, copy "
         f"{ceilings.get('copy_gbps')} GB/s."
         + (
-            f" Raised where a box head ran faster than measured: {r.raised} TFLOP/s; fractions of the peak "
-            "are against these."
+            " Raised where a box head ran faster than measured: "
+            + ", ".join(f"{dtype} {tflops:.3g}" for dtype, tflops in r.raised.items())
+            + " TFLOP/s; fractions of the peak are against these."
             if r.raised
             else ""
         ),
@@ -882,11 +883,15 @@ def written_files() -> dict[str, Kind]:
 
 
 def keep_tables(args: argparse.Namespace, out: Path) -> None:
-    """Copy the tables the report was rendered from into ``out``/tables (TABLES), each as it was read."""
+    """Copy the tables the report was rendered from into ``out``/tables (TABLES), each as it was read; an
+    earlier run's table this one had none of (no --modules) goes: it would not belong to this report.
+    check_folder has found each file there the stage's own."""
     for role, name in TABLES.items():
-        source = getattr(args, role)
-        if source and Path(source).resolve() != (out / "tables" / name).resolve():
-            write_atomic(out / "tables" / name, Path(source).read_text())
+        source, kept = getattr(args, role), out / "tables" / name
+        if not source:
+            kept.unlink(missing_ok=True)
+        elif Path(source).resolve() != kept.resolve():
+            write_atomic(kept, Path(source).read_text())
 
 
 def stage(args: argparse.Namespace, params: Params) -> None:

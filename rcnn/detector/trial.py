@@ -345,6 +345,7 @@ def run_trial(
                         policy=by_module,
                         peak_tflops=peak_tflops,
                         explain=False,
+                        timings=LINEARIZE_TIMINGS,  # its flags read the timings knob linearize swapped by
                     ).modules.to_dict("records")
         finally:
             trainer.close()

@@ -169,6 +169,8 @@ class ModuleTimer:
         self._saved_now: Counter[str] = Counter()  # module -> bytes saved for the graph being built
         self._saved_keys: set = set()  # storages already charged in that graph
         self._saved: Counter[str] = Counter()  # the step's largest graph's saved bytes by module
+        # module -> its calls this step at the input shape ``seen`` holds (what a timing alone ran at)
+        self.calls_as_seen: Counter[str] = Counter()
         self._params = {
             key for p in self.model.parameters() if (key := _storage_key(p)) is not None
         }  # the weights a layer saves are no activations
@@ -210,6 +212,10 @@ class ModuleTimer:
             has_weights = any(True for _ in module.parameters(recurse=False))
             if name not in self.seen and has_weights and (seen := Seen.of(args, output)):
                 self.seen[name] = seen
+            if name in self.seen:
+                first = next(tensors(args), None)
+                if first is not None and tuple(first.shape) == self.seen[name].input_shape:
+                    self.calls_as_seen[name] += 1
             if not self._stack:
                 self._stop_saving()
                 if self._flop_counter is not None:

@@ -1,6 +1,6 @@
 """The doctor's method on a built-in workload: its training steps run under rcnn.doctor.watching, as a
 user's own loop would (timed by module until the medians settle, FLOPs counted by module, flags set against
-the measured matmul peak, each flagged module's backward run alone: rcnn.doctor.explain); and the fix
+the measured matmul peak, a why row for each module that matters: rcnn.doctor.verdict); and the fix
 measured, the original and the linearized model stepped in turn. The step, the loops and the paired
 statistic are the measurement core's (rcnn.measure.step, .loop, .stats)."""
 
@@ -77,8 +77,8 @@ def diagnose(
     timings: dict | None = None,
 ) -> Diagnosis:
     """Run ``workload``'s training steps under rcnn.doctor.watching: FLOPs counted by module in the first,
-    then warm-up, then steps timed by module until ``policy`` says stop; flag modules, and (``explain``)
-    run each flagged module's backward alone.
+    then warm-up, a profiled step, then steps timed by module until ``policy`` says stop; flag modules where
+    a fix is measured to save time, and (``explain``) give each module that matters its why row.
 
     Args:
         workload: the model, its batch on ``device`` and its loss (rcnn.doctor.workloads.build_workload).
@@ -86,14 +86,15 @@ def diagnose(
         amp: the autocast setting the steps run under: ``off``, ``fp16`` (with GradScaler) or ``bf16``.
         policy: when warm-up ends and measuring stops (rcnn.measure.stats.TimingPolicy).
         peak_tflops: the measured matmul peak for the dtype ``amp`` computes in; None leaves peak fractions
-            NaN and flags no module slow for its FLOPs.
+            NaN.
         explain: profile a step and build the why table (rcnn.doctor.verdict); False leaves it empty.
         timings: the flags' GEMM timings, shared with ``fix`` (rcnn.fix.gemm_timing): a dict to fill, or
             None for the diagnosis's own.
 
     Returns:
         A Diagnosis: ``modules`` (rcnn.doctor.columns.MODULE_COLUMNS, one row per module and the OUTSIDE
-        row, adding up to the step), ``why`` (WHY_COLUMNS, one row per flagged module) and ``summary``.
+        row, adding up to the step), ``why`` (WHY_COLUMNS, one row per module that matters and per flag) and
+        ``summary``.
 
     Raises:
         ValueNotAllowed: keyed MODEL, when the first step fails (the model cannot take its batch).
@@ -190,6 +191,7 @@ def fix(
             policy=policy.within(FIX_SHARES["after"]),
             peak_tflops=peak_tflops,
             explain=False,
+            timings=timings,  # the declined convolutions as the swaps decided: not timed again
         )
         if by_module
         else None

@@ -16,15 +16,13 @@ NO_REPORT = f"the page draws with plotly: {pictures.INSTALL}"
 DOCTOR_FILES = re.compile(r"modules(_fixed)?\.csv|why\.csv|fix\.csv|env\.json|trace\.json|report\.html")
 
 
-def write_run(
-    folder: Path, texts: dict[str, str], earlier: list[Path], kept: tuple[Path, ...] = ()
-) -> list[Path]:
+def write_run(folder: Path, texts: dict[str, str], earlier: list[Path]) -> list[Path]:
     """Write a run's ``texts`` into ``folder`` (each atomically), then remove the files of ``earlier`` (what
-    claim_folder found: the doctor's own) that this run did not write nor keeps (``kept``): an earlier
-    --fix's tables or page would not belong to these. Returns the paths written."""
+    claim_folder found: the doctor's own) that this run did not write: an earlier --fix's tables or page
+    would not belong to these. Returns the paths written."""
     for name, text in texts.items():
         write_atomic(folder / name, text)
-    ours = {*texts, *(path.name for path in kept)}
+    ours = set(texts)
     for path in earlier:  # claim_folder's entries: the folder's plain files, by name
         if path.name not in ours:
             path.unlink(missing_ok=True)

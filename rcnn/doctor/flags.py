@@ -27,7 +27,8 @@ CHECKED = "checked"  # the evidence of an eligible convolution whose GEMM was no
 @dataclass(frozen=True)
 class Finding:
     """What the doctor found of one module: its flag ('' for none), the evidence, and for a flag what its fix
-    saves per step (ms, with its 95% CI; the timing's per-call saving times the module's calls a step)."""
+    saves per step (ms, with its 95% CI; the timing's per-call saving times the module's calls a step at the
+    input it was timed at)."""
 
     flag: str
     evidence: str
@@ -45,7 +46,7 @@ def _runs_as_gemm(module: nn.Module, input_shape: tuple[int, ...]) -> bool:
     return found is not None and found[0] == module.gemm
 
 
-def fix_for(module: nn.Module, kind: str) -> str:
+def _fix_for(module: nn.Module, kind: str) -> str:
     """What fixes a GEMM in disguise: rcnn.fix.linearize, or for a subclass it leaves alone, what would."""
     if as_linear_class(type(module)) is not None:
         return f"fix: {FIX}"
@@ -76,7 +77,10 @@ def flags(
     out: dict[str, Finding] = {}
     modules = {name or ROOT: module for name, module in model.named_modules()}
     timings = {} if timings is None else timings
-    for name, seen in timer.seen.items():
+    # the longest first: where a deadline cuts the timings short, those that matter most are decided
+    own = table["forward_ms"] + table["backward_ms"] if "forward_ms" in table else table["calls"]
+    for name in sorted(timer.seen, key=lambda n: -float(own.get(n, 0.0))):
+        seen = timer.seen[name]
         module = modules[name]
         if _runs_as_gemm(module, seen.input_shape):
             out[name] = Finding("", f"{LINEARIZED}: runs as one matrix product ({module.gemm}, rcnn.fix)")
@@ -92,12 +96,16 @@ def flags(
             out[name] = Finding("", checked, timing=timing)
             continue
         calls = float(table.loc[name, "calls"])
+        timed = float(timer.calls_as_seen.get(name, calls) or calls)
+        # what it saves at the input it was timed at: a call at another shape (an RPN head on the other FPN
+        # levels) was not timed, so it counts for nothing
+        at = f" ({timed:.3g} of its {calls:.3g} calls a step are at that input)" if timed < calls else ""
         out[name] = Finding(
             f"{GEMM_FLAG}:{kind}",
-            f"{evidence}; {timing.describe()}; {fix_for(module, kind)}",
-            saves_ms=timing.saves_ms * calls,
-            saves_ci_low=timing.saves_ci_low * calls,
-            saves_ci_high=timing.saves_ci_high * calls,
+            f"{evidence}; {timing.describe()}{at}; {_fix_for(module, kind)}",
+            saves_ms=timing.saves_ms * timed,
+            saves_ci_low=timing.saves_ci_low * timed,
+            saves_ci_high=timing.saves_ci_high * timed,
             timing=timing,
         )
     return out

@@ -623,7 +623,6 @@ h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-top: 1.2em; }
 table.doctor { border-collapse: collapse; font-size: 0.8em; }
 table.doctor th, table.doctor td { border-bottom: 1px solid #ddd; padding: 2px 6px; text-align: left;
   vertical-align: top; overflow-wrap: break-word; }
-#why td:nth-child(9), #why td:nth-child(15), #why td:nth-child(16) { min-width: 20em; }
 .note, .lead { font-size: 0.9em; } .note { color: #555; }
 .bars { display: flex; margin: 0.5em 0; font-size: 0.8em; }
 .bar { padding: 3px; overflow: hidden; white-space: nowrap; color: #fff; }
@@ -633,6 +632,11 @@ table.doctor th, table.doctor td { border-bottom: 1px solid #ddd; padding: 2px 6
 .legend .scale { display: inline-block; width: 12em; height: 0.9em; }
 .legend .swatch { display: inline-block; width: 1.2em; height: 0.9em; }
 """
+# The why table's columns of prose, wide enough to read, by their place in WHY_COLUMNS (nth-child from 1)
+_STYLE += "".join(
+    f"#why td:nth-child({WHY_COLUMNS.index(column) + 1}) {{ min-width: 20em; }}\n"
+    for column in ("ran", "bound", "remedy", "input_grad_impl", "weight_grad_impl")
+)
 
 _PAGE = """<!DOCTYPE html>
 <html lang="en">

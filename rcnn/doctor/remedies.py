@@ -14,6 +14,7 @@ The entries:
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import time
 from collections.abc import Callable
@@ -118,7 +119,12 @@ REMEDIES = (
 
 def remedy_for(module: nn.Module) -> Remedy | None:
     """The entry for ``module``'s class (or a base class of it), or None."""
-    names = {_qualified(cls) for cls in type(module).__mro__}
+    return _remedy_for_class(type(module))
+
+
+@functools.cache
+def _remedy_for_class(cls: type) -> Remedy | None:  # asked on every module call while watched: once a class
+    names = {_qualified(base) for base in cls.__mro__}
     return next((remedy for remedy in REMEDIES if names & set(remedy.classes)), None)
 
 

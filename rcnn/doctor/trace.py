@@ -13,16 +13,13 @@ https://ui.perfetto.dev and chrome://tracing.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from rcnn.doctor.attribution import ModuleTimer
 from rcnn.measure.profiler import Spent, by_range, quiet_profiler
-from rcnn.outputs import write_atomic
 
 FORWARD, BACKWARD, PHASE = "forward: ", "backward: ", "step: "  # the ranges' name prefixes
 
@@ -69,16 +66,3 @@ class StepProfile:
         with tempfile.TemporaryDirectory() as scratch:  # the profiler writes a file: read back whole
             profiler.export_chrome_trace(f"{scratch}/trace.json")
             self.trace = Path(scratch, "trace.json").read_text()
-
-
-def trace_step(timer: ModuleTimer, step: Callable[[], Any], path: str | Path) -> Path:
-    """Run ``step()`` (one training step inside ``timer.forward()`` and ``timer.backward()``, such as
-    rcnn.doctor.diagnosis.training_step's) once under a StepProfile and write its trace to ``path``."""
-    profiled = StepProfile(timer)
-    profiled.start()
-    try:
-        step()
-    finally:
-        profiled.stop()
-    write_atomic(path, profiled.trace or "")
-    return Path(path)

@@ -32,8 +32,8 @@ from rcnn.doctor.columns import (
 from rcnn.doctor.explain import backward_alone, per_run
 from rcnn.doctor.flags import LINEARIZED, Finding, flags, rank
 from rcnn.measure.cores import contended
-from rcnn.measure.profiler import Spent
-from rcnn.measure.stats import median_precision
+from rcnn.measure.profiler import KERNEL, Spent
+from rcnn.measure.stats import median_precision, partway
 
 MB = 2**20
 PRINTED_COLUMNS = [
@@ -209,9 +209,9 @@ def bound(peak_fraction: float, bandwidth_fraction: float, shared_cores: bool) -
     if shared_cores:
         return "not judged: the steps shared their cores"
     reached = []
-    if peak_fraction == peak_fraction:
+    if not math.isnan(peak_fraction):
         reached.append(f"{peak_fraction:.0%} of the matmul peak")
-    if bandwidth_fraction == bandwidth_fraction:
+    if not math.isnan(bandwidth_fraction):
         reached.append(f"{bandwidth_fraction:.0%} of the copy bandwidth")
     if not reached:
         return "not judged: no ceiling measured"
@@ -269,7 +269,8 @@ def tabulate(
     )
     peak, raised_by = ceiling(peak_tflops, table)
     table["peak_fraction"] = table["backward_tflops"] / peak if peak else math.nan
-    found = flags(model, timer, table, timings=timings, deadline=deadline)
+    # The flags' timings get half the time left; the why rows (their remedies) the rest
+    found = flags(model, timer, table, timings=timings, deadline=partway(deadline, 0.5))
     for column in ("flag", "evidence"):
         table[column] = pd.Series({name: getattr(f, column) for name, f in found.items()})
     for column in ("saves_ms", "saves_ci_low", "saves_ci_high"):
@@ -357,8 +358,12 @@ def why_table(
 
 
 def _ops(spent: Spent) -> Spent:
-    """What ran, less autograd's own events (a node's 'ConvolutionBackward0', 'AccumulateGrad'): their self
-    time is the engine's, left to 'other'."""
+    """What ran: on CUDA its kernels (device time; the ops' host time is their launches'), else the ops, less
+    autograd's own events (a node's 'ConvolutionBackward0', 'AccumulateGrad'): their self time is the
+    engine's, left to 'other'."""
+    kernels = {name: v for name, v in spent.items() if name.startswith(KERNEL)}
+    if kernels:
+        return kernels
     return {name: v for name, v in spent.items() if "::" in name and not name.startswith(AUTOGRAD_EVENTS)}
 
 

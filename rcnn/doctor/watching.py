@@ -45,6 +45,7 @@ from rcnn.rules import UserError, ValueNotAllowed
 
 MEASURED = "measured"  # peak_tflops: measure the matmul peak for the dtype the steps computed in
 STEPS_SHARE = 0.6  # of a policy's deadline: the steps' share; the verdict's timings get the rest
+MOST_INPUTS = 5  # distinct call descriptions env.json keeps
 
 
 class NothingWatched(UserError):
@@ -73,6 +74,16 @@ def compiled(model: nn.Module) -> str | None:
 def _device_of(model: nn.Module) -> torch.device:
     tensor = next(iter([*model.parameters(), *model.buffers()]), None)
     return tensor.device if tensor is not None else torch.device("cpu")
+
+
+class _Listener:
+    """What rcnn.doctor.steps tells (StepEvents), passed to a watch's own private methods: they stay off its
+    public face."""
+
+    def __init__(self, watch: Watch) -> None:
+        self.step_began, self.step_ended = watch._step_began, watch._step_ended
+        self.forward_began, self.forward_ended = watch._forward_began, watch._forward_ended
+        self.created, self.backward = watch._created, watch._backward
 
 
 class Watch:
@@ -106,7 +117,7 @@ class Watch:
         self.clock = Clock(self.device)
         self.detached = False
         self._entered = False
-        self._steps = StepFinder(model, self)
+        self._steps = StepFinder(model, _Listener(self))
         self._done_steps = 0  # steps ended with a backward, the FLOP-counting one included
         self._warm: list[float] = []
         self._tables: list[pd.DataFrame] = []
@@ -179,9 +190,10 @@ class Watch:
         with self._steps.mark():
             yield
 
-    # -- what rcnn.doctor.steps found (StepEvents): each step measured as its place in the run asks
+    # -- what rcnn.doctor.steps found (StepEvents, through _Listener): each step measured as its place in the
+    # run asks
 
-    def step_began(self) -> None:
+    def _step_began(self) -> None:
         self._timer.begin_step()
         self._forward_start = None
         if self._done_steps == 0:  # the first step counts FLOPs by module: it is neither warm-up nor timed
@@ -193,20 +205,20 @@ class Watch:
             self._cores.__enter__()
             self._in_cores = True
 
-    def forward_began(self, module: nn.Module, args: tuple, kwargs: dict, first: bool) -> None:
+    def _forward_began(self, module: nn.Module, args: tuple, kwargs: dict, first: bool) -> None:
         if self._forward_start is None:
             self._forward_start = self.clock.mark()
         if first and self._done_steps > 0:
             self._seen_call(module, args, kwargs)
         self._timer.active = True
 
-    def forward_ended(self) -> None:
+    def _forward_ended(self) -> None:
         self._timer.active = False
 
-    def created(self, output: Any) -> None:
+    def _created(self, output: Any) -> None:
         self._timer.claim(output)
 
-    def backward(self, run: Callable[[], Any]) -> tuple[Any, bool]:
+    def _backward(self, run: Callable[[], Any]) -> tuple[Any, bool]:
         """Run a backward of the step, timed; whether it ran the graph of the step's forwards."""
         timer = self._timer
         before = timer.node_runs()
@@ -229,7 +241,7 @@ class Watch:
             self._forward_start = None
         return out, ran
 
-    def step_ended(self, forwards: int, backwards: int) -> None:
+    def _step_ended(self, forwards: int, backwards: int) -> None:
         """Close the step: the FLOP step, a warm-up step, the profiled one or a timed one; detach after the
         last."""
         timer = self._timer
@@ -273,7 +285,7 @@ class Watch:
         """What the step's first forward took (by the forward's own argument names), and the autocast it ran
         under."""
         said = describe_call(module, args, kwargs)
-        if said not in self._inputs and len(self._inputs) < 5:
+        if said not in self._inputs and len(self._inputs) < MOST_INPUTS:
             self._inputs.append(said)
         first = next(tensors((args, kwargs)), None)
         self._layout = first is not None and channels_last(first)
@@ -402,8 +414,8 @@ class Watch:
 
     @property
     def diagnosis(self) -> Diagnosis:
-        """The by-module table, the why rows and the summary (built once, after the block or the last step;
-        the why rows run each flagged module's backward alone). Raises NothingWatched without a timed step."""
+        """The by-module table, the why rows and the summary (built once, after the block or the last step:
+        the flags' timings and the why rows run then). Raises NothingWatched without a timed step."""
         return self._built()[0]
 
     @property
@@ -426,7 +438,11 @@ class Watch:
     def _title(self) -> str:
         env = self.env
         where = machine_name(env["fingerprint"])
-        inputs = "; ".join(self._inputs) or "no tensors"
+        # the first step's call; a loop whose batches vary (the boxes of each image) says how many more it saw
+        inputs = self._inputs[0] if self._inputs else "no tensors"
+        if len(self._inputs) > 1:
+            more = f"{len(self._inputs) - 1}{'+' if len(self._inputs) >= MOST_INPUTS else ''}"
+            inputs += f" (and {more} other shapes of call, in env.json)"
         layout = ", channels_last" if self._layout else ""
         return (
             f"{type(self.model).__name__} on {self.device.type} ({where}), in its own loop: {inputs}, "

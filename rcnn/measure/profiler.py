@@ -107,6 +107,7 @@ def range_table(
 
 
 Spent = dict[str, tuple[float, int]]  # what ran, by name: (ms, times it ran)
+KERNEL = "kernel: "  # by_range's prefix of a device kernel's name
 
 
 def by_range(events: torch.autograd.profiler_util.EventList, prefix: str) -> dict[str, Spent]:
@@ -127,6 +128,6 @@ def by_range(events: torch.autograd.profiler_util.EventList, prefix: str) -> dic
         spent[e.name][0] += e.self_cpu_time_total / 1e3
         spent[e.name][1] += 1
         for kernel in getattr(e, "kernels", []):
-            spent[f"kernel: {kernel.name}"][0] += kernel.duration / 1e3
-            spent[f"kernel: {kernel.name}"][1] += 1
+            spent[KERNEL + kernel.name][0] += kernel.duration / 1e3
+            spent[KERNEL + kernel.name][1] += 1
     return {name: {op: (ms, int(n)) for op, (ms, n) in spent.items()} for name, spent in out.items()}

@@ -89,6 +89,20 @@ def compare(a: Sequence[float], b: Sequence[float], seed: int = 0) -> Comparison
     return Comparison(ratio=float(np.median(x) / np.median(y)), ci_low=low, ci_high=high, p_value=p_value)
 
 
+def _paired(
+    statistic: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    a: Sequence[float],
+    b: Sequence[float],
+    seed: int,
+) -> tuple[float, float, float]:
+    """``statistic(a, b)`` of paired values with its paired bootstrap 95% CI."""
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if x.shape != y.shape:
+        raise ValueError(f"paired values need the same number of rounds, got {len(x)} and {len(y)}")
+    low, high = bootstrap_ci((x, y), lambda s, t, axis=-1: statistic(s, t, axis), paired=True, seed=seed)
+    return float(statistic(x, y, -1)), low, high
+
+
 def median_ratio(
     numerator: Sequence[float], denominator: Sequence[float], seed: int = 0
 ) -> tuple[float, float, float]:
@@ -101,15 +115,7 @@ def median_ratio(
     statistic of every in-turn measurement here (the doctor's fix, the benchmarks). The CI is (NaN, NaN)
     where ``bootstrap_ci`` gives none (fewer than 3 rounds, non-finite values, nothing varies).
     """
-    x, y = np.asarray(numerator, dtype=float), np.asarray(denominator, dtype=float)
-    if x.shape != y.shape:
-        raise ValueError(f"paired values need the same number of rounds, got {len(x)} and {len(y)}")
-
-    def ratio(a: np.ndarray, b: np.ndarray, axis: int = -1) -> np.ndarray:
-        return _median(a, axis) / _median(b, axis)
-
-    low, high = bootstrap_ci((x, y), ratio, paired=True, seed=seed)
-    return float(ratio(x, y)), low, high
+    return _paired(lambda a, b, axis: _median(a, axis) / _median(b, axis), numerator, denominator, seed)
 
 
 def median_difference(
@@ -117,15 +123,7 @@ def median_difference(
 ) -> tuple[float, float, float]:
     """median(minuend) - median(subtrahend) of paired values (variants stepped in turn, as ``median_ratio``),
     with a paired bootstrap 95% CI: (difference, CI low, CI high). What one variant saves over the other."""
-    x, y = np.asarray(minuend, dtype=float), np.asarray(subtrahend, dtype=float)
-    if x.shape != y.shape:
-        raise ValueError(f"paired values need the same number of rounds, got {len(x)} and {len(y)}")
-
-    def difference(a: np.ndarray, b: np.ndarray, axis: int = -1) -> np.ndarray:
-        return _median(a, axis) - _median(b, axis)
-
-    low, high = bootstrap_ci((x, y), difference, paired=True, seed=seed)
-    return float(difference(x, y)), low, high
+    return _paired(lambda a, b, axis: _median(a, axis) - _median(b, axis), minuend, subtrahend, seed)
 
 
 def median_precision(samples: Sequence[float]) -> float:
@@ -252,6 +250,15 @@ class TimingPolicy:
 def settled(policy: TimingPolicy, warmup: Sequence[float]) -> bool:
     """Warm-up ended by the policy's own rules (settled, or max_warmup), not its deadline's."""
     return dataclasses.replace(policy, deadline=None).warmed_up(warmup)
+
+
+def partway(deadline: float | None, fraction: float) -> float | None:
+    """The time ``fraction`` of the way from now to ``deadline`` (``time.monotonic()`` seconds; None: none):
+    one part's share of a bound, the rest left to what follows."""
+    if deadline is None:
+        return None
+    now = time.monotonic()
+    return now + fraction * max(deadline - now, 0.0)
 
 
 def runs_within(most: int, run_s: float, deadline: float | None, *, least: int = 1) -> int:

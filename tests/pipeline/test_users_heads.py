@@ -95,7 +95,7 @@ def test_the_linearize_knob_measures_a_head_with_and_without_the_fix(tmp_path, t
     assert (trials.xs(False, level="linearize")["swapped"].fillna("") == "").all()
     for head in ("conv", QUESTION["conv"]):  # the built-in conv head and the user's, alike
         swapped = trials.loc[(head, True), "swapped"]
-        # mode auto: those of the eligible convolutions where the GEMM was clearly faster at this tiny size
+        # mode auto: those of the eligible convolutions where the GEMM was shown faster (95% CI) at this size
         assert pd.isna(swapped) or all(
             name.startswith(("roi_heads.", "backbone.", "rpn.")) for name in swapped.split()
         )

@@ -340,3 +340,4 @@ def test_a_deadline_cuts_the_timings_rounds_down_to_three():
     model = nn.Sequential(nn.Conv2d(8, 8, 7))
     (swap,) = fix.linearize_with(model, lambda: model(x), deadline=time.monotonic() - 1)  # already past
     assert swap.rounds == 3  # a median and its CI need three
+    assert not swap.swapped  # too few rounds to decide: the conv stays as written

@@ -96,9 +96,10 @@ def test_the_reference_loops_verdicts_hold():
     top = modules.drop(index=OUTSIDE)["backward_ms"].idxmax()
     assert top in why.index and why.loc[top, "ran"] and why.loc[top, "bound"] and why.loc[top, "remedy"]
     assert f"- {top} (" in printed
-    # RoIAlign, known to the doctor: what its backward does and which of its parameters change its cost
-    roi = why.loc["roi_heads.box_roi_pool", "remedy"] if "roi_heads.box_roi_pool" in why.index else ""
-    assert not roi or ("sampling_ratio 1 (was 2)" in roi and "half the RoIs" in roi and "95% CI" in roi)
+    # RoIAlign (a third of this backward on a CPU), known to the doctor: what its backward does and which of
+    # its parameters change its cost, measured
+    roi = why.loc["roi_heads.box_roi_pool", "remedy"]
+    assert "sampling_ratio 1 (was 2)" in roi and "half the RoIs" in roi and "95% CI" in roi
     # No fraction of the peak above 1, in the table or the printout
     assert (modules["peak_fraction"].dropna() <= 1).all()
     assert w.diagnosis.summary["peak_tflops"] >= modules["backward_tflops"].max()

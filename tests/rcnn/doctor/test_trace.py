@@ -9,7 +9,7 @@ from torch import nn
 from rcnn.doctor.attribution import ModuleTimer
 from rcnn.doctor.columns import OUTSIDE, ROOT
 from rcnn.doctor.diagnosis import training_step
-from rcnn.doctor.trace import BACKWARD, FORWARD, PHASE, trace_step
+from rcnn.doctor.trace import BACKWARD, FORWARD, PHASE, StepProfile
 from rcnn.doctor.workloads import Workload
 from rcnn.measure.clock import Clock
 
@@ -39,9 +39,12 @@ def traced(tmp_path):
     timer = ModuleTimer(model, Clock(CPU))
     step = training_step(workload, model, device=CPU, amp="off", timer=timer)
     step()  # warm
-    path = trace_step(timer, step, tmp_path / "trace.json")
+    profiled = StepProfile(timer)
+    profiled.start()
+    step()
+    profiled.stop()
     timer.remove()
-    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    events = [e for e in json.loads(profiled.trace)["traceEvents"] if e.get("ph") == "X"]
     return events, timer
 
 
@@ -85,3 +88,22 @@ def test_ranges_nest_and_forward_ops_sit_in_their_module(tmp_path):
     around = [r["name"] for r in ranges if r["name"].startswith(FORWARD) and inside(conv, r)]
     assert around == [f"{FORWARD}conv"] or sorted(around) == sorted([f"{FORWARD}(model)", f"{FORWARD}conv"])
     assert sum(r["name"] == f"{FORWARD}shared" for r in ranges) == 2  # called twice
+
+
+def test_the_profiled_step_says_what_each_modules_backward_ran(tmp_path):
+    """StepProfile.ran (rcnn.measure.profiler.by_range): each op of the backward in its module's range."""
+    model = Twice()
+    workload = Workload("twice", model, torch.randn(2, 3, 8, 8), lambda m, x: m(x).square().mean())
+    timer = ModuleTimer(model, Clock(CPU))
+    step = training_step(workload, model, device=CPU, amp="off", timer=timer)
+    step()
+    profiled = StepProfile(timer)
+    profiled.start()
+    step()
+    profiled.stop()
+    timer.remove()
+    ran = profiled.ran
+    assert "aten::convolution_backward" in ran["conv"]
+    assert ran["shared"]["aten::mm"][1] >= 4  # two calls, each an input and a weight gradient
+    assert "aten::threshold_backward" in ran["relu"] and "aten::mm" not in ran["relu"]
+    assert all(ms >= 0 and n >= 1 for ops in ran.values() for ms, n in ops.values())

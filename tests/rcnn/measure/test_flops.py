@@ -92,3 +92,15 @@ def test_the_callbacks_see_each_count():
 )
 def test_compute_ops_are_told_by_name(name, compute):
     assert is_compute_op(name) is compute
+
+
+def test_bytes_touched_counts_what_each_call_reads_and_writes_and_views_nothing():
+    from rcnn.measure.flops import FlopCount, bytes_touched
+
+    x = torch.randn(8, 16)
+    assert bytes_touched(torch.ops.aten.add.Tensor, (x, x), {}, x + x) == 3 * 8 * 16 * 4
+    assert bytes_touched(torch.ops.aten.t.default, (x,), {}, x.t()) == 0  # a view moves nothing
+    moved = []
+    with FlopCount(moved=moved.append):
+        torch.relu(x)
+    assert sum(moved) == 2 * 8 * 16 * 4  # read x, wrote its result

@@ -230,3 +230,22 @@ def test_the_policy_itself_ends_warm_up_and_measuring_for_its_deadline():
     assert soon.done([[2000.0] * 3], elapsed_s=0.0)  # the next would end past it; 3 are enough
     assert not soon.done([[2000.0] * 2], elapsed_s=0.0)  # not yet the least a median needs
     assert not policy.done([[2000.0] * 3], elapsed_s=0.0) and not policy.warmed_up([1e9])
+
+
+def test_a_decided_comparison_stops_measuring_from_the_policys_least_rounds_on():
+
+    steps = {
+        "a": lambda: {"step": 1.0 + random.random() * 0.01},
+        "b": lambda: {"step": 2.0 + random.random() * 0.01},
+    }
+    policy = TimingPolicy(
+        warmup=0, max_warmup=0, iterations=6, max_iterations=30, max_seconds=60, rel_precision=1e-9
+    )
+
+    def decided(samples) -> bool:
+        _, low, high = median_ratio(samples["a"]["step"], samples["b"]["step"])
+        return high < 1 or low > 1
+
+    times = in_turn(steps, policy, decided=decided)
+    assert len(times["a"]["step"]) == 6  # decided at once, after the least rounds
+    assert len(in_turn(steps, policy)["a"]["step"]) == 30  # undecided by precision: to the bound

@@ -118,3 +118,14 @@ def test_a_fixed_policy_runs_exactly_its_steps_however_the_times_fall():
     assert stops == [False] * 4 + [True]
     assert policy.done([[5.0, 90.0, 1.0, 40.0]], elapsed_s=0.0)  # noisy, no time spent: still the 4th stops
     assert TimingPolicy.fixed(1).warmed_up([])  # no warm-up at all
+
+
+def test_the_paired_difference_and_its_ci_resample_rounds_together():
+    from rcnn.measure.stats import median_difference
+
+    slow = [10.0, 12.0, 11.0, 30.0, 10.5, 11.5]  # a round hit by load hits both variants
+    fast = [8.0, 10.0, 9.0, 28.0, 8.5, 9.5]
+    diff, low, high = median_difference(slow, fast)
+    assert diff == pytest.approx(np.median(slow) - np.median(fast)) and low <= diff <= high and low > 0
+    with pytest.raises(ValueError, match="same number of rounds"):
+        median_difference([1.0, 2.0], [1.0])

@@ -1,0 +1,47 @@
+"""The verdict's rules alone: which modules matter, what bounds a backward, the ceiling nothing exceeds."""
+
+import math
+
+import pandas as pd
+import pytest
+
+from rcnn.doctor.columns import OUTSIDE
+from rcnn.doctor.verdict import bound, ceiling, matters
+
+
+def table(backward_ms: dict[str, float]) -> pd.DataFrame:
+    total = sum(backward_ms.values())
+    return pd.DataFrame(
+        {
+            "module": list(backward_ms),
+            "backward_ms": list(backward_ms.values()),
+            "backward_share": [ms / total for ms in backward_ms.values()],
+        }
+    )
+
+
+def test_the_modules_that_matter_are_the_three_longest_and_any_over_five_percent():
+    own = {"a": 40.0, "b": 20.0, "c": 10.0, "d": 9.0, "e": 1.0, OUTSIDE: 90.0, "idle": 0.0}
+    assert matters(table(own)) == ["a", "b", "c", "d"]  # d: 5.1% of the backward; the OUTSIDE row: no module
+    assert matters(table({"only": 3.0, "none": 0.0})) == ["only"]  # nothing without backward time
+
+
+@pytest.mark.parametrize(
+    "peak, bandwidth, said",
+    [
+        (0.7, 0.1, "compute-bound (70% of the matmul peak, 10% of the copy bandwidth)"),
+        (0.0, 0.6, "memory-bound (0% of the matmul peak, 60% of the copy bandwidth)"),
+        (0.04, 0.02, "bound by neither FLOPs nor bytes (4% of the matmul peak, 2% of the copy bandwidth)"),
+        (math.nan, 0.02, "bound by neither FLOPs nor bytes (2% of the copy bandwidth)"),
+        (math.nan, math.nan, "not judged: no ceiling measured"),
+    ],
+)
+def test_what_bounds_a_backward(peak, bandwidth, said):
+    assert bound(peak, bandwidth, shared_cores=False) == said
+    assert bound(peak, bandwidth, shared_cores=True) == "not judged: the steps shared their cores"
+
+
+def test_the_ceiling_is_raised_to_the_fastest_module_and_never_by_the_outside_row():
+    modules = pd.DataFrame({"backward_tflops": [0.2, 0.5, 9.0]}, index=["a", "b", OUTSIDE])
+    assert ceiling(0.3, modules) == (0.5, "b")
+    assert ceiling(0.6, modules) == (0.6, "")
