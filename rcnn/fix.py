@@ -5,9 +5,9 @@ convolution's input, then swaps, in place, each Conv1d/2d/3d that is a GEMM at t
 ``covers-input`` (the kernel covers the input: F.linear on the flattened input), ``patches`` (stride equal to
 the kernel: non-overlapping patches as the rows of one F.linear) and ``pointwise`` (1x1 at stride 1: a matrix
 product over channels). In ``mode="auto"`` each eligible module's forward + backward is timed both ways at the
-shape, dtype, layout and device it saw, stepped in turn (the project's paired method), and the GEMM kept where
-it is shown faster, its ratio's 95% CI under 1 (as cudnn.benchmark picks algorithms, but per module, and with
-a CI); where no difference is shown the convolution stays as written. ``mode="always"`` swaps every eligible
+shape, dtype, layout and device it saw, stepped in turn (the project's paired method), and the convolution
+kept only where it is shown faster, its ratio's 95% CI over 1 (as cudnn.benchmark picks algorithms, but per
+module, and with a CI); where the GEMM is shown faster, or no difference is shown, the GEMM takes its place. ``mode="always"`` swaps every eligible
 one.
 
 A swapped module changes class only: to a subclass of its own (``nn.Conv2d`` -> ``Conv2dAsLinear``), so it is
@@ -187,13 +187,25 @@ class PathTiming:
         return self.decided and self.ci_high < 1
 
     @property
+    def conv_faster(self) -> bool:
+        """The convolution shown faster: the ratio's CI lies over 1, however few the rounds (keeping a
+        convolution as written risks nothing)."""
+        return self.ci_low > 1
+
+    @property
+    def swaps(self) -> bool:
+        """linearize's decision: swap unless the convolution was shown faster. Where no difference was shown
+        the GEMM, the form the fix aims for, costs nothing measured; a flag needs more (``gemm_faster``)."""
+        return not self.conv_faster
+
+    @property
     def verdict(self) -> str:
+        if self.conv_faster:
+            return "the convolution is faster"
         if not self.decided:
             return f"not decided: {self.rounds} rounds before the deadline, {DECIDING_ROUNDS} needed"
         if self.gemm_faster:
             return "the GEMM is faster"
-        if self.ci_low > 1:
-            return "the convolution is faster"
         return "no difference shown"
 
     def describe(self) -> str:
@@ -370,8 +382,8 @@ def linearize_with(
     """``linearize`` with the example forward as a function (a detector's, with its targets and loss).
 
     In mode auto each eligible convolution is timed both ways, in turn, at its input (``gemm_timing``) and
-    swapped where the GEMM is shown faster (the ratio's 95% CI under 1); where it is not, the convolution
-    stays as written. Identical convolutions at identical inputs and backend switches share one timing, so
+    swapped unless the convolution is shown faster (the ratio's 95% CI over 1): where the GEMM is shown
+    faster (the doctor flags these) and where no difference is shown. Identical convolutions at identical inputs and backend switches share one timing, so
     one decision. ``timings``: a dict the caller keeps to share them across calls too (models that share a
     backbone time it once; the doctor's flags and its fix); None: within this call. ``deadline``
     (``time.monotonic()`` seconds, None: none): the timings take fewer rounds, down to three, where theirs
@@ -392,7 +404,7 @@ def linearize_with(
         timing = (
             gemm_timing(module, input_seen, timings=timings, deadline=deadline) if mode == "auto" else None
         )
-        swapped = timing is None or timing.gemm_faster
+        swapped = timing is None or timing.swaps
         if swapped:  # else declined: the module stays exactly as it was
             module.__class__, module.gemm = cls, kind
             vars(module).pop("_gemm_at", None)
@@ -418,7 +430,7 @@ def linearize(
         model: any module; changed in place, each swapped convolution to its AsLinear subclass.
         *example_args, **example_kwargs: a batch the model takes, ``model(*example_args, **example_kwargs)``;
             one forward runs on it (buffers such as BatchNorm's running stats are left as they were).
-        mode: ``"auto"`` swaps where the GEMM's forward + backward, timed in turn with the convolution's at
+        mode: ``"auto"`` swaps unless the convolution's forward + backward, timed in turn with the GEMM's at
             that shape, dtype, layout and device, is faster with a 95% CI that excludes 1 (``gemm_timing``);
             ``"always"`` swaps every eligible one.
         timings: the timings to decide from and add to (``linearize_with``): a watch's (``w.timings``, after

@@ -1,4 +1,5 @@
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -125,13 +126,13 @@ def test_convolutions_that_are_not_gemms_are_left_alone():
     assert [type(m) for m in model] == classes
 
 
-def test_mode_auto_times_both_paths_in_turn_and_swaps_where_the_gemm_is_shown_faster():
+def test_mode_auto_times_both_paths_in_turn_and_keeps_the_conv_only_where_it_is_shown_faster():
     model = nn.Sequential(nn.Conv2d(16, 32, 7), nn.Flatten())
     swaps = linearize(model, torch.randn(8, 16, 7, 7))
     (swap,) = swaps
     assert swap.kind == "covers-input" and swap.conv_ms > 0 and swap.gemm_ms > 0 and swap.rounds >= 6
     assert swap.ci_low <= swap.ratio <= swap.ci_high  # GEMM / conv, paired over the rounds
-    assert swap.swapped == (swap.ci_high < 1)
+    assert swap.swapped == (swap.ci_low <= 1)
     assert isinstance(model[0], Conv2dAsLinear) == swap.swapped
 
 
@@ -141,10 +142,10 @@ def timing(ratio, low, high):
 
 @pytest.mark.parametrize(
     "low, high, swapped",
-    [(0.5, 0.7, True), (0.9, 1.05, False), (1.1, 1.3, False)],
+    [(0.5, 0.7, True), (0.9, 1.05, True), (1.1, 1.3, False)],
     ids=["gemm-shown-faster", "no-difference-shown", "conv-shown-faster"],
 )
-def test_a_swap_needs_the_gemm_shown_faster(monkeypatch, low, high, swapped):
+def test_the_conv_stays_only_where_it_is_shown_faster(monkeypatch, low, high, swapped):
     from rcnn import fix
 
     monkeypatch.setattr(fix, "time_paths", lambda *a, **k: timing((low + high) / 2, low, high))
@@ -321,7 +322,7 @@ def test_identical_convolutions_in_one_call_share_one_timing_and_one_decision(mo
 
     calls = []
     # would the second be timed, it would be declined
-    times = iter([timing(0.9, 0.8, 0.95), timing(1.0, 0.9, 1.1), timing(0.9, 0.8, 0.95)])
+    times = iter([timing(0.9, 0.8, 0.95), timing(1.2, 1.1, 1.3), timing(0.9, 0.8, 0.95)])
     monkeypatch.setattr(fix, "time_paths", lambda *args, **kwargs: calls.append(args[1]) or next(times))
     model = nn.Sequential(*[nn.Conv2d(16, 16, 1) for _ in range(3)])  # one shape, dtype and layout
     swaps = linearize(model, torch.randn(2, 16, 5, 5, requires_grad=True))  # each sees what the others see
@@ -340,4 +341,18 @@ def test_a_deadline_cuts_the_timings_rounds_down_to_three():
     model = nn.Sequential(nn.Conv2d(8, 8, 7))
     (swap,) = fix.linearize_with(model, lambda: model(x), deadline=time.monotonic() - 1)  # already past
     assert swap.rounds == 3  # a median and its CI need three
-    assert not swap.swapped  # too few rounds to decide: the conv stays as written
+    assert swap.swapped == (swap.ci_low <= 1)  # too few rounds to flag; the conv stays only if shown faster
+
+
+@pytest.mark.parametrize(
+    "low, high, rounds, flagged, swapped, verdict",
+    [
+        (0.5, 0.7, 6, True, True, "the GEMM is faster"),
+        (0.5, 0.7, 3, False, True, "not decided: 3 rounds before the deadline, 6 needed"),
+        (0.9, 1.05, 6, False, True, "no difference shown"),
+        (1.1, 1.3, 3, False, False, "the convolution is faster"),
+    ],
+)
+def test_a_flag_needs_the_gemm_shown_faster_a_kept_conv_the_conv(low, high, rounds, flagged, swapped, verdict):
+    timed = replace(timing((low + high) / 2, low, high), rounds=rounds)
+    assert (timed.gemm_faster, timed.swaps, timed.verdict) == (flagged, swapped, verdict)

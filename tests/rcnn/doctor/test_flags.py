@@ -105,7 +105,7 @@ def test_flags_rank_by_what_they_save():
     assert rank(found) == ["b", "d", "a"]
 
 
-def test_a_module_is_flagged_if_and_only_if_linearize_swaps_it_from_one_timing(monkeypatch):
+def test_what_is_flagged_linearize_swaps_from_one_timing(monkeypatch):
     """The doctor's flags and linearize's swaps read one timing per convolution through a shared dict: the
     same decisions, each convolution timed once."""
     model = nn.Sequential(nn.Conv2d(8, 32, 7), nn.Conv2d(32, 32, 1), nn.Conv2d(32, 32, 1))
@@ -123,7 +123,9 @@ def test_a_module_is_flagged_if_and_only_if_linearize_swaps_it_from_one_timing(m
     assert len(calls) == 2  # the two identical 1x1 convs at one input share a timing
     swaps = linearize_with(model, lambda: model(x).sum(), timings=timings)
     assert len(calls) == 2  # none timed again
-    assert {s.module for s in swaps if s.swapped} == {name for name, f in found.items() if f.flag}
+    # what is flagged is swapped; what is swapped is flagged or not shown slower
+    assert {name for name, f in found.items() if f.flag} <= {s.module for s in swaps if s.swapped}
+    assert all(s.swapped == (s.ci_low <= 1) for s in swaps)
     for s in swaps:
         assert s.ratio == found[s.module].timing.ratio and s.rounds == found[s.module].timing.rounds
 
