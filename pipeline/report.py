@@ -331,6 +331,7 @@ def verdict(r: Results, effects: pd.DataFrame) -> list[str]:
             f"{best['batch_size']} image{'s' if best['batch_size'] > 1 else ''})."
         )
     lines += linearize_lines(r.trials)
+    lines += per_setting_lines(r.comparisons, r.trials)
     lines += by_value_lines(r.comparisons, complete(r.trials))
     lines += drift_caution(s)
     lines += contention_caution(done)
@@ -365,6 +366,72 @@ def linearize_lines(trials: pd.DataFrame) -> list[str]:
             f"settings; {'within' if ratio <= 1.05 else 'beyond'} the 5% the fix aims for)"
         )
     return [line + "."]
+
+
+FIX_AIM = 1.05  # the fixed conv head's box-head backward within 5% of the linear head's, in every setting
+
+
+def per_setting_lines(comparisons: pd.DataFrame, trials: pd.DataFrame) -> list[str]:
+    """Per setting, the box-head backward of conv with linearize and of conv_as_linear over linear's: in how
+    many settings each lies within FIX_AIM, and those beyond with their CIs. Beside them, what a setting's
+    trials differ by when they compute the same thing: conv and conv_as_linear, both with linearize, once
+    linearize swapped the conv head's 7x7 conv (one trial runs after the other: the machine moves between)."""
+    per_setting = (comparisons[list(OTHER_KNOBS)].astype(str) != ALL_SETTINGS).all(axis=1)
+    rows = comparisons[
+        per_setting & (comparisons["phase"] == "head_backward") & (comparisons["denominator"] == "linear")
+    ]
+    on = rows["linearize"].astype(str) == "True"
+    lines = []
+    for numerator, scope, what in (
+        ("conv", on, "conv with `linearize: true`"),
+        ("conv_as_linear", rows.index == rows.index, "conv_as_linear"),
+    ):
+        chosen = rows[scope & (rows["numerator"] == numerator)]
+        if chosen.empty:
+            continue
+        beyond = chosen[chosen["ratio"] > FIX_AIM]
+        words = "; ".join(
+            f"{setting_label(x, skip=('linearize',) if numerator == 'conv' else ())} {x.ratio:.2f}x "
+            f"[{x.ci_low:.2f}, {x.ci_high:.2f}]"
+            for _, x in beyond.iterrows()
+        )
+        lines.append(
+            f"- per setting, {what} / linear, box-head backward: within {FIX_AIM}x in "
+            f"{len(chosen) - len(beyond)} of {len(chosen)} settings" + (f"; beyond: {words}" if words else "")
+        )
+    same = _same_head_spread(rows[on], trials)
+    if lines and same:
+        lines[-1] += (
+            ". Trials of one setting run one after another: conv and conv_as_linear, both with linearize and "
+            f"the 7x7 conv swapped, compute the same head and still differ {same[0]:.2f}-{same[1]:.2f}x over "
+            f"{same[2]} settings here, so a ratio per setting carries that much of the machine's drift "
+            "(`python -m benchmarks.linearize_check` steps the three heads in turn, per setting)"
+        )
+    return [line + "." for line in lines]
+
+
+def _same_head_spread(rows: pd.DataFrame, trials: pd.DataFrame) -> tuple[float, float, int] | None:
+    """conv / conv_as_linear box-head backward (from their ratios to linear) over the settings whose conv
+    trial with linearize swapped roi_heads.box_head.0: the lowest, the highest, how many settings."""
+
+    def setting(table: pd.DataFrame) -> pd.Series:
+        return table[list(OTHER_KNOBS)].astype(str).agg("|".join, axis=1)
+
+    done = complete(trials)
+    conv = done[done["head"] == "conv"]
+    swapped = conv[
+        conv["swapped"].fillna("").astype(str).str.split().map(lambda names: SEVEN_BY_SEVEN in names)
+    ]
+    ratio = {
+        n: rows[rows["numerator"] == n].set_index(setting(rows[rows["numerator"] == n]))["ratio"]
+        for n in ("conv", "conv_as_linear")
+    }
+    same = (ratio["conv"] / ratio["conv_as_linear"]).dropna()
+    same = same[same.index.isin(setting(swapped))]
+    return (float(same.min()), float(same.max()), len(same)) if len(same) else None
+
+
+SEVEN_BY_SEVEN = "roi_heads.box_head.0"  # the conv head's 7x7 conv, the question's
 
 
 CLOSES_GAP = 1.25  # a ratio to linear whose CI lies below this closes the gap (the conv head's is 3.5x-8x)

@@ -7,8 +7,8 @@ the kernel: non-overlapping patches as the rows of one F.linear) and ``pointwise
 product over channels). In ``mode="auto"`` each eligible module's forward + backward is timed both ways at the
 shape, dtype, layout and device it saw, stepped in turn (the project's paired method), and the convolution
 kept only where it is shown faster, its ratio's 95% CI over 1 (as cudnn.benchmark picks algorithms, but per
-module, and with a CI); where the GEMM is shown faster, or no difference is shown, the GEMM takes its place. ``mode="always"`` swaps every eligible
-one.
+module, and with a CI); where the GEMM is shown faster, or no difference is shown, the GEMM takes its place.
+``mode="always"`` swaps every eligible one.
 
 A swapped module changes class only: to a subclass of its own (``nn.Conv2d`` -> ``Conv2dAsLinear``), so it is
 still an ``nn.Conv2d``, keeps its Parameter objects (an optimizer built before keeps working) and its
@@ -383,11 +383,12 @@ def linearize_with(
 
     In mode auto each eligible convolution is timed both ways, in turn, at its input (``gemm_timing``) and
     swapped unless the convolution is shown faster (the ratio's 95% CI over 1): where the GEMM is shown
-    faster (the doctor flags these) and where no difference is shown. Identical convolutions at identical inputs and backend switches share one timing, so
-    one decision. ``timings``: a dict the caller keeps to share them across calls too (models that share a
-    backbone time it once; the doctor's flags and its fix); None: within this call. ``deadline``
-    (``time.monotonic()`` seconds, None: none): the timings take fewer rounds, down to three, where theirs
-    would not end before it (a command's bound, rcnn.measure.stats.TimingPolicy)."""
+    faster (the doctor flags these) and where no difference is shown. Identical convolutions at identical
+    inputs and backend switches share one timing, so one decision. ``timings``: a dict the caller keeps to
+    share them across calls too (models that share a backbone time it once; the doctor's flags and its fix);
+    None: within this call. ``deadline`` (``time.monotonic()`` seconds, None: none): the timings take fewer
+    rounds, down to three, where theirs would not end before it (a command's bound,
+    rcnn.measure.stats.TimingPolicy)."""
     if mode not in MODES:
         raise ValueError(f"linearize: mode {mode!r} is not allowed; allowed: {', '.join(MODES)}")
     timings = {} if timings is None else timings

@@ -463,3 +463,44 @@ def test_the_report_keeps_the_tables_it_was_rendered_from_and_renders_again_from
     again = [f"--{role}={tables / name}" for role, name in report.TABLES.items()]
     assert report.main(["--params", str(tiny_params()), *again, f"--out={out}"]) == 0
     assert (out / "report.md").read_text() == first
+
+
+def test_per_setting_the_fixed_head_against_linear_and_the_trials_own_spread():
+    from pipeline.report import per_setting_lines
+    from rcnn.detector.schema import OTHER_KNOBS
+
+    base = dict.fromkeys(OTHER_KNOBS, "n/a") | {"onednn": True, "amp": "off", "channels_last": False}
+    settings = [base | {"batch_size": b, "linearize": lin} for lin in (False, True) for b in (1, 2)]
+    ratios = {  # (batch_size, linearize) -> head -> box-head backward / linear's
+        (1, False): {"conv": 3.0, "conv_as_linear": 1.08},
+        (2, False): {"conv": 3.1, "conv_as_linear": 1.01},
+        (1, True): {"conv": 1.02, "conv_as_linear": 1.00},
+        (2, True): {"conv": 1.10, "conv_as_linear": 1.04},
+    }
+    comparisons = pd.DataFrame(
+        [
+            s
+            | {"numerator": head, "denominator": "linear", "phase": "head_backward"}
+            | {"ratio": r, "ci_low": r - 0.01, "ci_high": r + 0.01}
+            for s in settings
+            for head, r in ratios[s["batch_size"], s["linearize"]].items()
+        ]
+    )
+    trials = pd.DataFrame(
+        [
+            s | {"status": "complete", "head": "conv", "swapped": "roi_heads.box_head.0 roi_heads.box_head.2"}
+            for s in settings
+            if s["linearize"]
+        ]
+    )
+    fixed, hand = per_setting_lines(comparisons, trials)
+    assert fixed.startswith(
+        "- per setting, conv with `linearize: true` / linear, box-head backward: within 1.05x"
+    )
+    assert "in 1 of 2 settings; beyond: oneDNN on, amp off, NCHW, bs 2 1.10x [1.09, 1.11]" in fixed
+    assert "conv_as_linear / linear, box-head backward: within 1.05x in 3 of 4 settings; beyond:" in hand
+    assert "bs 1 1.08x [1.07, 1.09]" in hand
+    # conv / conv_as_linear, linearize on: 1.02 and 1.10 / 1.04 = 1.06, where the 7x7 conv was swapped
+    assert "still differ 1.02-1.06x over 2 settings" in hand
+    trials["swapped"] = "roi_heads.box_head.2"  # never the 7x7 conv: no spread of the same head to show
+    assert "still differ" not in per_setting_lines(comparisons, trials)[-1]

@@ -353,6 +353,8 @@ def test_a_deadline_cuts_the_timings_rounds_down_to_three():
         (1.1, 1.3, 3, False, False, "the convolution is faster"),
     ],
 )
-def test_a_flag_needs_the_gemm_shown_faster_a_kept_conv_the_conv(low, high, rounds, flagged, swapped, verdict):
+def test_a_flag_needs_the_gemm_shown_faster_a_kept_conv_the_conv(
+    low, high, rounds, flagged, swapped, verdict
+):
     timed = replace(timing((low + high) / 2, low, high), rounds=rounds)
     assert (timed.gemm_faster, timed.swaps, timed.verdict) == (flagged, swapped, verdict)
