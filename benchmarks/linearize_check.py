@@ -40,6 +40,7 @@ HEADS = ("conv", "linear", "conv_as_linear")
 GRID = {"onednn": (True, False), "amp": ("off", "bf16"), "channels_last": (False, True), "batch_size": (1, 2)}
 POLICY = TimingPolicy(warmup=2, iterations=10, max_iterations=30, max_seconds=30.0, rel_precision=0.03)
 TARGET = 1.05
+DETECTOR = "DetectorConfig's defaults (params.yaml's model section as shipped)"
 
 
 def settings(device: torch.device) -> list[dict]:
@@ -96,7 +97,7 @@ def _run(args: argparse.Namespace) -> int:
     check_output(args.out, text_start("the check", TITLE), root=project_root(Path.cwd()), what="--out")
     policy = dataclasses.replace(POLICY, max_seconds=args.max_seconds)
     where = cpu_model() if device.type == "cpu" else torch.cuda.get_device_name(device)
-    print(f"{device.type} ({where}), torch {torch.__version__}, the detector of params.yaml's model section")
+    print(f"{device.type} ({where}), torch {torch.__version__}, the detector at {DETECTOR}")
     rows = []
     for point in settings(device):
         rows.append(measure(point, device, policy))
@@ -110,7 +111,7 @@ def _run(args: argparse.Namespace) -> int:
             TITLE,
             "",
             f"`python -m benchmarks.linearize_check` on {device.type} ({where}, {platform.machine()}), torch "
-            f"{torch.__version__}, the detector of params.yaml's model section: per setting of the sweep's "
+            f"{torch.__version__}, the detector at {DETECTOR}: per setting of the sweep's "
             "grid, the three heads' detectors (linearize on in all three) built side by side and stepped in "
             "turn, a fresh order each round; box-head backward ratios to the linear head's, paired medians "
             "over the rounds with bootstrap 95% CIs. `7x7 conv swapped`: whether the conv head's "
