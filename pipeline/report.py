@@ -415,7 +415,8 @@ def _same_head_spread(rows: pd.DataFrame, trials: pd.DataFrame) -> tuple[float, 
     trial with linearize swapped roi_heads.box_head.0: the lowest, the highest, how many settings."""
 
     def setting(table: pd.DataFrame) -> pd.Series:
-        return table[list(OTHER_KNOBS)].astype(str).agg("|".join, axis=1)
+        knobs = table[list(OTHER_KNOBS)].astype(str).itertuples(index=False)
+        return pd.Series(["|".join(values) for values in knobs], index=table.index, dtype=str)
 
     done = complete(trials)
     conv = done[done["head"] == "conv"]
