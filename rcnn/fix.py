@@ -153,8 +153,9 @@ def as_linear_class(cls: type) -> type | None:
 DECISION_POLICY = TimingPolicy(
     warmup=1, max_warmup=4, iterations=6, max_iterations=40, max_seconds=4.0, rel_precision=0.01
 )
-# A decision needs this many rounds: three that agree exclude 1 from a percentile bootstrap's CI by chance
-# one time in eight; six, one in 32. A timing a deadline cut shorter decides nothing (no difference shown).
+# A flag (the GEMM shown faster) needs this many rounds: three that agree exclude 1 from a percentile
+# bootstrap's CI by chance one time in eight; six, one in 32. A timing a deadline cut shorter flags nothing;
+# linearize still keeps the convolution where its CI lies over 1 (keeping it as written risks nothing).
 DECIDING_ROUNDS = 6
 SAMPLE_MS = 2.0  # each timed value runs the path this long at least: a 0.1 ms conv timed once is clock noise
 MOST_CALLS = 64  # ... in at most this many calls
@@ -200,10 +201,11 @@ class PathTiming:
 
     @property
     def verdict(self) -> str:
+        if not self.decided:
+            kept = "; the convolution stays (its CI lies over 1)" if self.conv_faster else ""
+            return f"not decided: {self.rounds} rounds before the deadline, {DECIDING_ROUNDS} needed{kept}"
         if self.conv_faster:
             return "the convolution is faster"
-        if not self.decided:
-            return f"not decided: {self.rounds} rounds before the deadline, {DECIDING_ROUNDS} needed"
         if self.gemm_faster:
             return "the GEMM is faster"
         return "no difference shown"
@@ -435,8 +437,8 @@ def linearize(
             that shape, dtype, layout and device, is faster with a 95% CI that excludes 1 (``gemm_timing``);
             ``"always"`` swaps every eligible one.
         timings: the timings to decide from and add to (``linearize_with``): a watch's (``w.timings``, after
-            ``rcnn.doctor.watch``) makes the swaps the doctor's flags, from the same timing; None: this
-            call's own.
+            ``rcnn.doctor.watch``) decides from the timings the doctor's flags came from, so every flagged
+            module is swapped; None: this call's own.
 
     Returns:
         One Swap per eligible convolution: its name, kind, input shape, whether it was swapped, and in mode

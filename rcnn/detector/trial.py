@@ -624,7 +624,8 @@ def _run(args: argparse.Namespace) -> None:
             f"kept out of the medians; {c.compiled_graphs} graph(s), {c.graph_breaks} graph break(s)"
         )
     if knobs.linearize:
-        print(f"linearize swapped: {result.swapped or 'nothing (no GEMM in disguise was faster as a GEMM)'}")
+        nothing = "nothing (no convolution is a GEMM in disguise, or each was shown faster than its GEMM)"
+        print(f"linearize swapped: {result.swapped or nothing}")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 convolution that is a matrix product at the shape it saw (rcnn.disguise) is flagged
 ``gemm-in-disguise:<kind>`` only where its GEMM, timed in turn with the convolution at that input, is faster
 with a 95% CI that excludes 1 (rcnn.fix.gemm_timing: the timing rcnn.fix.linearize decides its swaps by,
-shared through one ``timings`` dict, so a module is flagged if and only if linearize would swap it). Each
-flag carries what the fix saves per step, with its CI; flags rank by it."""
+shared through one ``timings`` dict, so every flagged module is one linearize swaps; it also swaps those
+where no difference was shown, which no flag claims). Each flag carries what the fix saves per step, with
+its CI; flags rank by it."""
 
 from __future__ import annotations
 

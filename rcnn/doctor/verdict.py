@@ -391,6 +391,8 @@ def _remedy(
         return remedies.measure(known, module, timer.inputs[name], device, deadline)
     if finding and finding.evidence.startswith(LINEARIZED):  # fixed already
         return finding.evidence
-    if finding:  # checked as a GEMM and not shown faster
+    if finding and finding.timing and finding.timing.swaps:  # no saving shown, no slowdown either
+        return f"{finding.evidence}; linearize would swap it (no saving shown)"
+    if finding:  # checked as a GEMM and shown slower
         return f"{finding.evidence}; {remedies.NO_FIX}"
     return remedies.NO_FIX
