@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from rcnn.doctor.columns import OUTSIDE
-from rcnn.doctor.verdict import bound, ceiling, matters
+from rcnn.doctor.verdict import _remedy, bound, ceiling, matters
 
 
 def table(backward_ms: dict[str, float]) -> pd.DataFrame:
@@ -45,3 +45,24 @@ def test_the_ceiling_is_raised_to_the_fastest_module_and_never_by_the_outside_ro
     modules = pd.DataFrame({"backward_tflops": [0.2, 0.5, 9.0]}, index=["a", "b", OUTSIDE])
     assert ceiling(0.3, modules) == (0.5, "b")
     assert ceiling(0.6, modules) == (0.6, "")
+
+
+@pytest.mark.parametrize(
+    "low, high, said",
+    [(0.9, 1.05, "; linearize would swap it (no saving shown)"), (1.1, 1.3, "; no known fix")],
+    ids=["no-difference-shown", "conv-shown-faster"],
+)
+def test_a_checked_convolution_says_whether_linearize_would_swap_it(low, high, said):
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    from rcnn.doctor.flags import Finding
+    from rcnn.fix import PathTiming
+
+    timing = PathTiming(1.0, 1.0, (low + high) / 2, low, high, 0.0, -0.1, 0.1, rounds=6)
+    finding = Finding("", f"checked as gemm-in-disguise:pointwise: {timing.describe()}", timing=timing)
+    timer = SimpleNamespace(inputs={})
+    remedy = _remedy(nn.Conv2d(4, 4, 1), "conv", finding, timer, torch.device("cpu"), None)
+    assert remedy == finding.evidence + said
