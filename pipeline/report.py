@@ -377,17 +377,15 @@ def per_setting_lines(comparisons: pd.DataFrame, trials: pd.DataFrame) -> list[s
     what a setting's trials differ by when they compute the same thing: conv and conv_as_linear, both with
     linearize, once linearize swapped the conv head's 7x7 conv (one trial runs after the other: the machine
     moves between)."""
-    per_setting = (comparisons[list(OTHER_KNOBS)].astype(str) != ALL_SETTINGS).all(axis=1)
-    rows = comparisons[
-        per_setting & (comparisons["phase"] == "head_backward") & (comparisons["denominator"] == "linear")
-    ]
+    rows = head_backward_per_setting(comparisons)
+    rows = rows[rows["denominator"] == "linear"]
     on = rows["linearize"].astype(str) == "True"
     lines = []
     for numerator, scope, what in (
-        ("conv", on, "conv with `linearize: true`"),
-        ("conv_as_linear", rows.index == rows.index, "conv_as_linear"),
+        ("conv", rows[on], "conv with `linearize: true`"),
+        ("conv_as_linear", rows, "conv_as_linear"),
     ):
-        chosen = rows[scope & (rows["numerator"] == numerator)].dropna(subset=["ratio"])
+        chosen = scope[scope["numerator"] == numerator].dropna(subset=["ratio"])
         if chosen.empty:
             continue
         beyond = chosen[chosen["ratio"] > FIX_AIM]
@@ -424,10 +422,9 @@ def _same_head_spread(rows: pd.DataFrame, trials: pd.DataFrame) -> tuple[float, 
     swapped = conv[
         conv["swapped"].fillna("").astype(str).str.split().map(lambda names: SEVEN_BY_SEVEN in names)
     ]
-    ratio = {
-        n: rows[rows["numerator"] == n].set_index(setting(rows[rows["numerator"] == n]))["ratio"]
-        for n in ("conv", "conv_as_linear")
-    }
+    ratio = rows.set_index([setting(rows), "numerator"])["ratio"].unstack()
+    if not {"conv", "conv_as_linear"} <= set(ratio.columns):
+        return None
     same = (ratio["conv"] / ratio["conv_as_linear"]).dropna()
     same = same[same.index.isin(setting(swapped))]
     return (float(same.min()), float(same.max()), len(same)) if len(same) else None
@@ -474,9 +471,14 @@ def by_value_lines(comparisons: pd.DataFrame, done: pd.DataFrame) -> list[str]:
     return lines
 
 
-def comparison_table(comparisons: pd.DataFrame) -> pd.DataFrame:
+def head_backward_per_setting(comparisons: pd.DataFrame) -> pd.DataFrame:
+    """The box-head backward comparisons of single settings (no knob pooled over ALL_SETTINGS)."""
     per_setting = (comparisons[list(OTHER_KNOBS)].astype(str) != ALL_SETTINGS).all(axis=1)
-    rows = comparisons[(comparisons["phase"] == "head_backward") & per_setting].copy()
+    return comparisons[(comparisons["phase"] == "head_backward") & per_setting]
+
+
+def comparison_table(comparisons: pd.DataFrame) -> pd.DataFrame:
+    rows = head_backward_per_setting(comparisons).copy()
     rows["pair"] = rows["numerator"] + " / " + rows["denominator"]
     rows["ratio [95% CI]"] = rows.apply(
         lambda x: f"{x['ratio']:.2f} [{x['ci_low']:.2f}, {x['ci_high']:.2f}]", axis=1
