@@ -165,9 +165,9 @@ def _run(args: argparse.Namespace) -> int:
             f"`python -m benchmarks.fix_check` on {device.type} ({where}, {platform.machine()}), torch "
             f"{torch.__version__}, fp32, batch 2, untrained models, inputs as listed. `rcnn.fix.linearize` "
             "in mode auto: each eligible convolution is timed forward + backward both ways at its input, "
-            "stepped in turn, and kept as the conv only where the conv is shown faster (GEMM / conv with its "
-            "paired 95% CI over 1). Then the original and the fixed model are stepped in turn (forward, "
-            "backward, optimizer) "
+            "stepped in turn, and kept as the conv only where the conv is shown more than 5% faster "
+            "(GEMM / conv with its paired 95% CI over 1.05). Then the original and the fixed model are "
+            "stepped in turn (forward, backward, optimizer) "
             "until the backward medians are known to 5% or the time runs out; ratios are after / before "
             "medians with "
             "bootstrap 95% CIs (target: forward + backward <= 1.02).",

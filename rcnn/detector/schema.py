@@ -126,7 +126,8 @@ KNOBS = (
     Knob(
         "linearize",
         (False, True),
-        "run convolutions that are GEMMs in disguise as GEMMs unless shown slower so (rcnn.fix, mode auto)",
+        "run convolutions that are GEMMs in disguise as GEMMs unless shown over 5% slower so "
+        "(rcnn.fix, mode auto)",
         baseline=False,
         flag="--linearize",
         label=lambda v: "linearized" if v else "",

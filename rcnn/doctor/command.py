@@ -120,8 +120,8 @@ def _print_fix(fixed: Fixed, top: int) -> None:
     s = fixed.summary
     print(
         f"\nThe fix (rcnn.fix.linearize, mode auto): {s['swapped']} of {s['eligible']} eligible convolutions "
-        "swapped unless the convolution was shown faster; forward + backward ms of either path at each one's "
-        "input, stepped in turn, and GEMM / conv with its 95% CI:"
+        "swapped unless the convolution was shown over 5% faster; forward + backward ms of either path at "
+        "each one's input, stepped in turn, and GEMM / conv with its 95% CI:"
     )
     if len(fixed.swaps):
         print(fixed.swaps.to_string(index=False, float_format=lambda v: f"{v:.3g}"))

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from rcnn.fix import Conv2dAsLinear, PathTiming, as_linear_class, linearize
+from rcnn.fix import KEEP_ABOVE, Conv2dAsLinear, PathTiming, as_linear_class, linearize
 from tests.fixtures.question_heads import conv as question_conv
 
 # (conv, input shape, kind): each kind, in 1, 2 and 3 dimensions
@@ -132,7 +132,7 @@ def test_mode_auto_times_both_paths_in_turn_and_keeps_the_conv_only_where_it_is_
     (swap,) = swaps
     assert swap.kind == "covers-input" and swap.conv_ms > 0 and swap.gemm_ms > 0 and swap.rounds >= 6
     assert swap.ci_low <= swap.ratio <= swap.ci_high  # GEMM / conv, paired over the rounds
-    assert swap.swapped == (swap.ci_low <= 1)
+    assert swap.swapped == (swap.ci_low <= KEEP_ABOVE)
     assert isinstance(model[0], Conv2dAsLinear) == swap.swapped
 
 
@@ -341,7 +341,9 @@ def test_a_deadline_cuts_the_timings_rounds_down_to_three():
     model = nn.Sequential(nn.Conv2d(8, 8, 7))
     (swap,) = fix.linearize_with(model, lambda: model(x), deadline=time.monotonic() - 1)  # already past
     assert swap.rounds == 3  # a median and its CI need three
-    assert swap.swapped == (swap.ci_low <= 1)  # too few rounds to flag; the conv stays only if shown faster
+    assert swap.swapped == (
+        swap.ci_low <= KEEP_ABOVE
+    )  # too few rounds to flag; the conv stays only if shown faster
 
 
 @pytest.mark.parametrize(
@@ -350,15 +352,18 @@ def test_a_deadline_cuts_the_timings_rounds_down_to_three():
         (0.5, 0.7, 6, True, True, "the GEMM is faster"),
         (0.5, 0.7, 3, False, True, "not decided: 3 rounds before the deadline, 6 needed"),
         (0.9, 1.05, 6, False, True, "no difference shown"),
+        # the conv faster, its lead not shown beyond the 5% the fix aims at: swapped, not flagged
+        (1.02, 1.2, 6, False, True, "the convolution is faster, not shown faster by over 5%"),
         (
             1.1,
             1.3,
             3,
             False,
             False,
-            "not decided: 3 rounds before the deadline, 6 needed; the convolution stays (its CI lies over 1)",
+            "not decided: 3 rounds before the deadline, 6 needed; "
+            "the convolution stays (its CI lies over 1.05)",
         ),
-        (1.1, 1.3, 6, False, False, "the convolution is faster"),
+        (1.1, 1.3, 6, False, False, "the convolution is faster, by over 5%"),
     ],
 )
 def test_a_flag_needs_the_gemm_shown_faster_a_kept_conv_the_conv(

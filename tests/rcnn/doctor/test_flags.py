@@ -65,7 +65,7 @@ def test_a_flag_needs_the_gemm_shown_faster_and_carries_its_saving_per_step(time
         "checked as gemm-in-disguise:covers-input"
     )
     assert found["1"].evidence.endswith("no difference shown") and math.isnan(found["1"].saves_ms)
-    assert found["2"].flag == "" and found["2"].evidence.endswith("the convolution is faster")
+    assert found["2"].flag == "" and found["2"].evidence.endswith("the convolution is faster, by over 5%")
     assert rank(found) == ["0"]
 
 
@@ -125,7 +125,7 @@ def test_what_is_flagged_linearize_swaps_from_one_timing(monkeypatch):
     assert len(calls) == 2  # none timed again
     # what is flagged is swapped; what is swapped is flagged or not shown slower
     assert {name for name, f in found.items() if f.flag} <= {s.module for s in swaps if s.swapped}
-    assert all(s.swapped == (s.ci_low <= 1) for s in swaps)
+    assert all(s.swapped == (s.ci_low <= fix.KEEP_ABOVE) for s in swaps)
     for s in swaps:
         assert s.ratio == found[s.module].timing.ratio and s.rounds == found[s.module].timing.rounds
 

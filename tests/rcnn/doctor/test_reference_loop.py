@@ -15,7 +15,7 @@ from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
 
 from rcnn.doctor import watch
 from rcnn.doctor.columns import OUTSIDE
-from rcnn.fix import linearize_with
+from rcnn.fix import KEEP_ABOVE, linearize_with
 from rcnn.measure.stats import TimingPolicy
 
 pytestmark = pytest.mark.slow  # a detector's steps
@@ -110,7 +110,7 @@ def test_the_reference_loops_verdicts_hold():
     images, targets = next(loader(1))
     swaps = linearize_with(model, lambda: sum(model(images, targets).values()), timings=w.timings)
     assert set(flagged.index) <= {s.module for s in swaps if s.swapped}
-    assert all(s.swapped == (s.ci_low <= 1) for s in swaps)
+    assert all(s.swapped == (s.ci_low <= KEEP_ABOVE) for s in swaps)
     for line in printed.splitlines():
         if line.startswith("- ") and "saves" in line and "a step [95% CI" in line:
             low = float(re.search(r"\[95% CI ([-\d.]+),", line).group(1))
