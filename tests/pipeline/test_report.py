@@ -13,7 +13,7 @@ import pytest
 from pipeline import compare, report
 from pipeline.results import comparisons_table, fastest, summarize_trials, write_table, write_trials
 from rcnn.detector.schema import KERNEL_COLUMNS
-from tests.conftest import ROOT, fake_trials
+from tests.conftest import ROOT, fake_trials, write_tiny_params
 
 SECTIONS = [
     "## Verdict",
@@ -82,10 +82,22 @@ def report_args(folder, out):
     ]
 
 
-def test_report_has_every_section_figure_and_the_verdict_numbers(tmp_path, tiny_params):
-    folder = write_results(tmp_path / "results")
-    out = tmp_path / "reports"
-    assert report.main(["--params", str(tiny_params())] + report_args(folder, out)) == 0
+XEON_MODULES = ROOT / "reports" / "compile-cpu-xeon" / "modules.csv"  # a sweep's by-module table, profiled
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    """The report stage run once on write_results' folder and a real by-module table: (results, params,
+    reports folder). Tests read it; one that changes files works on a copy."""
+    root = tmp_path_factory.mktemp("rendered")
+    folder, out, params = write_results(root / "results"), root / "reports", write_tiny_params(root)
+    args = ["--params", str(params), *report_args(folder, out), "--modules", str(XEON_MODULES)]
+    assert report.main(args) == 0
+    return folder, params, out
+
+
+def test_report_has_every_section_figure_and_the_verdict_numbers(rendered):
+    _, _, out = rendered
     text = (out / "report.md").read_text()
     positions = [text.index(section) for section in SECTIONS]
     assert positions == sorted(positions)  # in the documented order
@@ -106,10 +118,8 @@ def test_report_has_every_section_figure_and_the_verdict_numbers(tmp_path, tiny_
     assert "<table>" in html
 
 
-def test_time_split_numbers(tmp_path, tiny_params):
-    folder = write_results(tmp_path / "results")
-    out = tmp_path / "reports"
-    assert report.main(["--params", str(tiny_params())] + report_args(folder, out)) == 0
+def test_time_split_numbers(rendered):
+    _, _, out = rendered
     split = pd.read_csv(out / "plots" / "time_split.csv").pivot(index="head", columns="part", values="ms")
     assert split.loc["conv", "box-head backward"] == pytest.approx(40, rel=0.02)
     assert split.loc["conv", "rest of backward"] == pytest.approx(90, rel=0.03)
@@ -439,29 +449,23 @@ def test_the_box_heads_page_has_an_icicle_per_profiled_head_of_its_box_head_alon
     assert box_heads_page(modules.iloc[:0]) is None
 
 
-def test_the_report_stage_writes_the_box_heads_page_and_links_it(tmp_path, tiny_params):
-    folder = write_results(tmp_path / "results")
-    out = tmp_path / "reports"
-    modules = ["--modules", str(ROOT / "reports" / "compile-cpu-xeon" / "modules.csv")]
-    assert report.main(["--params", str(tiny_params())] + report_args(folder, out) + modules) == 0
+def test_the_report_stage_writes_the_box_heads_page_and_links_it(rendered):
+    _, _, out = rendered
     assert "[box_heads.html](box_heads.html)" in (out / "report.md").read_text()
     assert (out / "box_heads.html").read_text().count("Plotly.newPlot") >= 3
-    assert report.main(["--params", str(tiny_params())] + report_args(folder, out) + modules) == 0  # its own
 
 
-def test_the_report_keeps_the_tables_it_was_rendered_from_and_renders_again_from_them(tmp_path, tiny_params):
-    folder = write_results(tmp_path / "results")
-    out = tmp_path / "reports"
-    modules = ["--modules", str(ROOT / "reports" / "compile-cpu-xeon" / "modules.csv")]
-    assert report.main(["--params", str(tiny_params())] + report_args(folder, out) + modules) == 0
+def test_the_report_keeps_the_tables_it_was_rendered_from_and_renders_again_from_them(rendered):
+    folder, params, rendered_out = rendered
+    out = shutil.copytree(rendered_out, params.parent / "rendered-again")  # --out lies in the project
     tables = out / "tables"
     assert sorted(p.name for p in tables.iterdir()) == sorted(report.TABLES.values())
     assert (tables / "trials.csv").read_text() == (folder / "trials.csv").read_text()
     first = (out / "report.md").read_text()
-    # The sweep's results gone: the report folder renders again from its own tables, the same text
-    shutil.rmtree(folder)
+    # Without the sweep's results: the report folder renders again from its own tables (its own files
+    # rewritten), the same text
     again = [f"--{role}={tables / name}" for role, name in report.TABLES.items()]
-    assert report.main(["--params", str(tiny_params()), *again, f"--out={out}"]) == 0
+    assert report.main(["--params", str(params), *again, f"--out={out}"]) == 0
     assert (out / "report.md").read_text() == first
 
 

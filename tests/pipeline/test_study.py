@@ -262,6 +262,7 @@ def test_fail_complete_requeue_and_ctrl_c_move_trials_as_the_sweep_expects(track
     assert [t.number for t in queue.recover_interrupted()] == []  # nothing left running
 
 
+@pytest.mark.slow  # waits out Optuna's heartbeat grace period: seconds of real time
 def test_heartbeat_is_recorded_on_a_database_and_a_stale_trial_is_failed_and_queued_again(tmp_path, tracking):
     # Catches a change to Optuna's heartbeat thread or its stale-trial check: only the trial whose heartbeat
     # stopped is failed (and its point queued again by the storage's callback); one still beating, and one

@@ -8,6 +8,7 @@ import pytest
 from tests.conftest import ROOT
 
 
+@pytest.mark.slow  # a fresh interpreter: the point is what it imports
 @pytest.mark.parametrize(
     "modules",
     [

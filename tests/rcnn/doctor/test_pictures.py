@@ -349,6 +349,7 @@ def test_from_a_real_diagnosis(tmp_path):
     (tmp_path / "report.html").write_text(page)
 
 
+@pytest.mark.slow  # two fresh interpreters: the point is what they import
 def test_torch_free_and_plotly_named_when_missing():
     code = (
         "import sys, pandas as pd\n"
@@ -378,6 +379,7 @@ def page_file(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow  # a headless Chromium
 def test_chromium_draws_the_icicles_and_tables(page_file):
     dom = browser.dump_dom(page_file)
     assert dom.count('<g class="iciclelayer">') == 3  # backward, forward, memory: each drawn by plotly.js
@@ -397,6 +399,7 @@ def test_chromium_draws_the_icicles_and_tables(page_file):
     assert table(dom, "flags")["flag"].tolist() == [COVERS]
 
 
+@pytest.mark.slow  # a headless Chromium
 def test_chromium_screenshot(page_file, tmp_path):
     from PIL import Image
 

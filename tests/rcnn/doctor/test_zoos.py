@@ -128,6 +128,7 @@ def test_without_the_package_the_line_names_the_pip_command(monkeypatch, package
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow  # a fresh interpreter: the point is what it imports
 def test_the_doctor_imports_the_zoos_only_when_named():
     check = (
         "import sys, rcnn.doctor.workloads; "

@@ -59,6 +59,7 @@ def test_removed_probe_stops_marking():
     assert probe.marks == {}
 
 
+@pytest.mark.slow  # a fresh interpreter: the point is memory it did not hold before
 def test_cpu_peak_memory_sees_a_large_allocation():
     # In a fresh process: one that ran many tests may serve the block from memory it already holds.
     script = """
