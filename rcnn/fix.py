@@ -149,7 +149,7 @@ def as_linear_class(cls: type) -> type | None:
 
 # Mode auto's timing of one eligible convolution: its forward + backward at the input it saw, as the
 # convolution and as the GEMM, stepped in turn (rcnn.measure.loop.in_turn) until the paired ratio's 95% CI
-# excludes 1, or this policy stops (its deadline set by the caller's).
+# settles both decisions (``settled``), or this policy stops (its deadline set by the caller's).
 DECISION_POLICY = TimingPolicy(
     warmup=1, max_warmup=4, iterations=6, max_iterations=40, max_seconds=4.0, rel_precision=0.01
 )
@@ -199,6 +199,15 @@ class PathTiming:
         """The convolution shown faster by more than KEEP_ABOVE: the ratio's CI lies over it, however few the
         rounds (keeping a convolution as written risks nothing)."""
         return self.ci_low > KEEP_ABOVE
+
+    @property
+    def settled(self) -> bool:
+        """Whether more rounds could change a decision: not once the CI lies under 1 (flagged, swapped), over
+        KEEP_ABOVE (kept), or between 1 and KEEP_ABOVE (the convolution faster by under 5%: swapped, no
+        flag). Where it straddles 1 the timing goes on to its bound."""
+        return (
+            self.ci_high < 1 or self.ci_low > 1 and (self.ci_low > KEEP_ABOVE or self.ci_high <= KEEP_ABOVE)
+        )
 
     @property
     def swaps(self) -> bool:
@@ -264,7 +273,7 @@ def time_paths(
 ) -> PathTiming:
     """``module``'s forward + backward at the input it saw (``seen``), as the convolution and as the GEMM
     ``kind`` names (rcnn.disguise), stepped in turn in a fresh order each round until the GEMM / conv ratio's
-    paired 95% CI lies under 1 or over KEEP_ABOVE, or DECISION_POLICY stops (``deadline``,
+    paired 95% CI settles the decisions (``PathTiming.settled``), or DECISION_POLICY stops (``deadline``,
     ``time.monotonic()`` seconds, bounding it too). Gradients go to fresh tensors, not to ``.grad``; the
     module is left as it was."""
     device = module.weight.device
@@ -293,8 +302,8 @@ def time_paths(
             return lambda: {"ms": clock.time(lambda: [forward_backward(path) for _ in range(calls)]) / calls}
 
         def decided(samples: Mapping[str, Mapping[str, Sequence[float]]]) -> bool:
-            _, low, high = median_ratio(samples["gemm"]["ms"], samples["conv"]["ms"], seed=seed)
-            return high < 1 or low > KEEP_ABOVE
+            ratio = median_ratio(samples["gemm"]["ms"], samples["conv"]["ms"], seed=seed)
+            return PathTiming(math.nan, math.nan, *ratio, *(math.nan,) * 3, rounds=0).settled
 
         times = in_turn(
             {name: step(path) for name, path in paths.items()},

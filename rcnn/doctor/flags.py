@@ -1,10 +1,10 @@
-"""The doctor's flags. A flag is a claim that fixing the module saves time, so each is measured: a
-convolution that is a matrix product at the shape it saw (rcnn.disguise) is flagged
-``gemm-in-disguise:<kind>`` only where its GEMM, timed in turn with the convolution at that input, is faster
-with a 95% CI that excludes 1 (rcnn.fix.gemm_timing: the timing rcnn.fix.linearize decides its swaps by,
-shared through one ``timings`` dict, so every flagged module is one linearize swaps; it also swaps those
-where no difference was shown, which no flag claims). Each flag carries what the fix saves per step, with
-its CI; flags rank by it."""
+"""The doctor's flags. A flag is a claim that fixing the module saves time, so each is measured: a convolution
+that is a matrix product at the shape it saw (rcnn.disguise) is flagged ``gemm-in-disguise:<kind>`` only where
+its GEMM, timed in turn with the convolution at that input, is faster with a 95% CI that excludes 1
+(rcnn.fix.gemm_timing: the timing rcnn.fix.linearize decides its swaps by, shared through one ``timings``
+dict, so every flagged module is one linearize swaps; it also swaps those where no difference was shown or the
+convolution's lead was not shown beyond 5%, which no flag claims). Each flag carries what the fix saves per
+step, with its CI; flags rank by it."""
 
 from __future__ import annotations
 

@@ -343,7 +343,7 @@ def test_a_deadline_cuts_the_timings_rounds_down_to_three():
     assert swap.rounds == 3  # a median and its CI need three
     assert swap.swapped == (
         swap.ci_low <= KEEP_ABOVE
-    )  # too few rounds to flag; the conv stays only if shown faster
+    )  # too few rounds to flag; the conv stays only if shown over 5% faster
 
 
 @pytest.mark.parametrize(
@@ -371,3 +371,17 @@ def test_a_flag_needs_the_gemm_shown_faster_a_kept_conv_the_conv(
 ):
     timed = replace(timing((low + high) / 2, low, high), rounds=rounds)
     assert (timed.gemm_faster, timed.swaps, timed.verdict) == (flagged, swapped, verdict)
+
+
+@pytest.mark.parametrize(
+    "low, high, settled",
+    [
+        (0.5, 0.9, True),  # the GEMM shown faster: flagged and swapped
+        (1.1, 1.3, True),  # the conv shown over 5% faster: kept
+        (1.01, 1.04, True),  # the conv faster by under 5%: swapped, no flag
+        (0.9, 1.1, False),  # no difference shown yet
+        (1.02, 1.2, False),  # the conv faster, its lead not settled either side of 5%
+    ],
+)
+def test_the_timing_stops_early_only_once_more_rounds_cannot_change_a_decision(low, high, settled):
+    assert timing((low + high) / 2, low, high).settled == settled

@@ -49,8 +49,12 @@ def test_the_ceiling_is_raised_to_the_fastest_module_and_never_by_the_outside_ro
 
 @pytest.mark.parametrize(
     "low, high, said",
-    [(0.9, 1.05, "; linearize would swap it (no saving shown)"), (1.1, 1.3, "; no known fix")],
-    ids=["no-difference-shown", "conv-shown-faster"],
+    [
+        (0.9, 1.05, "; linearize would swap it (no saving shown)"),
+        (1.02, 1.2, "; linearize would swap it (a slowdown of under 5%, within its aim)"),
+        (1.1, 1.3, "; no known fix"),
+    ],
+    ids=["no-difference-shown", "conv-faster-within-5%", "conv-shown-over-5%-faster"],
 )
 def test_a_checked_convolution_says_whether_linearize_would_swap_it(low, high, said):
     from types import SimpleNamespace
