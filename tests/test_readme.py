@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from pipeline.params import YamlLoader, parse_params
+from tests import launcher
 from tests.conftest import ROOT, merged
 
 README = (ROOT / "README.md").read_text()
@@ -114,14 +115,10 @@ def subcommand(argv: list[str]) -> list[str]:
 
 @functools.cache
 def run(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        argv,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=os.environ | {"NO_COLOR": "1", "COLUMNS": "200"},
-    )
+    env = os.environ | {"NO_COLOR": "1", "COLUMNS": "200"}
+    if argv[0] == sys.executable:  # a Python command: forked warm (tests/launcher.py)
+        return launcher.run(list(argv), cwd=ROOT, env=env, timeout=120)
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
 
 
 @functools.cache
@@ -331,11 +328,9 @@ SNIPPETS = [(path, block) for path in PAGES for block in python_blocks(TEXTS[pat
 def test_a_python_snippet_runs(path, block, tmp_path):
     """Each python block runs as written, given a model and its example input where it names them, in a
     folder of its own (a snippet may save files: w.save("doctor-run/"))."""
-    result = subprocess.run(
+    result = launcher.run(
         [sys.executable, "-c", SNIPPET_PREAMBLE + block],
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
         timeout=120,
         env=os.environ | {"PYTHONPATH": str(ROOT)},
     )
@@ -471,11 +466,9 @@ def test_a_moved_module_or_path_fails():
 def test_the_readme_doctor_command_runs():
     """The README's doctor command, as written, with a time bound: it prints the by-module table."""
     argv = next(argv for argv in COMMANDS if argv[1:3] == ["-m", "rcnn.doctor"])
-    result = subprocess.run(
+    result = launcher.run(
         [sys.executable, *argv[1:], "--max-seconds", "3"],
         cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=600,
         env=os.environ | {"NO_COLOR": "1", "COLUMNS": "200"},
     )

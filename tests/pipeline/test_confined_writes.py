@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from pipeline.run import stage_commands
+from tests import launcher
 from tests.conftest import ROOT, copy_project, merged
 
 SECRET = "s3cr3t-pw"
@@ -61,9 +62,7 @@ def stage_argv(project: Path, stage: str) -> list[str]:
 def run(project: Path, argv: list[str]) -> subprocess.CompletedProcess:
     assert argv[0] == "python"
     env = os.environ | {"PYTHONDONTWRITEBYTECODE": "1"}  # no __pycache__: every file must stay as it was
-    return subprocess.run(
-        [sys.executable, *argv[1:]], cwd=project, env=env, capture_output=True, text=True, timeout=300
-    )
+    return launcher.run([sys.executable, *argv[1:]], cwd=project, env=env, timeout=300)  # forked warm
 
 
 def with_arg(argv: list[str], flag: str, value: str) -> list[str]:

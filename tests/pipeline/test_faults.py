@@ -76,22 +76,36 @@ def test_killed_sweep_resumes_without_losing_or_repeating_a_trial(tmp_path, tiny
 
 # How a stop reaches the sweep: a terminal's Ctrl-C signals its whole process group; kill, systemd,
 # Kubernetes, SLURM and CI time-outs send SIGTERM, to the main process or to the group. Each: (workers, send,
-# its cause).
+# its cause, whether the rerun is run too). Every case checks the state the stop leaves (failed trials,
+# queued points, killed runs); the rerun resumes from that state whatever the signal, so it runs once per
+# worker count (the rest of its time is trials).
 STOPS = {
-    "one-process": (1, lambda pid: os.killpg(pid, signal.SIGINT), "Ctrl-C"),
-    "two-workers": (2, lambda pid: os.killpg(pid, signal.SIGINT), "Ctrl-C"),
-    "two-workers-main-only": (2, lambda pid: os.kill(pid, signal.SIGINT), "Ctrl-C"),  # the sweep passes it on
-    "sigterm-one-process": (1, lambda pid: os.kill(pid, signal.SIGTERM), "SIGTERM"),
-    "sigterm-two-workers-group": (2, lambda pid: os.killpg(pid, signal.SIGTERM), "SIGTERM"),
+    "one-process": (1, lambda pid: os.killpg(pid, signal.SIGINT), "Ctrl-C", True),
+    "two-workers": (2, lambda pid: os.killpg(pid, signal.SIGINT), "Ctrl-C", False),
+    "two-workers-main-only": (2, lambda pid: os.kill(pid, signal.SIGINT), "Ctrl-C", True),  # passed on
+    "sigterm-one-process": (1, lambda pid: os.kill(pid, signal.SIGTERM), "SIGTERM", False),
+    "sigterm-two-workers-group": (2, lambda pid: os.killpg(pid, signal.SIGTERM), "SIGTERM", False),
 }
 # What the stage ends with, by cause: its exit code (as a shell reports the signal) and how its line starts
 ENDS = {"Ctrl-C": (130, "interrupted"), "SIGTERM": (143, "terminated (SIGTERM)")}
 
 
+def group_ended(group: int, wait_s: float = 10.0) -> bool:
+    """Whether no process of the process group ``group`` is left (within ``wait_s``)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("workers, send, cause", STOPS.values(), ids=STOPS.keys())
+@pytest.mark.parametrize("workers, send, cause, rerun", STOPS.values(), ids=STOPS.keys())
 def test_a_stop_signal_ends_with_one_line_and_the_rerun_resumes(
-    tmp_path, tiny_params, capsys, workers, send, cause
+    tmp_path, tiny_params, capsys, workers, send, cause, rerun
 ):
     # 4 points
     args = prepare(
@@ -119,6 +133,7 @@ def test_a_stop_signal_ends_with_one_line_and_the_rerun_resumes(
     code, stopped_line = ENDS[cause]
     assert proc.returncode == code, err
     assert "Traceback" not in err, err
+    assert group_ended(proc.pid), "a worker outlived the stopped sweep"
     assert err.splitlines()[-1] == (
         f"{stopped_line}: {complete} of 4 trials complete; run the sweep stage again (make repro) to resume"
     )
@@ -135,6 +150,8 @@ def test_a_stop_signal_ends_with_one_line_and_the_rerun_resumes(
     assert mlflow.get_run(study.user_attrs["mlflow_parent_run_id"]).info.status == "KILLED"
     assert states.count(optuna.trial.TrialState.WAITING) == 4 - complete
     assert optuna.trial.TrialState.RUNNING not in states
+    if not rerun:
+        return
 
     capsys.readouterr()
     assert sweep.main(args) == 0
@@ -242,6 +259,7 @@ def test_a_setting_that_fails_to_compile_is_a_failed_trial_and_the_sweep_goes_on
     assert runs(tmp_path).set_index("params.compile").loc["head", "status"] == "FAILED"
 
 
+@pytest.mark.slow  # a new MLflow store: seconds
 def test_a_machine_racing_another_on_the_experiment_tries_again(tmp_path, monkeypatch):
     """Machines starting together insert the same experiment rows; the loser's write fails once (a duplicate
     key on PostgreSQL) and its next attempt finds them. A write that keeps failing stops with one line after

@@ -18,23 +18,29 @@ import sqlalchemy.pool
 
 from pipeline import sweep
 from pipeline.results import read_trials
+from tests import launcher
 from tests.conftest import ROOT
 from tests.pipeline.helpers import SLOW, SWEEP_FILES, kill_mid_trial, prepare
 from tests.services import mlflow_server, postgres
 
 GRID = {"head": ["linear", "conv"], "batch_size": [1, 2], "channels_last": [False, True]}  # 8 points
+POINTS = 8
+# Workers on one host start together: 4 points give each of the two a trial.
+ONE_HOST_GRID = {"head": ["linear", "conv"], "batch_size": [1, 2], "channels_last": [False]}
 
 
 def points(trials):
-    return trials[["head", "batch_size", "channels_last"]].apply(tuple, axis=1)
+    return trials[list(GRID)].apply(tuple, axis=1)
 
 
 @pytest.mark.slow
 def test_workers_on_one_host_run_exactly_the_grid(tmp_path, tiny_params):
-    args = prepare(tmp_path, tiny_params, SLOW | {"sweep": SLOW["sweep"] | {"workers": 2, "space": GRID}})
+    args = prepare(
+        tmp_path, tiny_params, SLOW | {"sweep": SLOW["sweep"] | {"workers": 2, "space": ONE_HOST_GRID}}
+    )
     assert sweep.main(args) == 0
     trials = read_trials(tmp_path / "trials.csv")
-    assert len(trials) == 8 and trials["status"].eq("complete").all()
+    assert len(trials) == 4 and trials["status"].eq("complete").all()
     assert points(trials).is_unique  # every grid point once, no duplicates
     assert trials["worker"].nunique() == 2  # both processes took trials from the one queue
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -128,7 +134,7 @@ def test_two_machines_on_postgresql_and_an_mlflow_server(tmp_path, tiny_params, 
 
         trials = read_trials(tmp_path / "trials.csv")
         done = trials[trials["status"] == "complete"]
-        assert len(done) == 8 and points(done).is_unique  # the whole grid, once
+        assert len(done) == POINTS and points(done).is_unique  # the whole grid, once
         assert done["worker"].nunique() == 2 and done["worker"].str.endswith(mark).any()
         killed = trials[trials["status"] == "failed"]
         assert len(killed) == 1 and killed["worker"].str.endswith(mark).all()
@@ -141,7 +147,7 @@ def test_two_machines_on_postgresql_and_an_mlflow_server(tmp_path, tiny_params, 
         assert children.index.is_unique and set(done["mlflow_run_id"]) <= set(children.index)
         assert (children.loc[done["mlflow_run_id"], "status"] == "FINISHED").all()
         assert (children.loc[killed["mlflow_run_id"], "status"] == "FAILED").all()
-        assert len(children) == 9  # 8 complete + the killed one: nothing logged twice
+        assert len(children) == POINTS + 1  # every point complete + the killed one: nothing logged twice
         print(
             f"2 machines: {done['worker'].value_counts().tolist()} complete trials each, 1 killed mid-trial "
             "and "
@@ -177,11 +183,9 @@ def test_two_machines_on_postgresql_and_an_mlflow_server(tmp_path, tiny_params, 
         # A wrong MLflow password stops the sweep stage at once with one line, before the study is touched.
         before, results = completed(db.urls["optuna"]), (tmp_path / "trials.csv").read_bytes()
         started = time.monotonic()
-        wrong = subprocess.run(
+        wrong = launcher.run(
             [sys.executable, "-m", "pipeline.sweep", *args],
             cwd=ROOT,
-            capture_output=True,
-            text=True,
             timeout=120,
             env=os.environ | {"MLFLOW_TRACKING_PASSWORD": "not-the-password"},
         )
@@ -193,7 +197,8 @@ def test_two_machines_on_postgresql_and_an_mlflow_server(tmp_path, tiny_params, 
         ), wrong.stderr
         assert took < 60  # no minutes of MLflow retries
         assert (
-            completed(db.urls["optuna"]) == before == 8 and (tmp_path / "trials.csv").read_bytes() == results
+            completed(db.urls["optuna"]) == before == POINTS
+            and (tmp_path / "trials.csv").read_bytes() == results
         )
         print(
             f"wrong MLflow password: exit 2 after {took:.1f} s, {before} completed trials kept; "

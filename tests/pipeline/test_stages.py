@@ -3,7 +3,6 @@
 import hashlib
 import json
 import math
-import subprocess
 import sys
 
 import mlflow
@@ -20,6 +19,7 @@ from rcnn.detector.roofline import head_flops
 from rcnn.detector.schema import SWEEP_WALL_PARTS
 from rcnn.measure.device import amp_unavailable
 from rcnn.measure.settings import AMP_DTYPES
+from tests import launcher
 from tests.conftest import ROOT, TINY_PARAMS
 from tests.pipeline.helpers import SWEEP_FILES
 
@@ -50,13 +50,7 @@ def sweep_paths(folder):
 
 
 def stage_cli(module, *args):
-    return subprocess.run(
-        [sys.executable, "-m", f"pipeline.{module}", *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return launcher.run([sys.executable, "-m", f"pipeline.{module}", *map(str, args)], cwd=ROOT, timeout=300)
 
 
 def test_data_and_env_are_reproducible(tmp_path, tiny_params):

@@ -31,6 +31,7 @@ from pipeline.study import (
     trials_to_run,
 )
 from rcnn.detector.schema import KNOB_NAMES, MEASURED_COLUMNS
+from tests import launcher
 from tests.conftest import ROOT, TINY_CONFIG
 from tests.pipeline.helpers import SLOW, prepare
 
@@ -333,13 +334,7 @@ def test_a_second_sweep_stage_on_the_journal_is_refused_at_once_and_the_first_go
         ):
             time.sleep(0.2)
         started = time.monotonic()
-        second = subprocess.run(
-            [sys.executable, "-m", "pipeline.sweep", *args],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        second = launcher.run([sys.executable, "-m", "pipeline.sweep", *args], cwd=ROOT, timeout=120)
         waited = time.monotonic() - started
         output, _ = first.communicate(timeout=300)
     finally:

@@ -9,6 +9,7 @@ import pytest
 
 from rcnn.cli import run_command
 from rcnn.rules import UserError, ValueNotAllowed
+from tests import launcher
 from tests.conftest import ROOT
 
 
@@ -59,16 +60,9 @@ def test_rcnn_debug_lets_user_errors_through(monkeypatch, debug):
 @pytest.mark.slow
 def test_a_users_model_that_raised_keeps_its_traceback_under_rcnn_debug():
     argv = [sys.executable, "-m", "rcnn.doctor", "tests.fixtures.models:raises", "--device", "cpu"]
-    plain = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    plain = launcher.run(argv, cwd=ROOT, timeout=120)
     assert plain.returncode == 2 and plain.stderr.count("\n") == 1, plain.stderr
-    debug = subprocess.run(
-        argv,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "RCNN_DEBUG": "1"},
-    )
+    debug = launcher.run(argv, cwd=ROOT, timeout=120, env={**os.environ, "RCNN_DEBUG": "1"})
     assert debug.returncode == 1
     assert "tests/fixtures/models.py" in debug.stderr  # the user's own line that raised
     assert "The above exception was the direct cause" in debug.stderr

@@ -8,13 +8,13 @@ import pytest
 from tests.conftest import ROOT
 
 
-@pytest.mark.slow  # a fresh interpreter: the point is what it imports
 @pytest.mark.parametrize(
     "modules",
     [
         "rcnn.detector.schema, rcnn.measure.settings, rcnn.measure.stats, rcnn.doctor.columns, rcnn.rules, "
         "pipeline.params",
-        "pipeline.report, pipeline.compare",
+        # pandas and matplotlib's import: seconds
+        pytest.param("pipeline.report, pipeline.compare", marks=pytest.mark.slow),
     ],
 )
 def test_imports_no_torch(modules):

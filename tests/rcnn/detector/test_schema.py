@@ -2,12 +2,12 @@
 tables, the knob effects' baseline and the report's labels all follow the declaration."""
 
 import shutil
-import subprocess
 import sys
 
 import pytest
 
 from rcnn.detector.schema import KNOB, KNOBS, TRIAL_COLUMNS, setting_label
+from tests import launcher
 from tests.conftest import ROOT
 
 DUMMY = (
@@ -44,9 +44,7 @@ def test_a_knob_declared_in_one_place_reaches_params_the_flags_and_the_grid(tmp_
     text = schema.read_text()
     assert text.count("\n)\nKNOB = ") == 1
     schema.write_text(text.replace("\n)\nKNOB = ", f"\n    {DUMMY},\n)\nKNOB = "))
-    done = subprocess.run(
-        [sys.executable, "-c", CHECK], cwd=tmp_path, capture_output=True, text=True, timeout=300
-    )
+    done = launcher.run([sys.executable, "-c", CHECK], cwd=tmp_path, timeout=300)
     assert done.returncode == 0 and done.stdout == "ok\n", done.stderr[-3000:]
 
 

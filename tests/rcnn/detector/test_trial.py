@@ -1,6 +1,5 @@
 import math
 import re
-import subprocess
 import sys
 import time
 
@@ -18,6 +17,7 @@ from rcnn.doctor.attribution import ModuleTimer
 from rcnn.measure.clock import Clock, ModuleSpanProbe
 from rcnn.measure.stats import TimingPolicy
 from rcnn.rules import ValueNotAllowed
+from tests import launcher
 from tests.conftest import ROOT, TINY_CONFIG
 
 CPU = torch.device("cpu")
@@ -347,13 +347,7 @@ def test_cli_refuses_a_bad_option_with_one_line(capsys, argv, message):
 
 @pytest.mark.slow
 def test_cli_bad_option_as_a_user_runs_it():
-    result = subprocess.run(
-        [sys.executable, "-m", "rcnn.bench", "--batch-size", "0"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = launcher.run([sys.executable, "-m", "rcnn.bench", "--batch-size", "0"], cwd=ROOT, timeout=120)
     assert result.returncode == 2
     assert result.stderr == "error: --batch-size: 0 is too small; allowed: >= 1\n" and result.stdout == ""
 
@@ -400,6 +394,7 @@ def test_compile_steps_are_timed_apart_and_kept_out_of_the_medians(slow_compiler
     assert eager.compiled is None and math.isnan(eager.row()["compile_ms"]) and eager.wall_s["compile"] == 0
 
 
+@pytest.mark.slow  # a whole trial: seconds
 def test_wall_time_parts_cover_the_trial():
     started = time.perf_counter()
     result = run_trial(TINY_CONFIG, Knobs(head="linear"), SAMPLES, device=CPU, policy=QUICK, profile_steps=1)

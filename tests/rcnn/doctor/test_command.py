@@ -8,6 +8,7 @@ import pytest
 from rcnn import fix
 from rcnn.doctor import command as doctor
 from rcnn.doctor.columns import MODULE_COLUMNS, OUTSIDE, ROOT, WHY_COLUMNS
+from tests import launcher
 from tests.conftest import ROOT as REPO
 
 QUICK = ["--batch-size", "2", "--image-size", "64", "--max-seconds", "2", "--device", "cpu"]
@@ -22,6 +23,7 @@ def project(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.slow  # the doctor end to end with time for every why row: seconds
 def test_tables_for_a_users_model(project, capsys):
     # time enough for every why row's timings, on a loaded machine too
     argv = ["tests.fixtures.models:box_head_like", *QUICK, "--max-seconds", "8", "--out", "out", "--top", "3"]
@@ -85,6 +87,7 @@ def test_the_header_and_env_say_what_the_batch_was_not_what_was_asked(project, c
     assert "batch float32 (2, 64)" in header and " px" not in header
 
 
+@pytest.mark.slow  # the doctor end to end, three times: seconds
 def test_out_is_rewritten_but_never_a_foreign_folder(project, capsys):
     (project / "notes").mkdir()
     (project / "notes" / "mine.txt").write_text("keep me")
@@ -187,7 +190,7 @@ def test_the_modules_that_matter_get_a_why_row_whatever_their_flops(monkeypatch)
 
 @pytest.mark.slow
 def test_the_command_as_a_user_runs_it(tmp_path):
-    done = subprocess.run(
+    done = launcher.run(
         [
             sys.executable,
             "-m",
@@ -198,8 +201,6 @@ def test_the_command_as_a_user_runs_it(tmp_path):
             str(tmp_path / "out"),
         ],
         cwd=REPO,
-        capture_output=True,
-        text=True,
     )
     # tmp_path lies outside the project: an explicit --out may be anywhere
     assert done.returncode == 0, done.stderr
@@ -246,6 +247,7 @@ def test_on_a_gpu_the_kernels_are_named(project):
     assert why.loc["fc6", "input_grad_ms"] > 0 and len(why.loc["fc6", "weight_grad_impl"]) > 0
 
 
+@pytest.mark.slow  # the doctor end to end and an MLflow store: seconds
 def test_mlflow_gets_the_tables(project, monkeypatch, capsys):
     import mlflow
 
