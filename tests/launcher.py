@@ -65,6 +65,8 @@ def _child(request: dict) -> None:
     """In the forked process: become the command, run it, end with its status (never returns)."""
     code = 1
     try:
+        if request["new_session"]:
+            os.setsid()  # as Popen(start_new_session=True): its own process group, signalled as one
         os.chdir(request["cwd"])
         if "multiprocessing.process" in sys.modules:  # where spawned workers resolve a relative script path
             sys.modules["multiprocessing.process"].ORIGINAL_DIR = os.getcwd()
@@ -126,6 +128,7 @@ def serve() -> None:
     del sys.path[0]  # this file's folder, tests/: nothing of the project is imported before a command's own
     for name in PRELOADED:
         importlib.import_module(name)
+    gc.freeze()  # what was preloaded stays out of the children's collections (they run one before exiting)
     print(json.dumps({"ready": True, "threads": threading.active_count()}), flush=True)
     for line in sys.stdin:
         pid = os.fork()
@@ -185,39 +188,73 @@ class Launcher:
         line, self._pending = self._pending.split(b"\n", 1)
         return json.loads(line)
 
+    def start(
+        self,
+        argv: list[str],
+        *,
+        cwd: Path | str,
+        env: dict | None = None,
+        stdout: Path | str = os.devnull,
+        stderr: Path | str = os.devnull,
+        new_session: bool = False,
+    ) -> Launched:
+        """``subprocess.Popen(argv, cwd=cwd, env=env, start_new_session=new_session)`` with its standard
+        streams to the files ``stdout`` and ``stderr``, for ``argv = [python, (-m module | -c code | script),
+        *args]``, forked warm. One command at a time: the next starts once this one was waited for."""
+        assert argv[0] == sys.executable or argv[0] in PYTHONS, argv
+        env = dict(os.environ if env is None else env)
+        if not self._lock.acquire(timeout=900):
+            raise RuntimeError("the launcher's last command was never waited for")
+        try:
+            server = self._start()
+            if any(env.get(key) != self._env.get(key) for key in STARTUP_KEYS):  # read at start-up: cold
+                with open(stdout, "w") as out, open(stderr, "w") as err:
+                    cold = [sys.executable, *argv[1:]]
+                    proc = subprocess.Popen(
+                        cold, cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=new_session
+                    )
+                return Launched(self, proc.pid, proc)
+            request = {
+                "argv": list(argv[1:]),
+                "cwd": str(cwd),
+                "env": env,
+                "stdout": str(stdout),
+                "stderr": str(stderr),
+                "new_session": new_session,
+            }
+            server.stdin.write(json.dumps(request).encode() + b"\n")
+            server.stdin.flush()
+            self._command = self._answer(time.monotonic() + 60)["pid"]
+            return Launched(self, self._command)
+        except BaseException:
+            self._release(broken=True)
+            raise
+
+    def _release(self, broken: bool = False) -> None:
+        self._command = None
+        if broken:
+            self.close()  # out of step with its answers: the next command starts a new one
+        self._lock.release()
+
     def run(
         self, argv: list[str], *, cwd: Path | str, env: dict | None = None, timeout: float = 300
     ) -> subprocess.CompletedProcess:
         """``subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)``
         for ``argv = [python, (-m module | -c code | script), *args]``, forked warm (cold where ``env``
         differs from the warm interpreter's in a STARTUP_KEYS variable)."""
-        assert argv[0] == sys.executable or argv[0] in PYTHONS, argv
-        env = dict(os.environ if env is None else env)
-        with self._lock, tempfile.TemporaryDirectory(prefix="launched-") as folder:
-            server = self._start()
-            if any(env.get(key) != self._env.get(key) for key in STARTUP_KEYS):
-                cold = [sys.executable, *argv[1:]]
-                return subprocess.run(cold, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-            streams = {name: str(Path(folder) / name) for name in ("stdout", "stderr")}
-            request = {"argv": list(argv[1:]), "cwd": str(cwd), "env": env} | streams
-            server.stdin.write(json.dumps(request).encode() + b"\n")
-            server.stdin.flush()
-            deadline = time.monotonic() + timeout
+        with tempfile.TemporaryDirectory(prefix="launched-") as folder:
+            out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+            command = self.start(argv, cwd=cwd, env=env, stdout=out, stderr=err)
             try:
-                self._command = pid = self._answer(deadline)["pid"]
-                try:
-                    returncode = self._answer(deadline)["returncode"]
-                    self._command = None
-                except TimeoutError:
-                    os.kill(pid, signal.SIGKILL)
-                    self._answer(time.monotonic() + 60)
-                    out, err = (Path(streams[n]).read_text(errors="replace") for n in ("stdout", "stderr"))
-                    raise subprocess.TimeoutExpired(argv, timeout, out, err) from None
-            except (RuntimeError, TimeoutError, ProcessLookupError):
-                self.close()  # out of step with its answers: the next command starts a new one
-                raise
-            out, err = (Path(streams[name]).read_text(errors="replace") for name in ("stdout", "stderr"))
-        return subprocess.CompletedProcess(argv, returncode, out, err)
+                returncode = command.wait(timeout)
+            except subprocess.TimeoutExpired:
+                command.kill()
+                command.wait()
+                read = (p.read_text(errors="replace") for p in (out, err))
+                raise subprocess.TimeoutExpired(argv, timeout, *read) from None
+            return subprocess.CompletedProcess(
+                argv, returncode, out.read_text(errors="replace"), err.read_text(errors="replace")
+            )
 
     def close(self) -> None:
         """End the warm interpreter (and a command still running under it)."""
@@ -235,8 +272,49 @@ class Launcher:
                 server.wait()
 
 
+class Launched:
+    """A command ``Launcher.start`` started: Popen's ``pid``, ``poll``, ``wait``, ``kill`` and
+    ``returncode``."""
+
+    def __init__(self, launcher: Launcher, pid: int, cold: subprocess.Popen | None = None) -> None:
+        self.pid, self.returncode = pid, None
+        self._launcher, self._cold = launcher, cold
+
+    def _ended(self, returncode: int) -> int:
+        self.returncode = returncode
+        self._launcher._release()
+        return returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is not None:
+            return self.returncode
+        if self._cold is not None:
+            return self._ended(self._cold.wait(timeout))
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
+        try:
+            returncode = self._launcher._answer(deadline)["returncode"]
+        except TimeoutError:
+            raise subprocess.TimeoutExpired(str(self.pid), timeout) from None
+        except BaseException:
+            self.returncode = -signal.SIGKILL
+            self._launcher._release(broken=True)
+            raise
+        return self._ended(returncode)
+
+    def poll(self) -> int | None:
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
 LAUNCHER = Launcher()
-run = LAUNCHER.run
+run, start = LAUNCHER.run, LAUNCHER.start
 
 if __name__ == "__main__":
     serve()

@@ -2,8 +2,10 @@
 arguments, streams and exit status, this project's code imported afresh from the command's folder."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -61,6 +63,18 @@ def test_commands_that_end_at_once_are_answered_in_step(tmp_path):
     """Both answers of a command that ends before the first is read arrive together: each is still read."""
     codes = [
         launcher.run([sys.executable, "-c", f"raise SystemExit({i})"], cwd=tmp_path).returncode
-        for i in range(40)
+        for i in range(20)
     ]
-    assert codes == list(range(40))
+    assert codes == list(range(20))
+
+
+def test_a_started_command_runs_in_its_own_session_and_ends_by_a_signal_as_popen_says(tmp_path):
+    out = tmp_path / "out.txt"
+    code = "import time; print('up', flush=True); time.sleep(60)"
+    command = launcher.start([sys.executable, "-c", code], cwd=tmp_path, new_session=True, stdout=out)
+    deadline = time.monotonic() + 60
+    while not (out.exists() and out.read_text() == "up\n") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert command.poll() is None and os.getpgid(command.pid) == command.pid
+    os.killpg(command.pid, signal.SIGTERM)
+    assert command.wait(30) == command.returncode == -signal.SIGTERM

@@ -15,9 +15,9 @@ import pytest
 
 from pipeline import data, env
 
-# Trials long enough (25 timed steps) for a process to be stopped in the middle of one.
+# Trials long enough (15 timed steps, a second or more) for a process to be stopped in the middle of one.
 SLOW = {
-    "timing": {"warmup": 1, "max_warmup": 1, "iterations": 25, "max_iterations": 25, "max_seconds": 60},
+    "timing": {"warmup": 1, "max_warmup": 1, "iterations": 15, "max_iterations": 15, "max_seconds": 60},
     "sweep": {"profile_steps": 0, "cross_check": False},
 }
 # The sweep stage's options, files under tmp_path

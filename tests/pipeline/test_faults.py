@@ -18,6 +18,7 @@ from pipeline import sweep
 from pipeline.params import ParamsError, TrackingParams
 from pipeline.results import read_trials
 from pipeline.tracking import EXPERIMENT_ATTEMPTS, connect_tracking
+from tests import launcher
 from tests.conftest import ROOT
 from tests.pipeline.helpers import SLOW, kill_mid_trial, prepare
 
@@ -45,12 +46,7 @@ def runs(tmp_path):
 @pytest.mark.slow
 def test_killed_sweep_resumes_without_losing_or_repeating_a_trial(tmp_path, tiny_params):
     args = prepare(tmp_path, tiny_params, SLOW | {"sweep": SLOW["sweep"] | {"space": {"batch_size": [1, 2]}}})
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.sweep", *args],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = launcher.start([sys.executable, "-m", "pipeline.sweep", *args], cwd=ROOT)  # forked warm
     seen = kill_mid_trial(proc, lambda: journal_trials(tmp_path))
     before = sum(t.state == optuna.trial.TrialState.COMPLETE for t in seen)
 
@@ -113,19 +109,16 @@ def test_a_stop_signal_ends_with_one_line_and_the_rerun_resumes(
         tiny_params,
         SLOW | {"sweep": SLOW["sweep"] | {"workers": workers, "space": {"batch_size": [1, 2]}}},
     )
-    with (tmp_path / "stderr.txt").open("w") as stderr:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.sweep", *args],
-            cwd=ROOT,
-            start_new_session=True,
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-        )
-        # The signal lands while a trial measures (nearly all of its time; during its bookkeeping it would
-        # wait).
-        kill_mid_trial(
-            proc, lambda: journal_trials(tmp_path), timeout_s=600, send=send, log=tmp_path / "stderr.txt"
-        )
+    proc = launcher.start(  # forked warm, in a session of its own
+        [sys.executable, "-m", "pipeline.sweep", *args],
+        cwd=ROOT,
+        new_session=True,
+        stderr=tmp_path / "stderr.txt",
+    )
+    # The signal lands while a trial measures (nearly all of its time; during its bookkeeping it would wait).
+    kill_mid_trial(
+        proc, lambda: journal_trials(tmp_path), timeout_s=600, send=send, log=tmp_path / "stderr.txt"
+    )
     err = (tmp_path / "stderr.txt").read_text()
     study = journal_study(tmp_path)
     states = [t.state for t in study.trials]

@@ -76,6 +76,7 @@ def test_an_edit_anywhere_in_the_library_renames_the_study(tmp_path, tiny_params
     assert name() not in (before, edited)
 
 
+@pytest.mark.slow  # runs the data and env stages first: seconds
 def test_a_users_head_that_cannot_be_imported_is_one_line(tmp_path, tiny_params, capsys):
     args = prepare(tmp_path, tiny_params, {"sweep": {"space": {"head": ["linear", "no_such_heads:conv"]}}})
     assert sweep.main(args) == 2

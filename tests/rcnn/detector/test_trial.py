@@ -270,6 +270,7 @@ def test_cli_refuses_tf32_on_a_cpu(capsys):
     )
 
 
+@pytest.mark.slow  # a whole trial through the command line: seconds
 def test_cli_reports_what_compiling_cost(capsys, slow_compiler):
     assert (
         main(
