@@ -3,15 +3,21 @@ trial."""
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import optuna
 import pytest
+import yaml
+from mlflow import MlflowClient
 
 from pipeline import data, env
 
@@ -32,12 +38,28 @@ SWEEP_FILES = {
 }
 
 
+@functools.cache
+def empty_mlflow_store() -> Path:
+    """An MLflow SQLite store with its tables made and nothing logged, made once per test session: creating
+    the tables takes seconds, and each sweep test would otherwise make its own."""
+    folder = tempfile.mkdtemp(prefix="mlflow-store-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    path = Path(folder) / "mlflow.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
 def prepare(tmp_path: Path, tiny_params: Callable[[dict | None], Path], override: dict | None) -> list[str]:
-    """Run the data and env stages into ``tmp_path`` with the tiny params plus ``override``; returns the sweep
-    stage's arguments (``--params`` first, then every file of SWEEP_FILES under ``tmp_path``)."""
+    """Run the data and env stages into ``tmp_path`` with the tiny params plus ``override``, and give a
+    SQLite tracking store not made yet an empty one (empty_mlflow_store); returns the sweep stage's arguments
+    (``--params`` first, then every file of SWEEP_FILES under ``tmp_path``)."""
     params = tiny_params(override)
     assert data.main(["--params", str(params), "--out", str(tmp_path / "data")]) == 0
     assert env.main(["--params", str(params), "--out", str(tmp_path / "env.json")]) == 0
+    uri = yaml.safe_load(params.read_text())["tracking"]["mlflow_uri"]
+    store = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+    if store is not None and store.is_absolute() and not store.exists():
+        shutil.copyfile(empty_mlflow_store(), store)
     return ["--params", str(params)] + [
         a for k, v in SWEEP_FILES.items() for a in (f"--{k}", str(tmp_path / v))
     ]

@@ -369,6 +369,7 @@ def slow_compiler(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, mode=None: real(fn, backend=slow_backend))
 
 
+@pytest.mark.slow  # two whole trials, one compiling: seconds
 def test_compile_steps_are_timed_apart_and_kept_out_of_the_medians(slow_compiler, monkeypatch):
     steps = []  # every step's time, in the order run
     real_step = Trainer.step

@@ -78,6 +78,7 @@ def test_tables_for_a_users_model(project, capsys):
     assert printed.splitlines()[0].endswith("batch float32 (2, 3, 64, 64), fp32")
 
 
+@pytest.mark.slow  # the doctor end to end: seconds
 def test_the_header_and_env_say_what_the_batch_was_not_what_was_asked(project, capsys):
     """A factory with batches of its own (vectors of 64): no "64 px" anywhere, the batch as it was."""
     assert doctor.main(["tests.fixtures.models:sleepy", *QUICK, "--out", "out"]) == 0
