@@ -197,18 +197,19 @@ def test_ctrl_c_while_workers_start_stops_them_at_once(tmp_path, tiny_params):
 
 @pytest.mark.slow
 def test_slow_trial_times_out_and_a_failing_one_is_recorded(tmp_path, tiny_params):
-    # Batch size 8 on 4 images fails inside the trial; a 1 s limit stops the 30-step trials.
+    # Batch size 8 on 4 images fails inside the trial; a 1 s limit stops the trials of 40 timed steps.
     args = prepare(
         tmp_path,
         tiny_params,
         SLOW
         | {
+            "timing": SLOW["timing"] | {"iterations": 40, "max_iterations": 40},
             "sweep": SLOW["sweep"]
             | {
                 "trial_timeout_s": 1,
                 "fail_on_trial_error": True,
                 "space": {"head": ["linear"], "batch_size": [2, 8]},
-            }
+            },
         },
     )
     assert sweep.main(args) == 3  # fail_on_trial_error: results written, then a non-zero exit
