@@ -61,9 +61,10 @@ def test_interleaved_branches_keep_their_own_time(one_thread):
             loss.backward()
         table, totals = timer.step_table()
     backward = table["backward_inclusive_ms"]
-    assert backward["two"] == pytest.approx(2 * 10, rel=0.05)  # its two sleeps, not other's between them
-    assert backward["other"] == pytest.approx(30, rel=0.05)
-    assert backward["two.first"] == pytest.approx(10, rel=0.05) and backward["two"] == pytest.approx(
+    # A sleep overshoots by up to a few ms on a loaded machine, never by other's 30 ms between two's sleeps.
+    assert 0.98 * 2 * 10 <= backward["two"] < 2 * 10 + 6  # its two sleeps, not other's between them
+    assert 0.98 * 30 <= backward["other"] < 30 + 6
+    assert 0.98 * 10 <= backward["two.first"] < 10 + 3 and backward["two"] == pytest.approx(
         backward["two.first"] + backward["two.second"]
     )
     timer.remove()
