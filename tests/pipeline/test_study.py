@@ -5,6 +5,7 @@ it.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -33,7 +34,7 @@ from pipeline.study import (
 from rcnn.detector.schema import KNOB_NAMES, MEASURED_COLUMNS
 from tests import launcher
 from tests.conftest import ROOT, TINY_CONFIG
-from tests.pipeline.helpers import SLOW, prepare
+from tests.pipeline.helpers import SLOW, empty_mlflow_store, prepare
 
 CPU = torch.device("cpu")
 GRID = {
@@ -117,9 +118,11 @@ def test_queue_keeps_heads_side_by_side_and_a_cut_short_sweep_is_recorded():
 
 @pytest.fixture(scope="module")
 def tracking(tmp_path_factory):
-    """An MLflow store of its own, for the MLflow runs requeue() looks up."""
+    """An MLflow store of its own (the session's empty one, copied) for the runs requeue() looks up."""
     previous = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}")
+    store = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+    shutil.copyfile(empty_mlflow_store(), store)
+    mlflow.set_tracking_uri(f"sqlite:///{store}")
     yield
     mlflow.set_tracking_uri(previous)
 
