@@ -374,10 +374,9 @@ FIX_AIM = 1.05  # the fixed conv head's box-head backward within 5% of the linea
 def per_setting_lines(comparisons: pd.DataFrame, trials: pd.DataFrame) -> list[str]:
     """Per setting, the box-head backward of conv with linearize and of conv_as_linear over linear's: in how
     many settings each is at most FIX_AIM (faster is fine), in how many its CI lies wholly beyond, and those
-    beyond with their CIs. Beside them,
-    what a setting's trials differ by when they compute the same thing: conv and conv_as_linear, both with
-    linearize, once linearize swapped the conv head's 7x7 conv (one trial runs after the other: the machine
-    moves between)."""
+    beyond with their CIs. Beside them, what a setting's trials differ by when they compute the same thing:
+    conv and conv_as_linear, both with linearize, once linearize swapped the conv head's 7x7 conv (one trial
+    runs after the other: the machine moves between)."""
     rows = head_backward_per_setting(comparisons)
     rows = rows[rows["denominator"] == "linear"]
     on = rows["linearize"].astype(str) == "True"

@@ -168,6 +168,13 @@ SAMPLE_MS = 2.0  # each timed value runs the path this long at least: a 0.1 ms c
 MOST_CALLS = 64  # ... in at most this many calls
 
 
+def settled(ci_low: float, ci_high: float) -> bool:
+    """Whether more rounds could change a decision, from GEMM / conv's CI: not once it lies under 1 (flagged,
+    swapped), over KEEP_ABOVE (kept), or between 1 and KEEP_ABOVE (the convolution faster by under 5%:
+    swapped, no flag). Where it straddles 1 the timing goes on to its bound."""
+    return ci_high < 1 or ci_low > 1 and (ci_low > KEEP_ABOVE or ci_high <= KEEP_ABOVE)
+
+
 @dataclass(frozen=True)
 class PathTiming:
     """One eligible convolution timed both ways at its input, in turn: forward + backward ms per call as the
@@ -202,12 +209,8 @@ class PathTiming:
 
     @property
     def settled(self) -> bool:
-        """Whether more rounds could change a decision: not once the CI lies under 1 (flagged, swapped), over
-        KEEP_ABOVE (kept), or between 1 and KEEP_ABOVE (the convolution faster by under 5%: swapped, no
-        flag). Where it straddles 1 the timing goes on to its bound."""
-        return (
-            self.ci_high < 1 or self.ci_low > 1 and (self.ci_low > KEEP_ABOVE or self.ci_high <= KEEP_ABOVE)
-        )
+        """Whether more rounds could change a decision (``settled``)."""
+        return settled(self.ci_low, self.ci_high)
 
     @property
     def swaps(self) -> bool:
@@ -302,8 +305,8 @@ def time_paths(
             return lambda: {"ms": clock.time(lambda: [forward_backward(path) for _ in range(calls)]) / calls}
 
         def decided(samples: Mapping[str, Mapping[str, Sequence[float]]]) -> bool:
-            ratio = median_ratio(samples["gemm"]["ms"], samples["conv"]["ms"], seed=seed)
-            return PathTiming(math.nan, math.nan, *ratio, *(math.nan,) * 3, rounds=0).settled
+            _, low, high = median_ratio(samples["gemm"]["ms"], samples["conv"]["ms"], seed=seed)
+            return settled(low, high)
 
         times = in_turn(
             {name: step(path) for name, path in paths.items()},
