@@ -462,10 +462,14 @@ def test_the_report_keeps_the_tables_it_was_rendered_from_and_renders_again_from
     assert sorted(p.name for p in tables.iterdir()) == sorted(report.TABLES.values())
     assert (tables / "trials.csv").read_text() == (folder / "trials.csv").read_text()
     first = (out / "report.md").read_text()
-    # Without the sweep's results: the report folder renders again from its own tables (its own files
+    # The sweep's results gone: the report folder renders again from its own tables (its own files
     # rewritten), the same text
-    again = [f"--{role}={tables / name}" for role, name in report.TABLES.items()]
-    assert report.main(["--params", str(params), *again, f"--out={out}"]) == 0
+    hidden = folder.rename(folder.with_name("results-gone"))
+    try:
+        again = [f"--{role}={tables / name}" for role, name in report.TABLES.items()]
+        assert report.main(["--params", str(params), *again, f"--out={out}"]) == 0
+    finally:
+        hidden.rename(folder)  # for the module's other tests
     assert (out / "report.md").read_text() == first
 
 
