@@ -422,7 +422,7 @@ def _same_head_spread(rows: pd.DataFrame, trials: pd.DataFrame) -> tuple[float, 
     done = complete(trials)
     conv = done[done["head"] == "conv"]
     swapped = conv[
-        conv["swapped"].fillna("").astype(str).str.split().map(lambda names: SEVEN_BY_SEVEN in names)
+        conv["swapped"].astype("string").fillna("").str.split().map(lambda names: SEVEN_BY_SEVEN in names)
     ]
     ratio = rows.set_index([setting(rows), "numerator"])["ratio"].unstack()
     if not {"conv", "conv_as_linear"} <= set(ratio.columns):
