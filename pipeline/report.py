@@ -48,13 +48,13 @@ from pipeline.results import (
     fastest,
     headline_compile,
     pooled_rows,
+    read_comparisons,
     read_env,
     read_table,
     read_trials,
     scope_text,
 )
 from rcnn.detector.schema import (
-    COMPARISON_COLUMNS,
     COMPILE_COLUMNS,
     KERNEL_COLUMNS,
     KNOBS,
@@ -126,7 +126,7 @@ def load_results(
     table, raised = within_ceilings(read_trials(trials), summary_.get("ceilings") or env_["ceilings"])
     return Results(
         trials=table,
-        comparisons=read_table(comparisons, COMPARISON_COLUMNS, "sweep"),
+        comparisons=read_comparisons(comparisons),
         kernels=read_table(kernels, KERNEL_COLUMNS, "sweep"),
         summary=summary_,
         env=env_,
@@ -374,9 +374,9 @@ FIX_AIM = 1.05  # the fixed conv head's box-head backward within 5% of the linea
 def per_setting_lines(comparisons: pd.DataFrame, trials: pd.DataFrame) -> list[str]:
     """Per setting, the box-head backward of conv with linearize and of conv_as_linear over linear's: in how
     many settings each is at most FIX_AIM (faster is fine), in how many its CI lies wholly beyond, and those
-    beyond with their CIs. Beside them, what a setting's trials differ by when they compute the same thing:
-    conv and conv_as_linear, both with linearize, once linearize swapped the conv head's 7x7 conv (one trial
-    runs after the other: the machine moves between)."""
+    beyond with their CIs. Beside them, how far two ratios to linear differ where their heads compute the
+    same thing: conv and conv_as_linear, both with linearize, once linearize swapped the conv head's 7x7 conv
+    (each ratio read in its own trial: what a ratio carries of the machine's moves)."""
     rows = head_backward_per_setting(comparisons)
     rows = rows[rows["denominator"] == "linear"]
     on = rows["linearize"].astype(str) == "True"
@@ -396,19 +396,36 @@ def per_setting_lines(comparisons: pd.DataFrame, trials: pd.DataFrame) -> list[s
             for _, x in beyond.iterrows()
         )
         lines.append(
-            f"- per setting, {what} / linear, box-head backward: at most {FIX_AIM}x in "
+            f"- per setting, {what} / linear, box-head backward{_how_paired(chosen)}: at most {FIX_AIM}x in "
             f"{len(chosen) - len(beyond)} of {len(chosen)} settings, shown beyond it (the CI over {FIX_AIM}) "
             f"in {shown}" + (f"; beyond: {words}" if words else "")
         )
     same = _same_head_spread(rows[on], trials)
     if lines and same:
         lines[-1] += (
-            ". Trials of one setting run one after another: conv and conv_as_linear, both with linearize and "
-            f"the 7x7 conv swapped, compute the same head and still differ {same[0]:.2f}-{same[1]:.2f}x over "
-            f"{same[2]} settings here, so a ratio per setting carries that much of the machine's drift "
-            "(`python -m benchmarks.linearize_check` steps the three heads in turn, per setting)"
+            ". conv and conv_as_linear, both with linearize and the 7x7 conv swapped, compute the same head: "
+            f"their ratios to linear, each read in its own trial, differ {same[0]:.2f}-{same[1]:.2f}x over "
+            f"{same[2]} settings here"
+            + (
+                ""
+                if (rows["rounds"] > 0).all()
+                else " (trials run one after the other carry the machine's drift between them; "
+                "`python -m benchmarks.linearize_check` steps the three heads in turn, per setting)"
+            )
         )
     return [line + "." for line in lines]
+
+
+def _how_paired(rows: pd.DataFrame) -> str:
+    """How a set of per-setting ratios was measured, in words (the comparisons' ``rounds``)."""
+    paired = rows[rows["rounds"] > 0]
+    if paired.empty:
+        return " (two trials, one after the other)"
+    least, most = paired["rounds"].min(), paired["rounds"].max()
+    rounds = f"{least:.0f}" if least == most else f"{least:.0f}-{most:.0f}"
+    if len(paired) == len(rows):
+        return f" (the two heads stepped in turn, {rounds} rounds)"
+    return f" (the two heads stepped in turn, {rounds} rounds, in {len(paired)} of {len(rows)} settings)"
 
 
 def _same_head_spread(rows: pd.DataFrame, trials: pd.DataFrame) -> tuple[float, float, int] | None:
@@ -486,7 +503,8 @@ def comparison_table(comparisons: pd.DataFrame) -> pd.DataFrame:
         lambda x: f"{x['ratio']:.2f} [{x['ci_low']:.2f}, {x['ci_high']:.2f}]", axis=1
     )
     rows["p"] = rows["p_value"].map(lambda p: f"{p:.1g}")
-    return rows[[*OTHER_KNOBS, "pair", "ratio [95% CI]", "p"]]
+    rows["in turn"] = rows["rounds"].map(lambda n: f"{n:.0f} rounds" if n > 0 else "no: two trials")
+    return rows[[*OTHER_KNOBS, "pair", "ratio [95% CI]", "p", "in turn"]]
 
 
 def effects_table(effects: pd.DataFrame) -> pd.DataFrame:
@@ -798,8 +816,9 @@ def render(r: Results, lock: Path | None) -> str:
         f"{r.env['fingerprint'].get('device')} ({r.device}); torch {r.env['fingerprint'].get('torch')}; "
         f"{s['complete']} of {s['trials']} trials complete"
         + (f" (partial sweep: {', '.join(notes)})" if notes else "")
-        + ". Ratios are geometric means over knob settings with 95% CIs from a bootstrap that resamples "
-        "every trial's step times.",
+        + ". A head's ratio to another in one setting is read where its trial stepped the two in turn; "
+        "pooled ratios are geometric means over knob settings, with 95% CIs from a bootstrap that resamples "
+        "every setting's times.",
         "",
         "## Verdict",
         "",
@@ -819,7 +838,9 @@ def render(r: Results, lock: Path | None) -> str:
         "",
         *([f"- {x['knob']}={x['value']}: {x['reason']}" for x in s.get("skipped", [])] or ["- none"]),
         "",
-        "Per setting, box-head backward ratios with bootstrap 95% CIs and Mann-Whitney p-values:",
+        "Per setting, box-head backward ratios with bootstrap 95% CIs: of the two heads stepped in turn in "
+        "the numerator's trial (paired over the rounds, Wilcoxon signed-rank p-value), or, where that trial "
+        "did not step them (`in turn`: no), of the two trials' own steps (Mann-Whitney p-value):",
         "",
         comparison_table(r.comparisons).to_markdown(index=False)
         if len(r.comparisons)

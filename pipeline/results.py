@@ -25,7 +25,7 @@ from rcnn.detector.schema import (
     TRIAL_COLUMNS,
     ResultsError,
 )
-from rcnn.measure.stats import compare, geomean_ratio
+from rcnn.measure.stats import compare, compare_paired, geomean_ratio
 from rcnn.outputs import csv_with, json_object, write_atomic
 
 
@@ -39,14 +39,20 @@ def head_order(present) -> list[str]:
 PAIRS = (("conv", "linear"), ("conv_as_linear", "linear"))  # the summary's headline ratios, always present
 
 
-def head_pairs(heads, reference: str | None = None) -> list[tuple[str, str]]:
-    """(numerator, denominator) of each head comparison among ``heads``: every head against linear or,
-    where linear was not swept, against ``reference`` (the sweep's first head; by default the first in head
-    order)."""
+def reference_head(heads, reference: str | None = None) -> str | None:
+    """The head every other is compared with: linear or, where linear was not swept, ``reference`` (the
+    sweep's first head; by default the first in head order). None without heads."""
     ordered = head_order(heads)
     if "linear" in ordered or reference not in ordered:
-        reference = "linear" if "linear" in ordered else ordered[0] if ordered else None
-    return [(head, reference) for head in ordered if head != reference]
+        return "linear" if "linear" in ordered else ordered[0] if ordered else None
+    return reference
+
+
+def head_pairs(heads, reference: str | None = None) -> list[tuple[str, str]]:
+    """(numerator, denominator) of each head comparison among ``heads``: every head against
+    ``reference_head``."""
+    reference = reference_head(heads, reference)
+    return [(head, reference) for head in head_order(heads) if head != reference]
 
 
 COMPARED_PHASES = ("head_backward", "backward", "step")
@@ -119,7 +125,8 @@ def read_table(
 
 
 # Columns newer than the committed reports' tables: unknown (NaN) there
-ADDED_TRIAL_COLUMNS = ("core_share",)
+ADDED_TRIAL_COLUMNS = ("core_share", "wall_paired_s")
+ADDED_COMPARISON_COLUMNS = ("rounds",)  # NaN: the two trials' own steps, as every table then compared
 ADDED_MODULE_COLUMNS = (
     "saved_mb",
     "backward_peak_mb",
@@ -132,6 +139,10 @@ ADDED_MODULE_COLUMNS = (
 
 def read_trials(path: str | Path) -> pd.DataFrame:
     return read_table(path, TRIAL_COLUMNS, "sweep", added=ADDED_TRIAL_COLUMNS)
+
+
+def read_comparisons(path: str | Path) -> pd.DataFrame:
+    return read_table(path, COMPARISON_COLUMNS, "sweep", added=ADDED_COMPARISON_COLUMNS)
 
 
 def read_env(path: str | Path) -> dict:
@@ -188,14 +199,18 @@ def comparisons_table(
     samples: dict[int, dict[str, list[float]] | None],
     seed: int = 0,
     reference: str | None = None,
+    paired: dict[int, dict[str, dict[str, list[float]]] | None] | None = None,
 ) -> pd.DataFrame:
     """Per setting of the other knobs, each head pair's ratio of medians per phase (head_pairs) with a
-    bootstrap CI and the Mann-Whitney p-value. Then pooled rows (geometric mean over settings, knobs 'all')
-    over the headline's settings (headline_scope): one per pair and phase, and one per value of each BY_VALUE
-    knob swept
-    (that knob keeps its value and is free of the scope's condition)."""
+    bootstrap 95% CI and a p-value: from the two heads stepped in turn where the numerator's trial did so
+    (``paired``: trial -> head -> phase -> one time per round; paired CI, Wilcoxon signed-rank p-value,
+    ``rounds``), else from the two trials' own steps (Mann-Whitney p-value, ``rounds`` 0). Then pooled rows
+    (geometric mean over settings, knobs 'all') over the headline's settings (headline_scope): one per pair
+    and phase, and one per value of each BY_VALUE knob swept (that knob keeps its value and is free of the
+    scope's condition)."""
     done = complete(trials)
     done = done[done["trial"].isin([t for t, kept in samples.items() if kept])]
+    paired = paired or {}
     rows, pooled = [], {}
     pairs = head_pairs(done["head"].unique(), reference)
     # The swept ones
@@ -207,9 +222,15 @@ def comparisons_table(
         for num, den in pairs:
             if num not in trial_of or den not in trial_of:
                 continue
+            in_turn = paired.get(trial_of[num]) or {}
+            in_turn = in_turn if den in in_turn else None
             for phase in COMPARED_PHASES:
-                a, b = samples[trial_of[num]][phase], samples[trial_of[den]][phase]
-                c = compare(a, b, seed=seed)
+                if in_turn:
+                    a, b = in_turn[num][phase], in_turn[den][phase]
+                    c = compare_paired(a, b, seed=seed)
+                else:
+                    a, b = samples[trial_of[num]][phase], samples[trial_of[den]][phase]
+                    c = compare(a, b, seed=seed)
                 rows.append(
                     knobs
                     | {
@@ -221,6 +242,7 @@ def comparisons_table(
                         "ci_high": c.ci_high,
                         "p_value": c.p_value,
                         "settings": 1,
+                        "rounds": len(a) if in_turn else 0,
                     }
                 )
                 for free, trials_in_scope in in_scope.items():
@@ -244,6 +266,7 @@ def comparisons_table(
                 "ci_high": high,
                 "p_value": np.nan,
                 "settings": len(pairs),
+                "rounds": np.nan,
             }
         )
     return pd.DataFrame(rows, columns=COMPARISON_COLUMNS)

@@ -116,9 +116,13 @@ def collect_tables(params: Params, setup: Setup, study: optuna.Study, parent_run
     whole study
     (every run and machine that worked it)."""
     trials = trials_table(study, setup.config, setup.device)
-    samples_by_trial = {t.number: t.user_attrs.get("samples") for t in study.get_trials(deepcopy=False)}
+    finished = study.get_trials(deepcopy=False)
     comparisons = comparisons_table(
-        trials, samples_by_trial, seed=params.sweep.seed, reference=params.sweep.space.head[0]
+        trials,
+        {t.number: t.user_attrs.get("samples") for t in finished},
+        seed=params.sweep.seed,
+        reference=params.sweep.space.head[0],
+        paired={t.number: t.user_attrs.get("paired") for t in finished},
     )
     summary = summarize_trials(trials, comparisons) | {
         "device": setup.device.type,

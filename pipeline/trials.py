@@ -18,6 +18,7 @@ import torch
 
 from pipeline.params import Params
 from pipeline.progress import Progress
+from pipeline.results import COMPARED_PHASES, reference_head
 from pipeline.stopping import TrialTimeout, interrupts, time_limit
 from pipeline.study import WorkQueue, next_trial
 from pipeline.sweep_setup import Setup
@@ -29,6 +30,7 @@ from rcnn.detector.schema import KNOB_NAMES, TRIAL_WALL_PARTS
 from rcnn.detector.trial import TrialResult, isolated_head_ms, run_trial
 from rcnn.measure.machine import achieved
 from rcnn.measure.settings import peak_dtype
+from rcnn.measure.stats import median_ratio
 from rcnn.rules import first_line
 
 
@@ -69,6 +71,20 @@ def measured_columns(
     }
 
 
+def paired_metrics(paired: dict[str, dict[str, list[float]]], head: str, reference: str) -> dict[str, float]:
+    """The trial's head over the reference, stepped in turn: per compared phase the ratio of medians with its
+    paired 95% CI, and the rounds (MLflow metrics ``paired_<phase>_ratio`` ...)."""
+    metrics = {"paired_rounds": float(len(paired[head]["step"]))}
+    for phase in COMPARED_PHASES:
+        ratio, low, high = median_ratio(paired[head][phase], paired[reference][phase])
+        metrics |= {
+            f"paired_{phase}_ratio": ratio,
+            f"paired_{phase}_ci_low": low,
+            f"paired_{phase}_ci_high": high,
+        }
+    return {k: v for k, v in metrics.items() if v == v}  # NaN is not a metric
+
+
 class Sweep:
     """Runs trials of one study, each as an MLflow child run of the sweep's parent run."""
 
@@ -80,6 +96,9 @@ class Sweep:
         self.failures = 0
         self.policy = params.timing.policy()
         self.system_metrics = bool(params.tracking.system_metrics_s)
+        # Every other head of a setting is stepped in turn with this one in its trial: their ratio per setting
+        heads = setup.grid["head"]
+        self.reference = reference_head(heads, heads[0]) if len(heads) > 1 else None
 
     def measure_in_run(
         self, knobs: Knobs, run_name: str, tags: dict[str, str], trial: optuna.Trial | None = None
@@ -106,7 +125,7 @@ class Sweep:
             mlflow.log_params(asdict(knobs) | asdict(self.config) | {"threads": torch.get_num_threads()})
             try:
                 with time_limit(self.params.sweep.trial_timeout_s):
-                    result, row = self.measure(knobs, profile)
+                    result, row = self.measure(knobs, profile, pair=trial is not None)
             except TrialTimeout as err:
                 mlflow.set_tags({"error": first_line(err), "status": "timeout"})
                 mlflow.end_run(status="KILLED")
@@ -124,6 +143,9 @@ class Sweep:
             )
             if row["swapped"]:
                 mlflow.set_tag("swapped", row["swapped"])
+            if result.paired:
+                mlflow.set_tag("paired_with", self.reference)
+                mlflow.log_metrics(paired_metrics(result.paired, knobs.head, self.reference))
             if result.kernels:
                 # An artifact name has no ':': a user's head package.module:factory reads
                 # package.module.factory.
@@ -148,9 +170,9 @@ class Sweep:
         )
         return result, row, run.info.run_id
 
-    def measure(self, knobs: Knobs, profile: bool) -> tuple[TrialResult, dict]:
-        """Time one configuration (kernel tables too if ``profile``): (result, measured columns). Writes no
-        store."""
+    def measure(self, knobs: Knobs, profile: bool, pair: bool) -> tuple[TrialResult, dict]:
+        """Time one configuration (kernel tables too if ``profile``; with ``pair``, a head other than the
+        reference then stepped in turn with it): (result, measured columns). Writes no store."""
         with interrupts.interruptible():  # no store is written in here: Ctrl-C may stop it at once
             result = run_trial(
                 self.config,
@@ -161,6 +183,7 @@ class Sweep:
                 seed=self.params.sweep.seed,
                 profile_steps=self.params.sweep.profile_steps if profile else 0,
                 peak_tflops=matmul_peak(self.ceilings, knobs),
+                paired_with=self.reference if pair and knobs.head != self.reference else None,
             )
             started = time.perf_counter()
             isolated = (
@@ -194,6 +217,8 @@ class Sweep:
             self.progress.done()
         trial.set_user_attr("result", row)
         trial.set_user_attr("samples", result.samples)
+        if result.paired:
+            trial.set_user_attr("paired", result.paired)
         if result.kernels:
             trial.set_user_attr("kernels", result.kernels)
         if result.modules:

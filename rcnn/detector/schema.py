@@ -207,7 +207,8 @@ STAT_COLUMNS = {
 # (and recompile), their total ms and count; the graphs compiled and the graph breaks dynamo reports.
 COMPILE_COLUMNS = ("compile_ms", "compile_steps", "compiled_graphs", "graph_breaks")
 # Where a trial's wall time goes, and the parts of a sweep's beyond its trials.
-TRIAL_WALL_PARTS = ("build", "compile", "warmup", "measure", "profile", "cross_check", "logging")
+# paired: the trial's head stepped in turn with the sweep's reference head (its ratios to it are read there)
+TRIAL_WALL_PARTS = ("build", "compile", "warmup", "measure", "paired", "profile", "cross_check", "logging")
 SWEEP_WALL_PARTS = (*TRIAL_WALL_PARTS, "failed", "other")  # other: setup, Optuna, writing tables
 WALL_COLUMNS = tuple(f"wall_{part}_s" for part in TRIAL_WALL_PARTS)
 
@@ -246,6 +247,7 @@ COMPARISON_COLUMNS = (
     "ci_high",
     "p_value",
     "settings",
+    "rounds",  # the in-turn rounds a setting's ratio is read from; 0: two trials, one after the other
 )
 KERNEL_COLUMNS = ("trial", *KNOB_NAMES, "kind", "name", "ms", "calls", "share")
 MODULE_TABLE_COLUMNS = ("trial", *KNOB_NAMES, *MODULE_COLUMNS)  # the sweep's by-module tables, at profile_at

@@ -11,7 +11,7 @@ import itertools
 import sys
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TypeVar
 
 import numpy as np
@@ -89,6 +89,8 @@ class TrialResult:
     modules: list[dict] = field(default_factory=list)  # rcnn.doctor's table (MODULE_COLUMNS rows), idem
     # The measured steps' share of the CPU time their threads could use (rcnn.measure.cores; None on CUDA)
     core_share: float | None = None
+    # With ``paired_with``: this head and that one stepped in turn, head -> phase -> one time per round (ms)
+    paired: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
     def median(self, phase: str) -> float:
         return self.stats[phase].median
@@ -281,9 +283,14 @@ def run_trial(
     profile_steps: int = 0,
     probe: bool = True,
     peak_tflops: float | None = None,
+    paired_with: str | None = None,
 ) -> TrialResult:
     """Warm up until step times settle, then time training steps until ``policy`` says stop
-    (rcnn.measure.loop.warm_up_then_measure); with ``profile_steps``, then profile that many more steps and
+    (rcnn.measure.loop.warm_up_then_measure); with ``paired_with`` (another head), then build that head's
+    detector beside this one, the other knobs alike, and step the two in turn until ``policy`` says stop
+    (``paired``: what a ratio of the two heads is read from, as the machine's load and drift hit both alike;
+    two trials run one after the other differ by that drift); with ``profile_steps``, then profile that many
+    more steps and
     keep the head-backward kernel table, and time that many with every module instrumented (rcnn.doctor,
     against the matmul peak ``peak_tflops``; eager settings only: its modes and hooks would change what dynamo
     compiles).
@@ -293,9 +300,11 @@ def run_trial(
     data loading is never timed. Raises ValueNotAllowed for a knob setting that does not apply on ``device``,
     FloatingPointError on a non-finite loss and RuntimeError for a setting that keeps recompiling.
     """
+    if paired_with == knobs.head:
+        raise ValueError(f"paired_with: {paired_with} is the trial's own head; a pair needs another")
     watched = WATCHED if probe else ("backward",)
     memory = PeakMemory(device)
-    wall = Stopwatch("build", "compile", "warmup", "measure", "profile")
+    wall = Stopwatch("build", "compile", "warmup", "measure", "paired", "profile")
     with backend_flags(knobs):
         with wall("build"):
             trainer = Trainer(config, knobs, samples, device=device, seed=seed, probe=probe)
@@ -327,6 +336,13 @@ def run_trial(
             warm = measured.warmup
             times = {phase: measured.series(phase) for phase in PHASES}
             compiled = dynamo.compiled(sum(compiling), len(compiling)) if knobs.compile != "off" else None
+            peak_mem_mb = memory.peak_mb()  # this head's alone: the paired head and the profiler come after
+            paired = {}
+            if paired_with is not None:
+                with wall("paired"):
+                    paired = _in_turn_with(
+                        trainer, paired_with, config, samples, device=device, policy=policy, seed=seed
+                    )
             kernels, modules = [], []
             with wall("profile"):
                 # After measuring: the profiler's and the doctor's overhead never reach the numbers.
@@ -352,7 +368,7 @@ def run_trial(
     return TrialResult(
         samples=times,
         stats={phase: summarize(values, seed=seed) for phase, values in times.items()},
-        peak_mem_mb=memory.peak_mb(),
+        peak_mem_mb=peak_mem_mb,
         warmup_iterations=len(warm),
         iterations=len(times["step"]),
         precision=max(median_precision(times[p]) for p in watched),
@@ -364,7 +380,31 @@ def run_trial(
         kernels=kernels,
         modules=modules,
         core_share=measured.core_share,
+        paired=paired,
     )
+
+
+def _in_turn_with(
+    trainer: Trainer,
+    head: str,
+    config: DetectorConfig,
+    samples: list[Sample],
+    *,
+    device: torch.device,
+    policy: TimingPolicy,
+    seed: int,
+) -> dict[str, dict[str, list[float]]]:
+    """``trainer`` (warm) and a new Trainer of ``head``, its other knobs ``trainer``'s, stepped in turn
+    (rcnn.measure.loop.in_turn, which warms the new one up): head -> phase -> one time per round."""
+    other = Trainer(
+        config, replace(trainer.knobs, head=head), samples, device=device, seed=seed, probe=trainer.probe
+    )
+    try:
+        steps = {trainer.knobs.head: trainer.stepper(), head: other.stepper()}
+        watched = WATCHED if trainer.probe else ("backward",)
+        return in_turn(steps, policy, watched=watched, seed=seed)
+    finally:
+        other.close()
 
 
 def isolated_head_ms(

@@ -1,13 +1,16 @@
+import numpy as np
 import pandas as pd
 import pytest
 
 from pipeline.common import read_json
 from pipeline.results import (
     ALL_SETTINGS,
+    COMPARED_PHASES,
     comparisons_table,
     head_order,
     head_pairs,
     pooled_rows,
+    read_comparisons,
     read_env,
     read_table,
     read_trials,
@@ -68,6 +71,26 @@ def test_comparisons_per_setting_and_pooled():
         "step_ms": pytest.approx(200, rel=0.02),
         "ms_per_image": pytest.approx(200, rel=0.02),
     }
+
+
+def test_a_ratio_is_read_from_the_heads_stepped_in_turn_where_the_numerators_trial_did_so():
+    trials, samples = fixture()
+    conv = trials.query("head == 'conv' and status == 'complete' and batch_size == 1")["trial"].iloc[0]
+    # In turn, conv's rounds are 1.5x linear's, each round moved alike by the machine (0.5x-2x): paired, the
+    # ratio and its CI hold that; unpaired, the two trials' own steps give 4x.
+    load = np.random.default_rng(1).uniform(0.5, 2.0, 9)
+    in_turn = {
+        head: {phase: list(load * base * (1.5 if head == "conv" else 1.0)) for phase in COMPARED_PHASES}
+        for head, base in (("conv", 10.0), ("linear", 10.0))
+    }
+    table = comparisons_table(trials, samples, paired={conv: in_turn})
+    rows = table[(table["settings"] == 1) & (table["numerator"] == "conv")].set_index(["batch_size", "phase"])
+    paired, alone = rows.loc[(1, "head_backward")], rows.loc[(2, "head_backward")]
+    assert paired["rounds"] == 9 and paired["ratio"] == pytest.approx(1.5)
+    assert paired["ci_low"] == pytest.approx(1.5) and paired["ci_high"] == pytest.approx(1.5)
+    assert paired["p_value"] < 0.01  # Wilcoxon signed-rank over the rounds
+    assert alone["rounds"] == 0 and alone["ratio"] == pytest.approx(4.0, rel=0.02)
+    assert table.query("settings > 1")["rounds"].isna().all()
 
 
 def test_a_swept_compile_gets_pooled_rows_per_value_and_stays_out_of_the_headline():
@@ -170,8 +193,10 @@ def test_the_h200_reference_run_reads_as_the_sweep_writes_it():
     # From before the knobs existed: the heads as written, uncompiled, TF32 off (sweep.allow_tf32's default).
     assert not trials["linearize"].any() and trials["compile"].eq("off").all() and not trials["tf32"].any()
     assert trials["swapped"].isna().all() and trials["wall_measure_s"].isna().all()
-    for name, columns in (("comparisons", COMPARISON_COLUMNS), ("kernels", KERNEL_COLUMNS)):
-        assert list(read_table(folder / f"{name}.csv", columns, "sweep").columns) == list(columns)
+    comparisons = read_comparisons(folder / "comparisons.csv")
+    assert list(comparisons.columns) == list(COMPARISON_COLUMNS)
+    assert comparisons["rounds"].isna().all()  # from before heads were stepped in turn in a trial
+    assert list(read_table(folder / "kernels.csv", KERNEL_COLUMNS, "sweep").columns) == list(KERNEL_COLUMNS)
 
 
 def test_trial_row_refuses_a_misspelt_or_missing_column():

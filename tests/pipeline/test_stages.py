@@ -180,16 +180,17 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
     # times, negative at times on a loaded machine: no sign checked).
     assert trials[["isolated_head_forward_ms", "isolated_head_backward_ms"]].notna().all().all()
 
-    # The comparisons are the trials' medians divided: one setting, conv over linear, per phase, then pooled.
+    # The comparisons: one setting, conv over linear, per phase, read where conv's trial stepped the two heads
+    # in turn after its own steps (checked against its MLflow run below), then pooled.
     comparisons = pd.read_csv(paths["comparisons"])
     assert sorted(comparisons["phase"]) == sorted(COMPARED_PHASES * 2)
     assert set(zip(comparisons["numerator"], comparisons["denominator"])) == {("conv", "linear")}
-    medians = trials.set_index("head")
     for row in comparisons.itertuples():
-        assert row.ratio == pytest.approx(
-            medians.loc["conv", f"{row.phase}_ms"] / medians.loc["linear", f"{row.phase}_ms"], rel=1e-3
-        )
         assert row.ci_low <= row.ratio <= row.ci_high or pd.isna(row.ci_low)
+    per_setting = comparisons[comparisons["batch_size"] != "all"].set_index("phase")
+    assert (per_setting["rounds"] >= timing["iterations"]).all()
+    walls = trials.set_index("head")["wall_paired_s"]
+    assert walls["conv"] > 0 and walls["linear"] == 0  # the reference head's trial steps no pair
 
     summary = json.loads(paths["summary"].read_text())
     statuses = trials["status"].value_counts()
@@ -253,6 +254,12 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
     for column in ("head_backward_ms", "step_ms", "head_backward_gflop", "iterations"):
         assert logged[f"metrics.{column}"].tolist() == pytest.approx(by_run[column].tolist(), abs=1e-4)
     assert logged["params.head"].tolist() == by_run["head"].tolist()
+    conv_run = logged[logged["params.head"] == "conv"].iloc[0]  # its ratios to linear, stepped in turn
+    assert conv_run["tags.paired_with"] == "linear"
+    assert conv_run["metrics.paired_rounds"] == per_setting.loc["step", "rounds"]
+    for phase in COMPARED_PHASES:
+        assert conv_run[f"metrics.paired_{phase}_ratio"] == pytest.approx(per_setting.loc[phase, "ratio"])
+    assert logged.loc[logged["params.head"] == "linear", "metrics.paired_rounds"].isna().all()
     for run_id in children["run_id"]:  # the profiled trials (here both) carry their by-module table
         assert "modules.csv" in {a.path for a in mlflow.MlflowClient().list_artifacts(run_id)}
     assert set(children["tags.trial"]) == {"0", "1"} and children["tags.torch"].notna().all()

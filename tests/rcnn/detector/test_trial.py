@@ -399,11 +399,35 @@ def test_compile_steps_are_timed_apart_and_kept_out_of_the_medians(slow_compiler
 @pytest.mark.slow  # a whole trial: seconds
 def test_wall_time_parts_cover_the_trial():
     started = time.perf_counter()
-    result = run_trial(TINY_CONFIG, Knobs(head="linear"), SAMPLES, device=CPU, policy=QUICK, profile_steps=1)
+    result = run_trial(
+        TINY_CONFIG,
+        Knobs(head="conv"),
+        SAMPLES,
+        device=CPU,
+        policy=QUICK,
+        profile_steps=1,
+        paired_with="linear",
+    )
     elapsed = time.perf_counter() - started
-    assert set(result.wall_s) == {"build", "compile", "warmup", "measure", "profile"}
-    assert all(result.wall_s[p] > 0 for p in ("build", "warmup", "measure", "profile"))
+    assert set(result.wall_s) == {"build", "compile", "warmup", "measure", "paired", "profile"}
+    assert all(result.wall_s[p] > 0 for p in ("build", "warmup", "measure", "paired", "profile"))
     assert sum(result.wall_s.values()) == pytest.approx(elapsed, rel=0.1)
+
+
+@pytest.mark.slow  # two detectors stepped: seconds
+def test_a_paired_trial_steps_its_head_in_turn_with_the_other_after_measuring_its_own():
+    result = run_trial(
+        TINY_CONFIG, Knobs(head="conv"), SAMPLES, device=CPU, policy=QUICK, paired_with="linear"
+    )
+    assert set(result.paired) == {"conv", "linear"}
+    for head in ("conv", "linear"):  # QUICK's 2 rounds, each with both heads' every phase
+        assert {p: len(v) for p, v in result.paired[head].items()} == dict.fromkeys(PHASES, 2)
+        assert_phases_add_up(result.paired[head])
+    assert result.iterations == 2 and len(result.samples["step"]) == 2  # its own steps, measured before
+    assert result.samples["step"] != result.paired["conv"]["step"]
+    assert run_trial(TINY_CONFIG, Knobs(head="conv"), SAMPLES, device=CPU, policy=QUICK).paired == {}
+    with pytest.raises(ValueError, match="paired_with: conv is the trial's own head"):
+        run_trial(TINY_CONFIG, Knobs(head="conv"), SAMPLES, device=CPU, policy=QUICK, paired_with="conv")
 
 
 def test_dynamo_counters_count_graph_breaks_with_their_reasons():

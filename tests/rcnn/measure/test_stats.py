@@ -5,6 +5,7 @@ from rcnn.measure.stats import (
     TimingPolicy,
     bootstrap_ci,
     compare,
+    compare_paired,
     geomean_ratio,
     median_precision,
     median_ratio,
@@ -129,3 +130,14 @@ def test_the_paired_difference_and_its_ci_resample_rounds_together():
     assert diff == pytest.approx(np.median(slow) - np.median(fast)) and low <= diff <= high and low > 0
     with pytest.raises(ValueError, match="same number of rounds"):
         median_difference([1.0, 2.0], [1.0])
+
+
+def test_compare_paired_reads_the_rounds_together():
+    load = np.random.default_rng(0).uniform(0.5, 2.0, 12)  # each round's load hits both variants alike
+    shown = compare_paired(1.1 * load, load)
+    assert (shown.ratio, shown.ci_low, shown.ci_high) == pytest.approx((1.1, 1.1, 1.1))
+    assert shown.p_value < 0.01 and compare(1.1 * load, load).p_value > 0.3  # unpaired, the load hides it
+    noise = np.random.default_rng(1).normal(1.0, 0.02, 12)
+    same = compare_paired(load * noise, load)
+    assert same.ci_low < 1 < same.ci_high and same.p_value > 0.05
+    assert np.isnan(compare_paired(load, load).p_value)  # every round ties: no test to run
