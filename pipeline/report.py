@@ -345,7 +345,8 @@ def verdict(r: Results, effects: pd.DataFrame) -> list[str]:
 
 
 def linearize_lines(trials: pd.DataFrame) -> list[str]:
-    """What knob linearize swapped in the conv head's detector, and how close that comes to conv_as_linear."""
+    """What knob linearize swapped in the conv head's detector, and how close that comes to conv_as_linear
+    (the two trials' own medians: those heads are not stepped in turn)."""
     done = complete(trials)
     on = done["linearize"].astype(str) == "True"
     fixed, reference = done[on & (done["head"] == "conv")], done[~on & (done["head"] == "conv_as_linear")]
@@ -363,7 +364,8 @@ def linearize_lines(trials: pd.DataFrame) -> list[str]:
         )
         line += (
             f"; its box-head backward is {ratio:.2f}x conv_as_linear's (geometric mean over {len(paired)} "
-            f"settings; {'within' if ratio <= 1.05 else 'beyond'} the 5% the fix aims for)"
+            f"settings of the two trials' medians; {'within' if ratio <= 1.05 else 'beyond'} the 5% the fix "
+            "aims for)"
         )
     return [line + "."]
 
@@ -408,12 +410,26 @@ def per_setting_lines(comparisons: pd.DataFrame, trials: pd.DataFrame) -> list[s
             f"{same[2]} settings here"
             + (
                 ""
-                if (rows["rounds"] > 0).all()
+                if (rows[on]["rounds"] > 0).all()
                 else " (trials run one after the other carry the machine's drift between them; "
                 "`python -m benchmarks.linearize_check` steps the three heads in turn, per setting)"
             )
         )
     return [line + "." for line in lines]
+
+
+def _ratios_read(comparisons: pd.DataFrame) -> str:
+    """Where the report's head ratios per setting come from, in one sentence (the comparisons' ``rounds``)."""
+    rows = head_backward_per_setting(comparisons)
+    paired = int((rows["rounds"] > 0).sum())
+    if paired == len(rows):
+        return "A head's ratio to another in one setting is read from the two stepped in turn in its trial."
+    if paired == 0:
+        return "A head's ratio to another in one setting divides two trials run one after the other."
+    return (
+        "A head's ratio to another in one setting is read from the two stepped in turn in its trial "
+        f"({paired} of {len(rows)}), else it divides two trials run one after the other."
+    )
 
 
 def _how_paired(rows: pd.DataFrame) -> str:
@@ -698,10 +714,9 @@ def wall_section(summary: dict) -> list[str]:
         f"The sweep stage's last run: {wall['total_s']:.0f} s of worker time; timed steps "
         f"**{wall['measure_share']:.0%}** of it. Parts, summed over the trials and the two drift baselines: "
         "building the detector (and knob linearize's timings), compile (knob compile's first steps), "
-        "warm-up, "
-        "measured steps, profiling and the by-module table (profile_at only), the isolated-head cross-check "
-        "(profile_at only), MLflow logging; then the failed trials, and the rest (setup, Optuna, writing "
-        "tables).",
+        "warm-up, measured steps, the steps in turn with the reference head (`paired`), profiling and the "
+        "by-module table (profile_at only), the isolated-head cross-check (profile_at only), MLflow "
+        "logging; then the failed trials, and the rest (setup, Optuna, writing tables).",
         "",
         table.to_markdown(index=False),
         "",
@@ -725,7 +740,8 @@ DRIFT_CAUTION = 0.10  # a baseline step that moved more than this between the sw
 
 def drift_caution(summary: dict) -> list[str]:
     """A verdict line when the machine's speed moved during the sweep: its trials ran at different speeds, so
-    ratios between them (each head is a trial of its own) carry that drift along with the knobs' effects."""
+    ratios between trials (the knobs' effects; a head's ratio where its trial stepped no pair) carry that
+    drift along with what they compare. A head's ratio read from the two heads stepped in turn does not."""
     drift = summary.get("drift")
     if not drift or abs(drift["step_drift"]) <= DRIFT_CAUTION:
         return []
@@ -733,8 +749,8 @@ def drift_caution(summary: dict) -> list[str]:
         f"- **caution**: the baseline step moved {drift['step_drift']:+.1%} between the sweep's start and "
         "end "
         f"({drift['start']['step_ms']:.0f} -> {drift['end']['step_ms']:.0f} ms; over {DRIFT_CAUTION:.0%}): "
-        "the machine's speed changed under the sweep (another load, heat), and the ratios above may carry "
-        "it. "
+        "the machine's speed changed under the sweep (another load, heat), and the ratios between trials "
+        "(the knob effects; a head ratio not read in turn) may carry it. "
         "Measure again on a quiet machine before quoting them."
     ]
 
@@ -816,9 +832,8 @@ def render(r: Results, lock: Path | None) -> str:
         f"{r.env['fingerprint'].get('device')} ({r.device}); torch {r.env['fingerprint'].get('torch')}; "
         f"{s['complete']} of {s['trials']} trials complete"
         + (f" (partial sweep: {', '.join(notes)})" if notes else "")
-        + ". A head's ratio to another in one setting is read where its trial stepped the two in turn; "
-        "pooled ratios are geometric means over knob settings, with 95% CIs from a bootstrap that resamples "
-        "every setting's times.",
+        + f". {_ratios_read(r.comparisons)} Pooled ratios are geometric means over knob settings, with 95% "
+        "CIs from a bootstrap that resamples every setting's times.",
         "",
         "## Verdict",
         "",

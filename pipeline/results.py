@@ -220,10 +220,12 @@ def comparisons_table(
         knobs = dict(zip(OTHER_KNOBS, setting))
         trial_of = dict(zip(group["head"], group["trial"]))
         for num, den in pairs:
-            if num not in trial_of or den not in trial_of:
+            if num not in trial_of:
                 continue
             in_turn = paired.get(trial_of[num]) or {}
             in_turn = in_turn if den in in_turn else None
+            if not in_turn and den not in trial_of:  # stepped neither in turn nor in a trial of its own
+                continue
             for phase in COMPARED_PHASES:
                 if in_turn:
                     a, b = in_turn[num][phase], in_turn[den][phase]

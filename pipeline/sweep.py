@@ -121,7 +121,7 @@ def collect_tables(params: Params, setup: Setup, study: optuna.Study, parent_run
         trials,
         {t.number: t.user_attrs.get("samples") for t in finished},
         seed=params.sweep.seed,
-        reference=params.sweep.space.head[0],
+        reference=setup.reference,
         paired={t.number: t.user_attrs.get("paired") for t in finished},
     )
     summary = summarize_trials(trials, comparisons) | {

@@ -17,7 +17,7 @@ import torch
 
 from pipeline.common import git_commit
 from pipeline.params import Params, keyed
-from pipeline.results import read_env
+from pipeline.results import read_env, reference_head
 from pipeline.study import grid_points, open_storage
 from pipeline.tracking import connect_tracking
 from rcnn.detector.data import Sample, read_coco
@@ -80,6 +80,13 @@ class Setup:
     ceilings: dict
     study_name: str
     tags: dict[str, str]  # on every MLflow run of the sweep
+
+    @property
+    def reference(self) -> str | None:
+        """The head every other head's trial steps in turn with (pipeline.results.reference_head); None with
+        one head."""
+        heads = self.grid["head"]
+        return reference_head(heads, heads[0]) if len(heads) > 1 else None
 
     @classmethod
     def of(cls, params: Params, data_dir: str | Path, env_path: str | Path) -> Setup:

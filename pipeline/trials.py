@@ -18,7 +18,7 @@ import torch
 
 from pipeline.params import Params
 from pipeline.progress import Progress
-from pipeline.results import COMPARED_PHASES, reference_head
+from pipeline.results import COMPARED_PHASES
 from pipeline.stopping import TrialTimeout, interrupts, time_limit
 from pipeline.study import WorkQueue, next_trial
 from pipeline.sweep_setup import Setup
@@ -30,7 +30,7 @@ from rcnn.detector.schema import KNOB_NAMES, TRIAL_WALL_PARTS
 from rcnn.detector.trial import TrialResult, isolated_head_ms, run_trial
 from rcnn.measure.machine import achieved
 from rcnn.measure.settings import peak_dtype
-from rcnn.measure.stats import median_ratio
+from rcnn.measure.stats import compare_paired
 from rcnn.rules import first_line
 
 
@@ -71,16 +71,19 @@ def measured_columns(
     }
 
 
-def paired_metrics(paired: dict[str, dict[str, list[float]]], head: str, reference: str) -> dict[str, float]:
+def paired_metrics(
+    paired: dict[str, dict[str, list[float]]], head: str, reference: str, seed: int = 0
+) -> dict[str, float]:
     """The trial's head over the reference, stepped in turn: per compared phase the ratio of medians with its
-    paired 95% CI, and the rounds (MLflow metrics ``paired_<phase>_ratio`` ...)."""
+    paired 95% CI, as the comparisons table has it (compare_paired), and the rounds (MLflow metrics
+    ``paired_<phase>_ratio`` ...)."""
     metrics = {"paired_rounds": float(len(paired[head]["step"]))}
     for phase in COMPARED_PHASES:
-        ratio, low, high = median_ratio(paired[head][phase], paired[reference][phase])
+        c = compare_paired(paired[head][phase], paired[reference][phase], seed=seed)
         metrics |= {
-            f"paired_{phase}_ratio": ratio,
-            f"paired_{phase}_ci_low": low,
-            f"paired_{phase}_ci_high": high,
+            f"paired_{phase}_ratio": c.ratio,
+            f"paired_{phase}_ci_low": c.ci_low,
+            f"paired_{phase}_ci_high": c.ci_high,
         }
     return {k: v for k, v in metrics.items() if v == v}  # NaN is not a metric
 
@@ -96,9 +99,7 @@ class Sweep:
         self.failures = 0
         self.policy = params.timing.policy()
         self.system_metrics = bool(params.tracking.system_metrics_s)
-        # Every other head of a setting is stepped in turn with this one in its trial: their ratio per setting
-        heads = setup.grid["head"]
-        self.reference = reference_head(heads, heads[0]) if len(heads) > 1 else None
+        self.reference = setup.reference  # every other head's trial steps in turn with it: their ratio
 
     def measure_in_run(
         self, knobs: Knobs, run_name: str, tags: dict[str, str], trial: optuna.Trial | None = None
@@ -145,7 +146,12 @@ class Sweep:
                 mlflow.set_tag("swapped", row["swapped"])
             if result.paired:
                 mlflow.set_tag("paired_with", self.reference)
-                mlflow.log_metrics(paired_metrics(result.paired, knobs.head, self.reference))
+                mlflow.log_metrics(
+                    paired_metrics(result.paired, knobs.head, self.reference, seed=self.params.sweep.seed)
+                )
+            if result.paired_error:
+                mlflow.set_tag("paired_error", result.paired_error)
+                self.progress.line(f"  stepped in turn with {self.reference}: failed, {result.paired_error}")
             if result.kernels:
                 # An artifact name has no ':': a user's head package.module:factory reads
                 # package.module.factory.

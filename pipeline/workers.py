@@ -263,7 +263,8 @@ def join(args: argparse.Namespace, params: Params, setup: Setup, storage: optuna
 def sweep_wall(study: optuna.Study, started: float, baselines: list[dict], workers: int) -> dict | None:
     """Where this run's wall time went, this host's workers together: the parts (rcnn.detector.schema
     TRIAL_WALL_PARTS) of the trials this host started in this run and of the drift baselines, the failed
-    trials, and the rest (setup, Optuna, writing tables). ``measure_share``: the timed steps' share of it all.
+    trials, and the rest (setup, Optuna, writing tables). ``measure_share``: the timed steps' share of it all
+    (measured alone, and stepped in turn with the reference head).
     None when the run
     measured nothing."""
     parts = dict.fromkeys(SWEEP_WALL_PARTS, 0.0)
@@ -291,5 +292,5 @@ def sweep_wall(study: optuna.Study, started: float, baselines: list[dict], worke
     return {
         "total_s": round(total, 1),
         "parts_s": {k: round(v, 1) for k, v in parts.items()},
-        "measure_share": round(parts["measure"] / total, 3) if total else None,
+        "measure_share": round((parts["measure"] + parts["paired"]) / total, 3) if total else None,
     }

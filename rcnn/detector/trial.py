@@ -64,7 +64,7 @@ from rcnn.measure.stats import (
     summarize,
 )
 from rcnn.measure.step import train_step
-from rcnn.rules import UserError, ValueNotAllowed
+from rcnn.rules import UserError, ValueNotAllowed, first_line
 
 K = TypeVar("K", bound=Hashable)  # what names each setting stepped side by side
 
@@ -91,6 +91,7 @@ class TrialResult:
     core_share: float | None = None
     # With ``paired_with``: this head and that one stepped in turn, head -> phase -> one time per round (ms)
     paired: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    paired_error: str = ""  # why the paired steps failed (their error's first line); empty when they did not
 
     def median(self, phase: str) -> float:
         return self.stats[phase].median
@@ -289,7 +290,10 @@ def run_trial(
     (rcnn.measure.loop.warm_up_then_measure); with ``paired_with`` (another head), then build that head's
     detector beside this one, the other knobs alike, and step the two in turn until ``policy`` says stop
     (``paired``: what a ratio of the two heads is read from, as the machine's load and drift hit both alike;
-    two trials run one after the other differ by that drift); with ``profile_steps``, then profile that many
+    two trials run one after the other differ by that drift). Not with knob compile: a second compiled
+    detector would reset dynamo's cache of the first (compile_forward) and share its recompile limit. A
+    paired phase that fails (out of memory, a non-finite loss) leaves ``paired`` empty and says why in
+    ``paired_error``; the trial's own steps stand. With ``profile_steps``, then profile that many
     more steps and
     keep the head-backward kernel table, and time that many with every module instrumented (rcnn.doctor,
     against the matmul peak ``peak_tflops``; eager settings only: its modes and hooks would change what dynamo
@@ -337,12 +341,25 @@ def run_trial(
             times = {phase: measured.series(phase) for phase in PHASES}
             compiled = dynamo.compiled(sum(compiling), len(compiling)) if knobs.compile != "off" else None
             peak_mem_mb = memory.peak_mb()  # this head's alone: the paired head and the profiler come after
-            paired = {}
-            if paired_with is not None:
+            paired, paired_error = {}, ""
+            if paired_with is not None and knobs.compile == "off":
                 with wall("paired"):
-                    paired = _in_turn_with(
-                        trainer, paired_with, config, samples, device=device, policy=policy, seed=seed
-                    )
+                    try:
+                        paired = _in_turn_with(
+                            trainer,
+                            paired_with,
+                            config,
+                            samples,
+                            device=device,
+                            policy=policy,
+                            watched=watched,
+                            seed=seed,
+                        )
+                    except (
+                        RuntimeError,
+                        FloatingPointError,
+                    ) as err:  # out of memory, say: its own steps stay
+                        paired_error = first_line(err)
             kernels, modules = [], []
             with wall("profile"):
                 # After measuring: the profiler's and the doctor's overhead never reach the numbers.
@@ -381,6 +398,7 @@ def run_trial(
         modules=modules,
         core_share=measured.core_share,
         paired=paired,
+        paired_error=paired_error,
     )
 
 
@@ -392,6 +410,7 @@ def _in_turn_with(
     *,
     device: torch.device,
     policy: TimingPolicy,
+    watched: tuple[str, ...],
     seed: int,
 ) -> dict[str, dict[str, list[float]]]:
     """``trainer`` (warm) and a new Trainer of ``head``, its other knobs ``trainer``'s, stepped in turn
@@ -401,7 +420,6 @@ def _in_turn_with(
     )
     try:
         steps = {trainer.knobs.head: trainer.stepper(), head: other.stepper()}
-        watched = WATCHED if trainer.probe else ("backward",)
         return in_turn(steps, policy, watched=watched, seed=seed)
     finally:
         other.close()

@@ -92,9 +92,12 @@ def compare(a: Sequence[float], b: Sequence[float], seed: int = 0) -> Comparison
 
 def compare_paired(a: Sequence[float], b: Sequence[float], seed: int = 0) -> Comparison:
     """``compare`` for paired values (variants stepped in turn): ``median_ratio`` and the Wilcoxon
-    signed-rank test's two-sided p-value of the per-round log ratios (NaN where every round ties)."""
+    signed-rank test's two-sided p-value of the per-round log ratios (NaN where every round ties; rounds
+    whose ratio is not a positive finite number left out)."""
     ratio, low, high = median_ratio(a, b, seed=seed)
-    logs = np.log(np.asarray(a, dtype=float) / np.asarray(b, dtype=float))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logs = np.log(np.asarray(a, dtype=float) / np.asarray(b, dtype=float))
+    logs = logs[np.isfinite(logs)]  # a round with a zero or missing time tells no direction
     p_value = float(scipy.stats.wilcoxon(logs).pvalue) if np.any(logs != 0) else float("nan")
     return Comparison(ratio=ratio, ci_low=low, ci_high=high, p_value=p_value)
 

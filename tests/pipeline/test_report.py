@@ -219,7 +219,8 @@ def test_the_verdict_says_what_linearize_swapped_and_how_close_it_came():
         in line
     )
     assert (
-        "box-head backward is 1.02x conv_as_linear's (geometric mean over 2 settings; within the 5%" in line
+        "box-head backward is 1.02x conv_as_linear's (geometric mean over 2 settings of the two "
+        "trials' medians; within the 5%" in line
     )
 
 
@@ -526,3 +527,28 @@ def test_per_setting_the_fixed_head_against_linear_how_it_was_paired_and_the_tri
     assert "trials run one after the other carry the machine's drift" in hand
     trials["swapped"] = "roi_heads.box_head.2"  # never the 7x7 conv: no spread of the same head to show
     assert "differ" not in per_setting_lines(comparisons, trials)[-1]
+
+
+@pytest.mark.parametrize(
+    "rounds, says",
+    [
+        ([9, 12], "is read from the two stepped in turn in its trial."),
+        ([0, float("nan")], "divides two trials run one after the other."),  # an older table: NaN
+        ([9, float("nan")], "stepped in turn in its trial (1 of 2), else it divides two trials"),
+    ],
+)
+def test_the_report_says_how_its_head_ratios_were_read(rounds, says):
+    from pipeline.report import _ratios_read, comparison_table
+    from rcnn.detector.schema import OTHER_KNOBS
+
+    comparisons = pd.DataFrame(
+        [
+            dict.fromkeys(OTHER_KNOBS, "n/a")
+            | {"batch_size": b, "numerator": "conv", "denominator": "linear", "phase": "head_backward"}
+            | {"ratio": 3.0, "ci_low": 2.9, "ci_high": 3.1, "p_value": 0.01, "rounds": n}
+            for b, n in zip((1, 2), rounds)
+        ]
+    )
+    assert says in _ratios_read(comparisons)
+    shown = comparison_table(comparisons)["in turn"].tolist()
+    assert shown == [f"{n} rounds" if n > 0 else "no: two trials" for n in rounds]

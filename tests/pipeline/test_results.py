@@ -90,7 +90,17 @@ def test_a_ratio_is_read_from_the_heads_stepped_in_turn_where_the_numerators_tri
     assert paired["ci_low"] == pytest.approx(1.5) and paired["ci_high"] == pytest.approx(1.5)
     assert paired["p_value"] < 0.01  # Wilcoxon signed-rank over the rounds
     assert alone["rounds"] == 0 and alone["ratio"] == pytest.approx(4.0, rel=0.02)
-    assert table.query("settings > 1")["rounds"].isna().all()
+    pooled = table.query("batch_size == 'all' and numerator == 'conv' and phase == 'head_backward'")
+    assert pooled["ratio"].iloc[0] == pytest.approx((1.5 * 4.0) ** 0.5, rel=0.02)  # the paired one pooled
+    assert table.query("batch_size == 'all'")["rounds"].isna().all()
+    # linear's own trial of that setting failed: the ratio read in turn stands; without it, no row
+    linear = trials.query("head == 'linear' and batch_size == 1")["trial"].iloc[0]
+    trials.loc[trials["trial"] == linear, "status"] = "failed"
+    rows = comparisons_table(trials, samples, paired={conv: in_turn}).query("numerator == 'conv'")
+    assert rows.query("batch_size == 1 and phase == 'head_backward'")["ratio"].tolist() == pytest.approx(
+        [1.5]
+    )
+    assert comparisons_table(trials, samples).query("batch_size == 1").empty
 
 
 def test_a_swept_compile_gets_pooled_rows_per_value_and_stays_out_of_the_headline():

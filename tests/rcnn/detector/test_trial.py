@@ -2,6 +2,7 @@ import math
 import re
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -415,19 +416,58 @@ def test_wall_time_parts_cover_the_trial():
 
 
 @pytest.mark.slow  # two detectors stepped: seconds
-def test_a_paired_trial_steps_its_head_in_turn_with_the_other_after_measuring_its_own():
-    result = run_trial(
-        TINY_CONFIG, Knobs(head="conv"), SAMPLES, device=CPU, policy=QUICK, paired_with="linear"
-    )
-    assert set(result.paired) == {"conv", "linear"}
+def test_a_paired_trial_steps_its_head_in_turn_with_the_other_after_measuring_its_own(monkeypatch):
+    built, stepped = [], []  # each Trainer's knobs as built; the head of each step, in the order run
+
+    class Recording(Trainer):
+        def __init__(self, config, knobs, *args, **kwargs):
+            built.append(knobs)
+            super().__init__(config, knobs, *args, **kwargs)
+
+        def step(self, *args, **kwargs):
+            stepped.append(self.knobs.head)
+            return super().step(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "Trainer", Recording)
+    knobs = Knobs(head="conv", batch_size=2, channels_last=True)
+    result = run_trial(TINY_CONFIG, knobs, SAMPLES, device=CPU, policy=QUICK, paired_with="linear")
+    assert built == [knobs, replace(knobs, head="linear")]  # the other head, every other knob alike
+    # Its own warm-up and measured steps first (QUICK: 1 + 2), then rounds of both heads in turn: the new
+    # one's warm-up round, then 2 measured rounds.
+    assert stepped[:3] == ["conv"] * 3 and sorted(stepped[3:]) == ["conv"] * 3 + ["linear"] * 3
+    assert set(result.paired) == {"conv", "linear"} and result.paired_error == ""
     for head in ("conv", "linear"):  # QUICK's 2 rounds, each with both heads' every phase
         assert {p: len(v) for p, v in result.paired[head].items()} == dict.fromkeys(PHASES, 2)
         assert_phases_add_up(result.paired[head])
     assert result.iterations == 2 and len(result.samples["step"]) == 2  # its own steps, measured before
-    assert result.samples["step"] != result.paired["conv"]["step"]
     assert run_trial(TINY_CONFIG, Knobs(head="conv"), SAMPLES, device=CPU, policy=QUICK).paired == {}
     with pytest.raises(ValueError, match="paired_with: conv is the trial's own head"):
         run_trial(TINY_CONFIG, Knobs(head="conv"), SAMPLES, device=CPU, policy=QUICK, paired_with="conv")
+
+
+@pytest.mark.slow  # whole trials: seconds
+def test_a_compiled_trial_steps_no_pair_and_a_failed_pair_leaves_the_trials_own_steps(
+    slow_compiler, monkeypatch
+):
+    compiled = run_trial(
+        TINY_CONFIG,
+        Knobs(head="conv", compile="head"),
+        SAMPLES,
+        device=CPU,
+        policy=QUICK,
+        paired_with="linear",
+    )
+    assert compiled.paired == {} and compiled.wall_s["paired"] == 0 and compiled.iterations == 2
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("out of memory: tried to allocate 2.00 GiB\nmore detail")
+
+    monkeypatch.setattr(bench, "_in_turn_with", out_of_memory)
+    failed = run_trial(
+        TINY_CONFIG, Knobs(head="conv"), SAMPLES, device=CPU, policy=QUICK, paired_with="linear"
+    )
+    assert failed.paired == {} and failed.iterations == 2 and failed.median("step") > 0
+    assert failed.paired_error == "RuntimeError: out of memory: tried to allocate 2.00 GiB"
 
 
 def test_dynamo_counters_count_graph_breaks_with_their_reasons():
