@@ -29,6 +29,10 @@ def test_the_questions_heads_through_a_tiny_sweep(tmp_path, tiny_params):
     assert set(zip(comparisons["numerator"], comparisons["denominator"])) == {
         (QUESTION["conv"], QUESTION["linear"])
     }
+    # ... the users' conv head's trial stepped it in turn with that first head: the ratio per setting is paired
+    assert (comparisons.query("amp != 'all'")["rounds"] > 0).all()
+    paired = trials.set_index("head")["wall_paired_s"]
+    assert paired[QUESTION["conv"]] > 0 and paired[QUESTION["linear"]] == 0
     summary = json.loads((tmp_path / SWEEP_FILES["summary"]).read_text())
     ratio = summary[
         "tests.fixtures.question_heads.conv_over_tests.fixtures.question_heads.linear_head_backward"
