@@ -1,6 +1,9 @@
-"""One trial: build the detector for a knob setting, warm up, then time full training steps.
+"""One trial: build the detector (or any model the doctor takes) for a knob setting, warm up, then time full
+training steps.
 
-``python -m rcnn.bench --head conv --batch-size 2`` runs one trial on synthetic in-memory data.
+``python -m rcnn.bench --head conv --batch-size 2`` runs one trial of the detector on synthetic in-memory
+data; ``python -m rcnn.bench --model timm:resnet18 --batch-size 8 --channels-last`` one of that model on its
+synthetic batch.
 """
 
 from __future__ import annotations
@@ -9,13 +12,15 @@ import argparse
 import contextlib
 import itertools
 import sys
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from typing import TypeVar
 
 import numpy as np
+import pandas as pd
 import torch
+from torch import nn
 
 from rcnn.cli import Parser, run_command
 from rcnn.detector.data import Sample, device_batches, read_coco, synthetic_samples
@@ -33,6 +38,7 @@ from rcnn.detector.model import BACKBONE_CHANNELS, ROI_RESOLUTION, DetectorConfi
 from rcnn.detector.schema import (
     BACKBONE,
     COMPILE_COLUMNS,
+    COMPILE_TARGETS,
     IMAGE_SIZE,
     KNOB,
     KNOB_NAMES,
@@ -46,10 +52,12 @@ from rcnn.detector.schema import (
     WATCHED,
     setting_label,
 )
+from rcnn.doctor import workloads
 from rcnn.doctor.attribution import ModuleTimer
 from rcnn.doctor.diagnosis import diagnose
-from rcnn.doctor.workloads import Workload, detection_loss
+from rcnn.doctor.workloads import Loss, Workload, build_workload, detection_loss
 from rcnn.fix import linearize_with
+from rcnn.measure.batch import MEMORY_LIMIT_MB, BatchSearch, batches_below, largest_batch
 from rcnn.measure.clock import BACKWARD_RANGE, Clock, ModuleSpanProbe, PeakMemory, Stopwatch
 from rcnn.measure.device import autocast, compile_forward, grad_scaler, resolve_device
 from rcnn.measure.loop import in_turn, warm_up_then_measure
@@ -63,7 +71,7 @@ from rcnn.measure.stats import (
     median_ratio,
     summarize,
 )
-from rcnn.measure.step import train_step
+from rcnn.measure.step import STEP_PHASES, train_step
 from rcnn.rules import UserError, ValueNotAllowed, first_line
 
 K = TypeVar("K", bound=Hashable)  # what names each setting stepped side by side
@@ -175,15 +183,119 @@ HEAD_LABEL = "box_head"
 # Knob linearize's timings of each convolution, kept for the trials that follow in this process: the heads of
 # a setting share the backbone, RPN and FPN, whose convolutions are then timed once (rcnn.fix.linearize_with).
 LINEARIZE_TIMINGS: dict = {}
+# What a model trial watches: measuring stops once these medians are known to the set precision (the
+# detector's trial watches its box head's backward instead of the step: rcnn.detector.schema.WATCHED).
+MODEL_WATCHED = ("backward", "step")
 
 
-class Trainer:
+def check_knobs(knobs: Knobs, device: torch.device, compile_targets: tuple[str, ...]) -> None:
+    """Raise ValueNotAllowed, keyed by the knob (or 'amp with onednn'), for a setting that does not apply on
+    ``device``, or a compile target the model lacks."""
+    for knob in OTHER_KNOBS:
+        value = getattr(knobs, knob)
+        if value is not None and (reason := why_not(knob, value, device)):
+            raise ValueNotAllowed(knob, f"{value} does not apply on {device.type}: {reason}")
+    if together := why_not_together(asdict(knobs), device):
+        raise ValueNotAllowed(
+            " with ".join(together[0]), f"as set, does not apply on {device.type}: {together[1]}"
+        )
+    if knobs.compile not in compile_targets:
+        raise ValueNotAllowed(
+            "compile",
+            f"{knobs.compile} compiles the detector's box head, which this model lacks; "
+            f"allowed: {', '.join(compile_targets)}",
+        )
+
+
+class ModelTrainer:
+    """One knob setting's model, optimizer and batches (already on the device), for any model: ``step()`` runs
+    one training step and returns its phase times in ms (``phases``). ``build()`` makes the model (on the
+    device, in the knobs' memory format), its batches and its loss (rcnn.doctor.workloads.Loss); it runs after
+    the seed is set. The detector's Trainer is this with its box head's spans added. Build and step it inside
+    ``backend_flags(knobs)``.
+
+    Raises ValueNotAllowed for a knob setting that does not apply on ``device`` (the head is ignored here).
+    """
+
+    phases: tuple[str, ...] = STEP_PHASES
+    compile_targets: tuple[str, ...] = ("off", "model")  # the detector adds its box head
+
+    def __init__(
+        self,
+        name: str,
+        knobs: Knobs,
+        build: Callable[[], tuple[nn.Module, list, Loss]],
+        *,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        check_knobs(knobs, device, self.compile_targets)
+        torch.manual_seed(seed)
+        self.name, self.knobs, self.device = name, knobs, device
+        self.clock = Clock(device)
+        self.model, self.batches, self.loss = build()
+        self.model.train()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
+        self.scaler = grad_scaler(knobs.amp, device)
+        self.swaps = (
+            linearize_with(self.model, self._forward, mode="auto", timings=LINEARIZE_TIMINGS)
+            if knobs.linearize
+            else []
+        )
+        self.compiled = compile_modules(self.model, knobs.compile)  # compiles on the first steps
+
+    def _forward(self) -> torch.Tensor:
+        """The loss of the first batch: what linearize sees each convolution's input in (shape, dtype,
+        layout)."""
+        with autocast(self.knobs.amp, self.device):
+            return self.loss(self.model, self.batches[0])
+
+    def step(self, number: int, modules: ModuleTimer | None = None) -> dict[str, float]:
+        """Train on batch ``number`` (cycling): one rcnn.measure.step.train_step; raises FloatingPointError on
+        a non-finite loss. With ``modules`` (a ModuleTimer on this model), every module is timed too: read it
+        with ``modules.step_table()``."""
+        batch = self.batches[number % len(self.batches)]
+        return train_step(
+            lambda: self.loss(self.model, batch),
+            self.optimizer,
+            self.scaler,
+            self.clock,
+            amp=self.knobs.amp,
+            device=self.device,
+            forward=modules.forward if modules else nullcontext,
+            backward=modules.backward if modules else nullcontext,
+            where=f"at step {number}",
+        )
+
+    def stepper(self, modules: ModuleTimer | None = None) -> Callable[[], dict[str, float]]:
+        """A step function for rcnn.measure.loop.in_turn: each call trains on the next batch (``step``)."""
+        numbers = itertools.count()
+        return lambda: self.step(next(numbers), modules)
+
+    def workload(self) -> Workload:
+        """The model with its first batch and its loss, as the doctor diagnoses it."""
+        return Workload(self.name, self.model, self.batches[0], self.loss)
+
+    @property
+    def rois(self) -> int:
+        """Box-head input rows of the last step: none outside the detector."""
+        return 0
+
+    def close(self) -> None:
+        """Remove what was hooked into the model (nothing here)."""
+
+
+class Trainer(ModelTrainer):
     """One knob setting's detector, optimizer and batches (already on the device): ``step()`` runs one
-    training step and returns its phase times in ms. Build and step it inside ``backend_flags(knobs)``.
+    training step and returns its phase times in ms, the box head's forward and backward spans among them.
+    Build and step it inside ``backend_flags(knobs)``.
 
     ``probe=False`` leaves the head's hooks out (its times read NaN): to measure what the hooks cost.
     Raises ValueNotAllowed for a knob setting that does not apply on ``device``.
     """
+
+    phases = PHASES
+    compile_targets = COMPILE_TARGETS
 
     def __init__(
         self,
@@ -195,28 +307,12 @@ class Trainer:
         seed: int = 0,
         probe: bool = True,
     ) -> None:
-        for knob in OTHER_KNOBS:
-            value = getattr(knobs, knob)
-            if value is not None and (reason := why_not(knob, value, device)):
-                raise ValueNotAllowed(knob, f"{value} does not apply on {device.type}: {reason}")
-        if together := why_not_together(asdict(knobs), device):
-            raise ValueNotAllowed(
-                " with ".join(together[0]), f"as set, does not apply on {device.type}: {together[1]}"
-            )
-        torch.manual_seed(seed)
-        self.knobs, self.device, self.probe = knobs, device, probe
-        self.clock = Clock(device)
-        self.model = build_detector(config, knobs.head).to(device=device, memory_format=memory_format(knobs))
-        self.model.train()
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
-        self.scaler = grad_scaler(knobs.amp, device)
-        self.batches = device_batches(samples, batch_size=knobs.batch_size, device=device)
-        self.swaps = (
-            linearize_with(self.model, self._forward, mode="auto", timings=LINEARIZE_TIMINGS)
-            if knobs.linearize
-            else []
-        )
-        self.compiled = compile_modules(self.model, knobs.compile)  # compiles on the first steps
+        def build() -> tuple[nn.Module, list, Loss]:
+            model = build_detector(config, knobs.head).to(device=device, memory_format=memory_format(knobs))
+            return model, device_batches(samples, batch_size=knobs.batch_size, device=device), detection_loss
+
+        super().__init__(f"detector:{knobs.head}", knobs, build, device=device, seed=seed)
+        self.probe = probe
         # Compiling the whole detector would trace the probe's hooks: they stay eager (a graph break each).
         self.head = ModuleSpanProbe(
             self.model.roi_heads.box_head,
@@ -228,38 +324,13 @@ class Trainer:
         if not probe:
             self.head.remove()
 
-    def _forward(self) -> torch.Tensor:
-        """The loss of the first batch: what linearize sees each convolution's input in (shape, dtype,
-        layout)."""
-        images, targets = self.batches[0]
-        with autocast(self.knobs.amp, self.device):
-            return sum(self.model(images, targets).values())
-
     def step(self, number: int, modules: ModuleTimer | None = None) -> dict[str, float]:
-        """Train on batch ``number`` (cycling): one rcnn.measure.step.train_step, with the head's spans added;
-        raises FloatingPointError on a non-finite loss. With ``modules`` (a ModuleTimer on this model), every
-        module is timed too: read it with ``modules.step_table()``."""
-        images, targets = self.batches[number % len(self.batches)]
+        """ModelTrainer's step, with the box head's forward and backward spans (NaN without the probe)."""
         self.head.reset()
-        ms = train_step(
-            lambda: sum(self.model(images, targets).values()),
-            self.optimizer,
-            self.scaler,
-            self.clock,
-            amp=self.knobs.amp,
-            device=self.device,
-            forward=modules.forward if modules else nullcontext,
-            backward=modules.backward if modules else nullcontext,
-            where=f"at step {number}",
-        )
+        ms = super().step(number, modules)
         head_forward, head_backward = self.head.spans_ms() if self.probe else (float("nan"), float("nan"))
         ms |= {"head_forward": head_forward, "head_backward": head_backward}
         return {phase: ms[phase] for phase in PHASES}
-
-    def stepper(self, modules: ModuleTimer | None = None) -> Callable[[], dict[str, float]]:
-        """A step function for rcnn.measure.loop.in_turn: each call trains on the next batch (``step``)."""
-        numbers = itertools.count()
-        return lambda: self.step(next(numbers), modules)
 
     @property
     def rois(self) -> int:
@@ -286,17 +357,107 @@ def run_trial(
     peak_tflops: float | None = None,
     paired_with: str | None = None,
 ) -> TrialResult:
-    """Warm up until step times settle, then time training steps until ``policy`` says stop
-    (rcnn.measure.loop.warm_up_then_measure); with ``paired_with`` (another head), then build that head's
-    detector beside this one, the other knobs alike, and step the two in turn until ``policy`` says stop
-    (``paired``: what a ratio of the two heads is read from, as the machine's load and drift hit both alike;
-    two trials run one after the other differ by that drift). Not with knob compile: a second compiled
-    detector would reset dynamo's cache of the first (compile_forward) and share its recompile limit. A
-    paired phase that fails (out of memory, a non-finite loss) leaves ``paired`` empty and says why in
-    ``paired_error``; the trial's own steps stand. With ``profile_steps``, then profile that many
-    more steps and
-    keep the head-backward kernel table, and time that many with every module instrumented (rcnn.doctor,
-    against the matmul peak ``peak_tflops``; eager settings only: its modes and hooks would change what dynamo
+    """One trial of the detector (``measure_trial``), its box head's spans among the phases; with
+    ``paired_with`` (another head), then build that head's detector beside this one, the other knobs alike,
+    and step the two in turn until ``policy`` says stop (``paired``: what a ratio of the two heads is read
+    from, as the machine's load and drift hit both alike; two trials run one after the other differ by that
+    drift). Not with knob compile: a second compiled detector would reset dynamo's cache of the first
+    (compile_forward) and share its recompile limit. With ``profile_steps``, the kernel table is the box
+    head's backward's."""
+    if paired_with == knobs.head:
+        raise ValueError(f"paired_with: {paired_with} is the trial's own head; a pair needs another")
+    watched = WATCHED if probe else ("backward",)
+
+    def pair(trainer: ModelTrainer) -> dict[str, dict[str, list[float]]]:
+        return _in_turn_with(
+            trainer, paired_with, config, samples, device=device, policy=policy, watched=watched, seed=seed
+        )
+
+    return measure_trial(
+        lambda: Trainer(config, knobs, samples, device=device, seed=seed, probe=probe),
+        knobs,
+        device=device,
+        policy=policy,
+        watched=watched,
+        seed=seed,
+        profile_steps=profile_steps,
+        kernel_range=BACKWARD_RANGE.format(label=HEAD_LABEL),
+        peak_tflops=peak_tflops,
+        pair=pair if paired_with is not None else None,
+    )
+
+
+def model_trainer(
+    spec: str, knobs: Knobs, *, image_size: int, device: torch.device, seed: int = 0
+) -> ModelTrainer:
+    """A ModelTrainer of the model a spec names (rcnn.doctor.workloads.build_workload), its synthetic batch of
+    ``knobs.batch_size`` at ``image_size``, channels-last as the knob says."""
+
+    def build() -> tuple[nn.Module, list, Loss]:
+        made = build_workload(
+            spec,
+            batch_size=knobs.batch_size,
+            image_size=image_size,
+            device=device,
+            channels_last=bool(knobs.channels_last),
+        )
+        return made.model, [made.batch], made.loss
+
+    return ModelTrainer(spec, knobs, build, device=device, seed=seed)
+
+
+def run_model_trial(
+    spec: str,
+    knobs: Knobs,
+    *,
+    image_size: int,
+    device: torch.device,
+    policy: TimingPolicy,
+    seed: int = 0,
+    profile_steps: int = 0,
+    peak_tflops: float | None = None,
+) -> TrialResult:
+    """One trial (``measure_trial``) of any model the doctor takes (rcnn.doctor.workloads.build_workload:
+    ``torchvision:<builder>``, ``timm:<name>``, ``hf:<model_type>``, ``package.module:factory``, ...), on its
+    synthetic batch of ``knobs.batch_size`` at ``image_size``, under the knobs but the head; measuring stops
+    once the backward and step medians are known to the policy's precision.
+
+    Raises ModelError for a spec that names nothing usable, ValueNotAllowed for a knob setting that does not
+    apply on ``device`` (knob compile ``head``: the detector's box head)."""
+
+    return measure_trial(
+        lambda: model_trainer(spec, knobs, image_size=image_size, device=device, seed=seed),
+        knobs,
+        device=device,
+        policy=policy,
+        watched=MODEL_WATCHED,
+        seed=seed,
+        profile_steps=profile_steps,
+        peak_tflops=peak_tflops,
+    )
+
+
+def measure_trial(
+    build: Callable[[], ModelTrainer],
+    knobs: Knobs,
+    *,
+    device: torch.device,
+    policy: TimingPolicy,
+    watched: tuple[str, ...],
+    seed: int = 0,
+    profile_steps: int = 0,
+    kernel_range: str | None = None,
+    peak_tflops: float | None = None,
+    pair: Callable[[ModelTrainer], dict[str, dict[str, list[float]]]] | None = None,
+) -> TrialResult:
+    """Build the trainer (``build()``, inside the knobs' backend flags), warm up until step times settle, then
+    time training steps until ``policy`` says stop, with the ``watched`` phases' medians
+    (rcnn.measure.loop.warm_up_then_measure). With ``pair`` (not under knob compile), then step what it
+    builds beside the warm trainer in turn (``paired``); a pair that fails (out of memory, a non-finite loss)
+    leaves ``paired`` empty and says why in ``paired_error``: the trial's own steps stand. With
+    ``profile_steps``, then profile that many more steps and keep the kernel table of the profiler range
+    ``kernel_range`` (None: none), and time that many with every module instrumented (rcnn.doctor, against
+    the matmul peak ``peak_tflops``; eager settings only: its modes and hooks would change what dynamo
     compiles).
 
     With knob compile, the steps that compile (the first, and any that recompile) are timed on their own
@@ -304,14 +465,11 @@ def run_trial(
     data loading is never timed. Raises ValueNotAllowed for a knob setting that does not apply on ``device``,
     FloatingPointError on a non-finite loss and RuntimeError for a setting that keeps recompiling.
     """
-    if paired_with == knobs.head:
-        raise ValueError(f"paired_with: {paired_with} is the trial's own head; a pair needs another")
-    watched = WATCHED if probe else ("backward",)
     memory = PeakMemory(device)
     wall = Stopwatch("build", "compile", "warmup", "measure", "paired", "profile")
     with backend_flags(knobs):
         with wall("build"):
-            trainer = Trainer(config, knobs, samples, device=device, seed=seed, probe=probe)
+            trainer = build()
         dynamo = DynamoCounters()
         try:
             compiling: list[float] = []
@@ -338,23 +496,14 @@ def run_trial(
                 step, policy, watched=watched, before_measuring=memory.reset, device=device
             )
             warm = measured.warmup
-            times = {phase: measured.series(phase) for phase in PHASES}
+            times = {phase: measured.series(phase) for phase in trainer.phases}
             compiled = dynamo.compiled(sum(compiling), len(compiling)) if knobs.compile != "off" else None
-            peak_mem_mb = memory.peak_mb()  # this head's alone: the paired head and the profiler come after
+            peak_mem_mb = memory.peak_mb()  # this setting's alone: the pair and the profiler come after
             paired, paired_error = {}, ""
-            if paired_with is not None and knobs.compile == "off":
+            if pair is not None and knobs.compile == "off":
                 with wall("paired"):
                     try:
-                        paired = _in_turn_with(
-                            trainer,
-                            paired_with,
-                            config,
-                            samples,
-                            device=device,
-                            policy=policy,
-                            watched=watched,
-                            seed=seed,
-                        )
+                        paired = pair(trainer)
                     except (
                         RuntimeError,
                         FloatingPointError,
@@ -363,16 +512,13 @@ def run_trial(
             kernels, modules = [], []
             with wall("profile"):
                 # After measuring: the profiler's and the doctor's overhead never reach the numbers.
-                if profile_steps:
+                if profile_steps and kernel_range:
                     events = capture(lambda: trainer.step(0), device, profile_steps)
-                    kernels = range_table(events, BACKWARD_RANGE.format(label=HEAD_LABEL), profile_steps)
+                    kernels = range_table(events, kernel_range, profile_steps)
                 if profile_steps and knobs.compile == "off":
                     by_module = TimingPolicy.fixed(profile_steps, warmup=1)
-                    workload = Workload(
-                        f"detector:{knobs.head}", trainer.model, trainer.batches[0], detection_loss
-                    )
                     modules = diagnose(
-                        workload,
+                        trainer.workload(),
                         device=device,
                         amp=knobs.amp,
                         policy=by_module,
@@ -479,6 +625,23 @@ COMPARED = ("head_backward", "backward", "step")  # the phases several heads are
 
 
 @contextlib.contextmanager
+def built_side_by_side(
+    builds: Mapping[K, Callable[[], ModelTrainer]], flags: Knobs
+) -> Iterator[dict[K, ModelTrainer]]:
+    """One trainer per entry (``builds``), built side by side inside the backend flags of ``flags`` (oneDNN,
+    cuDNN, TF32: what the settings share), and closed after: what steps in turn (rcnn.measure.loop.in_turn).
+    """
+    with backend_flags(flags):
+        trainers: dict[K, ModelTrainer] = {}
+        try:
+            for name, build in builds.items():
+                trainers[name] = build()
+            yield trainers
+        finally:
+            for trainer in trainers.values():
+                trainer.close()
+
+
 def side_by_side(
     config: DetectorConfig,
     knobs: Mapping[K, Knobs],
@@ -487,20 +650,16 @@ def side_by_side(
     device: torch.device,
     seed: int = 0,
     probe: Mapping[K, bool] | None = None,
-) -> Iterator[dict[K, Trainer]]:
-    """One Trainer per knob setting, built side by side inside the backend flags they share (oneDNN, cuDNN:
-    the first setting's), and closed after: what steps in turn (rcnn.measure.loop.in_turn). ``probe``: per
-    setting, whether its head's hooks stay on (Trainer's ``probe``; default on)."""
-    with backend_flags(next(iter(knobs.values()))):
-        trainers: dict[K, Trainer] = {}
-        try:
-            for name, k in knobs.items():
-                on = probe.get(name, True) if probe else True
-                trainers[name] = Trainer(config, k, samples, device=device, seed=seed, probe=on)
-            yield trainers
-        finally:
-            for trainer in trainers.values():
-                trainer.close()
+) -> contextlib.AbstractContextManager[dict[K, Trainer]]:
+    """One detector Trainer per knob setting, built side by side inside the backend flags they share (the
+    first setting's: built_side_by_side). ``probe``: per setting, whether its head's hooks stay on (Trainer's
+    ``probe``; default on)."""
+
+    def build(k: Knobs, on: bool) -> Callable[[], ModelTrainer]:
+        return lambda: Trainer(config, k, samples, device=device, seed=seed, probe=on)
+
+    builds = {name: build(k, probe.get(name, True) if probe else True) for name, k in knobs.items()}
+    return built_side_by_side(builds, next(iter(knobs.values())))
 
 
 def heads_in_turn(
@@ -540,6 +699,91 @@ def _print_in_turn(
         print(f"{first} / {k.head} (paired over rounds): " + "; ".join(ratios))
 
 
+def model_peak_mb(
+    spec: str, knobs: Knobs, *, image_size: int, device: torch.device, steps: int = 2, seed: int = 0
+) -> float:
+    """Peak memory (MiB) of building the model at ``knobs``' batch size and running ``steps`` training steps
+    (rcnn.measure.clock.PeakMemory: CUDA's allocator peak; on a CPU the process's peak resident set, torch's
+    own libraries included). Raises what they raise: an out-of-memory error among them."""
+    memory = PeakMemory(device)
+    memory.reset()
+    with backend_flags(knobs):
+        trainer = model_trainer(spec, knobs, image_size=image_size, device=device, seed=seed)
+        try:
+            for number in range(steps):
+                trainer.step(number)
+        finally:
+            trainer.close()
+    return memory.peak_mb()
+
+
+def find_batch_size(
+    spec: str, knobs: Knobs, *, image_size: int, device: torch.device, limit_mb: float | None
+) -> BatchSearch:
+    """The largest batch size whose steps fit, the other knobs as set (rcnn.measure.batch.largest_batch over
+    ``model_peak_mb``), against ``limit_mb`` (MiB). On a CPU a limit is needed: running out of memory there
+    ends the process (the kernel's OOM killer) instead of raising an error the search could catch."""
+    if limit_mb is None and device.type == "cpu":
+        raise ValueNotAllowed(
+            "memory_limit_mb",
+            "none set; a batch size search on cpu needs one (out of memory ends a CPU process instead of "
+            "raising); allowed: a limit in MiB >= 1, the process's peak resident memory",
+        )
+
+    def peak(batch_size: int) -> float:
+        sized = replace(knobs, batch_size=batch_size)
+        return model_peak_mb(spec, sized, image_size=image_size, device=device)
+
+    return largest_batch(peak, limit_mb=limit_mb)
+
+
+def batch_sizes_in_turn(
+    spec: str,
+    knobs: Knobs,
+    sizes: list[int],
+    *,
+    image_size: int,
+    device: torch.device,
+    policy: TimingPolicy,
+    seed: int = 0,
+) -> dict[int, dict[str, list[float]]]:
+    """The model at each batch size (the other knobs alike) built side by side and stepped in turn, a fresh
+    order each round, until ``policy`` says stop: batch size -> phase -> one time per round (ms)."""
+
+    def build(size: int) -> Callable[[], ModelTrainer]:
+        sized = replace(knobs, batch_size=size)
+        return lambda: model_trainer(spec, sized, image_size=image_size, device=device, seed=seed)
+
+    with built_side_by_side({size: build(size) for size in sizes}, knobs) as trainers:
+        steps = {size: trainer.stepper() for size, trainer in trainers.items()}
+        return in_turn(steps, policy, watched=MODEL_WATCHED, seed=seed)
+
+
+def per_sample_table(times: Mapping[int, Mapping[str, Sequence[float]]], *, seed: int = 0) -> pd.DataFrame:
+    """Batch sizes stepped in turn (``batch_sizes_in_turn``) per sample, fastest first: each one's step and
+    step per sample medians with the latter's 95% CI, and its per-sample time over the fastest's, paired over
+    the rounds (``vs_fastest``, with its CI; 1 for the fastest)."""
+    per = {size: np.asarray(t["step"]) / size for size, t in times.items()}
+    fastest = min(per, key=lambda size: np.median(per[size]))
+    rows = []
+    for size, values in per.items():
+        stats = summarize(values, seed=seed)
+        ratio = (1.0, 1.0, 1.0) if size == fastest else median_ratio(values, per[fastest], seed=seed)
+        rows.append(
+            {
+                "batch_size": size,
+                "step_ms": float(np.median(times[size]["step"])),
+                "per_sample_ms": stats.median,
+                "ci_low_ms": stats.ci_low,
+                "ci_high_ms": stats.ci_high,
+                "vs_fastest": ratio[0],
+                "vs_fastest_ci_low": ratio[1],
+                "vs_fastest_ci_high": ratio[2],
+            }
+        )
+    return pd.DataFrame(rows).sort_values("per_sample_ms", ignore_index=True)
+
+
 def add_knob_flags(parser: argparse.ArgumentParser) -> None:
     """A flag for every knob but the head (rcnn.detector.schema.KNOBS): a bool knob's flag turns it away from
     its baseline; the others take a value, checked by the Rule params.yaml's key uses (same limits, words)."""
@@ -553,6 +797,17 @@ def add_knob_flags(parser: argparse.ArgumentParser) -> None:
                 default=knob.bench_default,
                 help=knob.help,
             )
+        elif knob.name == "batch_size":  # or auto, with --model: the largest that fits and those below it
+            parser.add_argument(
+                knob.flag,
+                dest=knob.name,
+                type=_batch_size_or_auto,
+                metavar="N|auto",
+                default=knob.bench_default,
+                help=f"{knob.help}; with --model, auto: the largest batch that fits (--memory-limit-mb) and "
+                "two below it, stepped in turn and ranked by time per sample (--max-seconds bounds that "
+                "timing, not the search)",
+            )
         else:
             parser.add_argument(
                 knob.flag,
@@ -562,6 +817,13 @@ def add_knob_flags(parser: argparse.ArgumentParser) -> None:
                 default=knob.bench_default,
                 help=knob.help,
             )
+
+
+def _batch_size_or_auto(text: str) -> int | str:
+    return AUTO if text == AUTO else KNOB["batch_size"].rule.arg(int)(text)
+
+
+AUTO = "auto"  # --batch-size auto
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -579,23 +841,36 @@ def _parser() -> argparse.ArgumentParser:
         help=f"{head.help} (default: {head.default}); given twice or more, the heads' detectors are stepped "
         "in turn, a fresh order each round, and each is set against the first with a paired ratio",
     )
+    p.add_argument(
+        "--model",
+        metavar="SPEC",
+        help="time this model instead of the detector: any spec the doctor takes (torchvision:<builder>, "
+        "timm:<name>, hf:<model_type>, package.module:factory, detector:<head>), on its synthetic batch; "
+        "the detector's own flags (--head, --backbone, --rois-per-image, --representation-size, --data, "
+        "--num-images) do not apply",
+    )
     add_knob_flags(p)
     p.add_argument(
         "--backbone",
         type=BACKBONE.arg(),
         metavar=BACKBONE.metavar,
-        default="resnet18_fpn",
-        help="detector backbone",
+        help=f"detector backbone (default: {DETECTOR_DEFAULTS['backbone']})",
     )
-    p.add_argument("--image-size", type=IMAGE_SIZE.arg(int), default=256, help="square input size in pixels")
+    p.add_argument(
+        "--image-size",
+        type=workloads.IMAGE_SIZE.arg(int),
+        help=f"square input size in pixels (default: {DETECTOR_DEFAULTS['image_size']}; with --model, "
+        f"{MODEL_IMAGE_SIZE}); the detector's: at least 64, a multiple of 32",
+    )
     p.add_argument(
         "--rois-per-image",
         type=ROIS_PER_IMAGE.arg(int),
-        default=128,
-        help="RoIs sampled per image for the box head",
+        help=f"RoIs sampled per image for the box head (default: {DETECTOR_DEFAULTS['rois_per_image']})",
     )
     p.add_argument(
-        "--representation-size", type=REPRESENTATION_SIZE.arg(int), default=1024, help="box head width"
+        "--representation-size",
+        type=REPRESENTATION_SIZE.arg(int),
+        help=f"box head width (default: {DETECTOR_DEFAULTS['representation_size']})",
     )
     p.add_argument(
         "--device",
@@ -610,24 +885,84 @@ def _parser() -> argparse.ArgumentParser:
         max_seconds_help="the whole run's bound in seconds (building, warm-up and measuring), precision met "
         "or not",
     )
+    p.add_argument(
+        "--memory-limit-mb",
+        type=MEMORY_LIMIT_MB.arg(float),
+        help="with --batch-size auto: a batch fits where its steps' peak memory is at most this (MiB; on a "
+        "CPU the process's peak resident memory, torch's own libraries included; needed there); on CUDA "
+        "the GPU's memory is the limit unless this is lower",
+    )
     p.add_argument("--data", help="a COCO-format folder; default: synthetic images made in memory")
     p.add_argument(
-        "--num-images", type=NUM_IMAGES.arg(int), default=8, help="synthetic images (ignored with --data)"
+        "--num-images",
+        type=NUM_IMAGES.arg(int),
+        help=f"synthetic images (default: {DETECTOR_DEFAULTS['num_images']}; ignored with --data)",
     )
     return p
+
+
+# The detector's flags, None unless given (--model refuses them), and their values unless given.
+DETECTOR_DEFAULTS = {
+    "head": None,
+    "backbone": "resnet18_fpn",
+    "image_size": 256,
+    "rois_per_image": 128,
+    "representation_size": 1024,
+    "data": None,
+    "num_images": 8,
+}
+MODEL_IMAGE_SIZE = 224  # --model's image size unless given (the doctor's)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     check_timing_options(parser, args)
+    check_model_options(parser, args)
     return run_command(lambda: _run(args), user_errors=(FloatingPointError,))  # a diverging model: one line
+
+
+def check_model_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, as the parser refuses a bad value (one line, exit 2), a detector's flag given with --model or
+    an image size the model's kind does not allow; then fill in the defaults of what was not given."""
+    if args.batch_size == AUTO and args.model is None:
+        parser.error(
+            "--batch-size: auto times a model's batch sizes; allowed: auto with --model, or a number"
+        )
+    if args.memory_limit_mb is not None and args.batch_size != AUTO:
+        parser.error("--memory-limit-mb: bounds --batch-size auto's search; allowed: with --batch-size auto")
+    if args.model is not None:
+        given = [key for key in DETECTOR_DEFAULTS if key != "image_size" and getattr(args, key) is not None]
+        if given:
+            flags = ", ".join(f"--{key.replace('_', '-')}" for key in given)
+            parser.error(
+                f"{flags}: the detector's, not --model's; allowed with --model: the knob flags, "
+                "--image-size, --device and the timing options"
+            )
+        image_size, rule = MODEL_IMAGE_SIZE, workloads.IMAGE_SIZE
+    else:
+        for key, default in DETECTOR_DEFAULTS.items():
+            if getattr(args, key) is None:
+                setattr(args, key, default)
+        image_size, rule = DETECTOR_DEFAULTS["image_size"], IMAGE_SIZE
+    if args.image_size is None:
+        args.image_size = image_size
+    elif problem := rule.problem(args.image_size):
+        parser.error(f"--image-size: {problem}")
+
+
+def _flag(key: str) -> str:
+    """A knob's (or the model spec's) flag, from the key a ValueNotAllowed names."""
+    return KNOB[key].flag if key in KNOB else {"MODEL": "--model"}.get(key, f"--{key.replace('_', '-')}")
 
 
 def _run(args: argparse.Namespace) -> None:
     """One trial as the flags set it, printed."""
     policy = timing_policy(args)  # its deadline, --max-seconds from now, bounds the whole run
     try:
+        if args.model is not None:
+            _run_model(args, policy)
+            return
         device = resolve_device(args.device)
         if args.data:
             coco = read_coco(args.data, image_size=args.image_size)
@@ -659,8 +994,7 @@ def _run(args: argparse.Namespace) -> None:
         else:
             result = run_trial(config, knobs[0], samples, device=device, policy=policy)
     except ValueNotAllowed as err:  # keyed by the knob (or knobs: 'amp with onednn'): name each as its flag
-        flags = " with ".join(KNOB[key].flag if key in KNOB else key for key in err.key.split(" with "))
-        raise UserError(f"{flags}: {err.problem}") from err
+        raise UserError(f"{' with '.join(map(_flag, err.key.split(' with ')))}: {err.problem}") from err
     if len(knobs) > 1:
         _print_in_turn(knobs, times, device)
         return
@@ -669,12 +1003,20 @@ def _run(args: argparse.Namespace) -> None:
         f"{knobs} on {device}, {result.rois} RoIs per step, {result.warmup_iterations} warm-up and "
         f"{result.iterations} timed steps, precision {result.precision:.1%} (met: {result.precision_met})"
     )
+    _print_phases(result)
+    print(f"peak memory {result.peak_mem_mb:.0f} MiB")
+    _print_compiled_and_swapped(knobs, result)
+
+
+def _print_phases(result: TrialResult) -> None:
     print(f"{'phase':<14}{'median ms':>11}{'95% CI':>18}{'IQR':>8}{'p90':>9}")
     for phase, st in result.stats.items():
         print(
             f"{phase:<14}{st.median:>11.1f}{f'{st.ci_low:.1f}-{st.ci_high:.1f}':>18}{st.iqr:>8.1f}{st.p90:>9.1f}"
         )
-    print(f"peak memory {result.peak_mem_mb:.0f} MiB")
+
+
+def _print_compiled_and_swapped(knobs: Knobs, result: TrialResult) -> None:
     if result.compiled:
         c = result.compiled
         print(
@@ -686,6 +1028,67 @@ def _run(args: argparse.Namespace) -> None:
             "nothing (no convolution is a GEMM in disguise, or each was shown over 5% faster than its GEMM)"
         )
         print(f"linearize swapped: {result.swapped or nothing}")
+
+
+def _run_model(args: argparse.Namespace, policy: TimingPolicy) -> None:
+    """One trial of ``--model``'s model, printed: its phases per step and per sample."""
+    device = resolve_device(args.device)
+    if args.batch_size == AUTO:
+        _run_batch_sizes(args, device)
+        return
+    knobs = knobs_for(device, **{name: getattr(args, name) for name in KNOB_NAMES[1:]})
+    result = run_model_trial(args.model, knobs, image_size=args.image_size, device=device, policy=policy)
+    print(
+        f"{args.model} at {args.image_size} px, {setting_label(asdict(knobs))} on {device}: "
+        f"{result.warmup_iterations} warm-up and {result.iterations} timed steps, precision "
+        f"{result.precision:.1%} (met: {result.precision_met})"
+    )
+    _print_phases(result)
+    step, per = result.stats["step"], knobs.batch_size
+    print(
+        f"per sample: step {step.median / per:.2f} ms "
+        f"[95% CI {step.ci_low / per:.2f}, {step.ci_high / per:.2f}] (batch of {per})"
+    )
+    print(f"peak memory {result.peak_mem_mb:.0f} MiB")
+    _print_compiled_and_swapped(knobs, result)
+
+
+def _run_batch_sizes(args: argparse.Namespace, device: torch.device) -> None:
+    """--batch-size auto: the largest batch that fits, then it and the batch sizes below it stepped in turn,
+    ranked by time per sample, printed."""
+    values = {name: getattr(args, name) for name in KNOB_NAMES[1:]} | {"batch_size": 1}
+    knobs = knobs_for(device, **values)
+    search = find_batch_size(
+        args.model, knobs, image_size=args.image_size, device=device, limit_mb=args.memory_limit_mb
+    )
+    print(
+        f"{args.model} at {args.image_size} px, {setting_label(asdict(knobs), skip=('batch_size',))} on "
+        f"{device}: the largest batch that fits is {search.largest}; tried {search.describe()}"
+    )
+    sizes = batches_below(search.largest)
+    policy = timing_policy(args)  # --max-seconds bounds the timing; the search is as long as its tries
+    times = batch_sizes_in_turn(
+        args.model, knobs, sizes, image_size=args.image_size, device=device, policy=policy
+    )
+    rounds = len(times[sizes[0]]["step"])
+    print(f"{len(sizes)} batch sizes stepped in turn, {rounds} rounds, fastest per sample first:")
+    table = per_sample_table(times)
+    print(f"{'batch':>6}{'step ms':>11}{'per sample ms [95% CI]':>28}{'/ fastest [95% CI]':>26}")
+    for row in table.itertuples():
+        print(
+            f"{row.batch_size:>6}{row.step_ms:>11.1f}"
+            f"{f'{row.per_sample_ms:.3f} [{row.ci_low_ms:.3f}, {row.ci_high_ms:.3f}]':>28}"
+            f"{f'{row.vs_fastest:.2f} [{row.vs_fastest_ci_low:.2f}, {row.vs_fastest_ci_high:.2f}]':>26}"
+        )
+    best, largest = int(table.batch_size.iloc[0]), table.set_index("batch_size").loc[search.largest]
+    if best == search.largest:
+        print(f"fastest per sample: batch {best}, the largest that fits")
+    else:
+        print(
+            f"fastest per sample: batch {best}; the largest that fits, {search.largest}, takes "
+            f"{largest.vs_fastest:.2f}x [95% CI {largest.vs_fastest_ci_low:.2f}, "
+            f"{largest.vs_fastest_ci_high:.2f}] its time per sample"
+        )
 
 
 if __name__ == "__main__":

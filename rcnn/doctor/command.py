@@ -34,7 +34,7 @@ from pathlib import Path
 from rcnn.cli import Parser, run_command
 from rcnn.doctor.diagnosis import Diagnosis, Fixed, diagnose, fix
 from rcnn.doctor.files import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
-from rcnn.doctor.workloads import build_workload
+from rcnn.doctor.workloads import IMAGE_SIZE, build_workload
 from rcnn.measure.device import DTYPES, amp_unavailable, resolve_device, set_tf32
 from rcnn.measure.machine import copy_peak, fingerprint, matmul_paths
 from rcnn.measure.options import add_timing_options, check_timing_options, timing_policy
@@ -46,7 +46,6 @@ from rcnn.rules import Rule, ValueNotAllowed, first_line
 TOP = Rule(minimum=1)
 FRAMES = Rule(minimum=1)
 BATCH_SIZE = Rule(minimum=1)
-IMAGE_SIZE = Rule(minimum=16)  # a zoo may ask more (the detector's FPN: a multiple of 32, at least 64)
 # --max-seconds' default: a detector's steps, its why rows and the fix's timings fit on 2 CPU cores
 RUN_SECONDS = 120.0
 POLICY = TimingPolicy(max_seconds=RUN_SECONDS)  # the timing flags' defaults

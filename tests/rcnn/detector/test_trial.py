@@ -10,13 +10,24 @@ from torch import nn
 
 import rcnn.detector.trial as bench
 from rcnn.detector.data import synthetic_samples
-from rcnn.detector.knobs import Knobs, backend_flags
+from rcnn.detector.knobs import Knobs, backend_flags, knobs_for
 from rcnn.detector.model import BACKBONES, build_detector
 from rcnn.detector.schema import PHASES
-from rcnn.detector.trial import Trainer, isolated_head_ms, main, run_trial
+from rcnn.detector.trial import (
+    Trainer,
+    batch_sizes_in_turn,
+    find_batch_size,
+    isolated_head_ms,
+    main,
+    model_peak_mb,
+    per_sample_table,
+    run_model_trial,
+    run_trial,
+)
 from rcnn.doctor.attribution import ModuleTimer
 from rcnn.measure.clock import Clock, ModuleSpanProbe
 from rcnn.measure.stats import TimingPolicy
+from rcnn.measure.step import STEP_PHASES
 from rcnn.rules import ValueNotAllowed
 from tests import launcher
 from tests.conftest import ROOT, TINY_CONFIG
@@ -307,6 +318,8 @@ def test_cli_reports_what_compiling_cost(capsys, slow_compiler):
     )
 
 
+USERS_MODEL = "tests.fixtures.models:pooled"  # a plain classifier with a 3x3 conv stem
+
 # every numeric and choice option refuses a bad value with one line naming it and what is allowed
 BAD_OPTIONS = [
     (["--batch-size", "0"], "--batch-size: 0 is too small; allowed: >= 1"),
@@ -335,6 +348,25 @@ BAD_OPTIONS = [
     (
         ["--backbone", "vgg16"],
         "--backbone: 'vgg16' is not allowed; allowed: resnet50_fpn, resnet18_fpn, mobilenet_v3_fpn",
+    ),
+    (["--image-size", "8"], "--image-size: 8 is too small; allowed: >= 16"),
+    (["--model", USERS_MODEL, "--image-size", "8"], "--image-size: 8 is too small; allowed: >= 16"),
+    (
+        ["--batch-size", "auto"],
+        "--batch-size: auto times a model's batch sizes; allowed: auto with --model, or a number",
+    ),
+    (
+        ["--model", USERS_MODEL, "--memory-limit-mb", "100"],
+        "--memory-limit-mb: bounds --batch-size auto's search; allowed: with --batch-size auto",
+    ),
+    (
+        ["--model", USERS_MODEL, "--batch-size", "auto", "--memory-limit-mb", "0"],
+        "--memory-limit-mb: 0.0 is too small; allowed: >= 1",
+    ),
+    (
+        ["--model", USERS_MODEL, "--head", "conv", "--num-images", "4"],
+        "--head, --num-images: the detector's, not --model's; allowed with --model: the knob flags, "
+        "--image-size, --device and the timing options",
     ),
 ]
 
@@ -551,3 +583,109 @@ SEVERAL_HEADS_REFUSED = [
 def test_several_heads_refuse_what_cannot_be_stepped_in_turn(capsys, argv, message):
     assert main([*argv, "--device", "cpu"]) == 2
     assert capsys.readouterr().err.startswith(f"error: {message}")
+
+
+def test_any_models_trial_times_its_steps_under_the_knobs(monkeypatch):
+    """The trial of a model the doctor takes: the model and batch built under the knobs (batch size, layout),
+    the measure step's phases each step (no box head), linearize's swaps, the doctor's table when profiled."""
+    built = []
+    real = bench.build_workload
+
+    def recording(spec, **kwargs):
+        built.append((spec, kwargs))
+        return real(spec, **kwargs)
+
+    monkeypatch.setattr(bench, "build_workload", recording)
+    knobs = knobs_for(CPU, batch_size=3, channels_last=True, linearize=True)
+    result = run_model_trial(USERS_MODEL, knobs, image_size=32, device=CPU, policy=QUICK, profile_steps=1)
+    assert built == [(USERS_MODEL, {"batch_size": 3, "image_size": 32, "device": CPU, "channels_last": True})]
+    assert set(result.samples) == set(STEP_PHASES) and result.iterations == 2
+    for i, step in enumerate(result.samples["step"]):
+        parts = sum(result.samples[p][i] for p in ("forward", "backward", "optimizer"))
+        assert parts == pytest.approx(step, rel=1e-6, abs=0.01)
+    assert result.rois == 0 and result.swapped == "features" and result.kernels == []
+    assert {row["module"] for row in result.modules} >= {"features", "score"}
+
+
+def test_a_models_trial_refuses_the_detectors_compile_target_before_building(monkeypatch):
+    monkeypatch.setattr(bench, "build_workload", lambda *args, **kwargs: pytest.fail("a model was built"))
+    with pytest.raises(ValueNotAllowed, match="compile: head compiles the detector's box head, which this"):
+        run_model_trial(USERS_MODEL, knobs_for(CPU, compile="head"), image_size=32, device=CPU, policy=QUICK)
+
+
+def test_cli_times_any_model_per_step_and_per_sample(capsys):
+    argv = ["--model", USERS_MODEL, "--image-size", "32", "--batch-size", "4", "--warmup", "1",
+            "--iterations", "3", "--max-iterations", "3", "--device", "cpu"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{USERS_MODEL} at 32 px, oneDNN on, amp off, NCHW, bs 4 on cpu: "), out
+    medians = {m[1]: float(m[2]) for m in re.finditer(r"^(\w+) +([\d.]+) +[\d.]+-[\d.]+ ", out, re.M)}
+    assert list(medians) == list(STEP_PHASES), out
+    per_sample = re.search(
+        r"^per sample: step ([\d.]+) ms \[95% CI [\d.]+, [\d.]+\] \(batch of 4\)$", out, re.M
+    )
+    assert per_sample and float(per_sample[1]) == pytest.approx(medians["step"] / 4, abs=0.1), out
+
+
+def test_cli_refuses_a_model_spec_that_names_nothing_with_one_line(capsys):
+    assert main(["--model", "resnet18", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("error: --model: 'resnet18' is not a model spec; allowed: ") and err.count("\n") == 1
+    )
+
+
+HUNGRY = "tests.fixtures.models:memory_hungry"  # its step's peak memory grows by hundreds of MiB a sample
+
+
+def hungry_limit(samples: float) -> float:
+    """A memory limit (MiB) that ``samples`` of MemoryHungry's steps reach, measured in this process."""
+    knobs = knobs_for(CPU)
+    # From batch 2 on, the peak grows by the same step (at 1, a (1, N) tensor's reductions take other paths).
+    two, four = (
+        model_peak_mb(HUNGRY, replace(knobs, batch_size=size), image_size=16, device=CPU) for size in (2, 4)
+    )
+    per_sample = (four - two) / 2
+    assert per_sample > 100  # 64 MiB a sample, held more than once
+    return two + (samples - 2) * per_sample
+
+
+@pytest.mark.slow  # the model built and stepped at each batch size tried: seconds
+def test_the_batch_size_search_finds_the_largest_batch_under_a_memory_limit(capsys):
+    limit = hungry_limit(5.5)  # batch 5 fits, 6 does not
+    search = find_batch_size(HUNGRY, knobs_for(CPU), image_size=16, device=CPU, limit_mb=limit)
+    assert search.largest == 5
+    assert [(t.batch_size, t.fits) for t in search.tried] == [
+        (1, True), (2, True), (4, True), (8, False), (6, False), (5, True)
+    ]  # fmt: skip
+    with pytest.raises(ValueNotAllowed, match="memory_limit_mb: none set; a batch size search on cpu needs"):
+        find_batch_size(HUNGRY, knobs_for(CPU), image_size=16, device=CPU, limit_mb=None)
+
+    argv = ["--model", HUNGRY, "--image-size", "16", "--batch-size", "auto", "--memory-limit-mb", f"{limit}",
+            "--warmup", "1", "--iterations", "2", "--max-iterations", "2", "--device", "cpu"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "the largest batch that fits is 5; tried 1 fits (peak " in out, out
+    assert "3 batch sizes stepped in turn, 2 rounds, fastest per sample first:" in out, out
+    rows = re.findall(r"^ +(\d+) +[\d.]+ +[\d.]+ \[[\w.]+, [\w.]+\] +([\d.]+) \[", out, re.M)
+    assert sorted(int(size) for size, _ in rows) == [1, 2, 5] and rows[0][1] == "1.00", out
+    assert re.search(r"^fastest per sample: batch [125]\b", out, re.M), out
+
+
+def test_batch_sizes_rank_by_time_per_sample_against_the_fastest_paired():
+    times = {
+        1: {"step": [10.0, 11.0, 10.0]},
+        2: {"step": [16.0, 16.0, 18.0]},
+        4: {"step": [40.0, 44.0, 40.0]},
+    }
+    table = per_sample_table(times)
+    assert list(table.batch_size) == [2, 1, 4]  # 8, 10 and 10 ms a sample
+    assert list(table.per_sample_ms) == [8.0, 10.0, 10.0] and list(table.step_ms) == [16.0, 10.0, 40.0]
+    assert table.vs_fastest.iloc[0] == 1.0 and table.vs_fastest.iloc[1] == pytest.approx(1.25)
+
+
+def test_batch_sizes_are_stepped_in_turn_under_the_other_knobs():
+    knobs = knobs_for(CPU, channels_last=True)
+    times = batch_sizes_in_turn(USERS_MODEL, knobs, [1, 3], image_size=32, device=CPU, policy=QUICK)
+    assert set(times) == {1, 3}
+    assert all({p: len(v) for p, v in times[size].items()} == dict.fromkeys(STEP_PHASES, 2) for size in times)
