@@ -6,14 +6,10 @@ import numpy as np
 import pandas as pd
 import scipy.stats
 
-from pipeline.results import complete, head_order, headline_scope, ms_per_image
-from rcnn.detector.schema import KNOBS, OTHER_KNOBS
+from pipeline.results import DEFAULTS, complete, head_order, headline_scope, ms_per_image
+from rcnn.detector.schema import OTHER_KNOBS
 from rcnn.measure.settings import peak_dtype
 from rcnn.measure.stats import bootstrap_ci
-
-# PyTorch's own defaults, where a knob's effect starts (TF32: cuDNN's is on, matmul's off; the knob sets both
-# alike, and off is the fp32 baseline); batch size has none: its smallest swept value.
-DEFAULTS = {knob.name: knob.baseline for knob in KNOBS[1:] if knob.baseline is not None}
 
 
 def baseline_first(knob: str, values: list) -> list:

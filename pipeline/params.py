@@ -21,6 +21,7 @@ import yaml
 
 from rcnn.detector import schema
 from rcnn.detector.schema import KNOB_NAMES, KNOBS, Knob
+from rcnn.doctor import specs
 from rcnn.measure import settings, stats
 from rcnn.measure.stats import TimingPolicy
 from rcnn.rules import Rule, UserError, ValueNotAllowed, at_least
@@ -89,12 +90,55 @@ class DataParams:
             )
 
 
+DETECTOR_IMAGE_SIZE = 256  # the detector's image size unless given
+
+
 @dataclass(frozen=True)
 class ModelParams:
-    backbone: str = _field("resnet18_fpn", schema.BACKBONE)
-    image_size: int = _field(256, schema.IMAGE_SIZE)
+    """The model swept: this project's detector (``spec`` null, the default), whose box head is a knob, or any
+    model the doctor takes (``spec``: ``torchvision:<builder>``, ``timm:<name>``, ``hf:<model_type>``,
+    ``package.module:factory``, options after ``?``), fed synthetic batches at ``image_size``. ``model:
+    timm:resnet18`` is short for ``model: {spec: timm:resnet18}``."""
+
+    spec: str | None = _field(None, specs.MODEL_SPEC)
+    backbone: str = _field("resnet18_fpn", schema.BACKBONE)  # the detector's only, as are the two below
+    image_size: int | None = _field(None, specs.IMAGE_SIZE)  # null: 256 (the detector), else 224
     rois_per_image: int = _field(128, schema.ROIS_PER_IMAGE)
     representation_size: int = _field(1024, schema.REPRESENTATION_SIZE)
+    frames: int = _field(8, Rule(minimum=1))  # frames per clip, for a video model
+
+    def __post_init__(self) -> None:
+        if self.image_size is None:
+            object.__setattr__(
+                self, "image_size", DETECTOR_IMAGE_SIZE if self.detector else specs.DEFAULT_IMAGE_SIZE
+            )
+        elif self.detector and (problem := schema.IMAGE_SIZE.problem(self.image_size)):
+            raise ParamsError(f"model.image_size: {problem}")
+
+    @property
+    def detector(self) -> bool:
+        """Whether the model is this project's detector, whose box head is the ``head`` knob."""
+        return self.spec is None
+
+    @property
+    def name(self) -> str:
+        """The model in names: 'detector', or the spec as a file name ('timm-resnet18')."""
+        return "detector" if self.detector else specs.spec_slug(self.spec)
+
+    def detector_config(self) -> dict:
+        """The detector's configuration (rcnn.detector.model.DetectorConfig's fields but the classes)."""
+        return {
+            "backbone": self.backbone,
+            "image_size": self.image_size,
+            "rois_per_image": self.rois_per_image,
+            "representation_size": self.representation_size,
+        }
+
+    def describe(self) -> dict:
+        """What shapes a trial's numbers: the detector's configuration, or the spec and its sizes."""
+        if self.detector:
+            return self.detector_config()
+        return {"spec": self.spec, "image_size": self.image_size, "frames": self.frames}
 
 
 def _space_field(knob: Knob) -> tuple[str, Any, Any]:
@@ -137,6 +181,10 @@ class SweepParams:
     # These settings run first, so a time budget keeps them
     profile_at: tuple[ProfileAt, ...] = (ProfileAt(),)
     space: SpaceParams = field(default_factory=SpaceParams)
+    # space.batch_size: auto (a spec's model): find the largest batch that fits, against this limit on a CPU
+    memory_limit_mb: float | None = _field(None, settings.MEMORY_LIMIT_MB)
+    # Set by space.batch_size: auto, never in the file: the stage finds the sizes before any trial runs
+    find_batch_sizes: bool = field(default=False, metadata={"rule": None, "derived": True})
 
 
 @dataclass(frozen=True)
@@ -172,6 +220,12 @@ class Params:
     sweep: SweepParams = field(default_factory=SweepParams)
     timing: TimingParams = field(default_factory=TimingParams)
     tracking: TrackingParams = field(default_factory=TrackingParams)
+
+    @property
+    def experiment(self) -> str:
+        """The MLflow experiment, and the prefix of the study's name: tracking.experiment for the detector,
+        the model's name ('timm-resnet18') for any other, so that each model's sweeps are one experiment."""
+        return self.tracking.experiment if self.model.detector else self.model.name
 
 
 def _type_name(hint: Any) -> str:
@@ -253,10 +307,84 @@ def _refuse_embedded_password(raw: Any) -> None:
             )
 
 
+DETECTOR_ONLY = ("backbone", "rois_per_image", "representation_size")
+
+
+def _model_section(raw: Any) -> Any:
+    """``model: timm:resnet18`` (as ``dvc exp run -S model=timm:resnet18`` writes it) read as ``{spec:
+    ...}``; the detector's own keys refused beside a spec, where they would be ignored."""
+    if not isinstance(raw, dict) or "model" not in raw:
+        return raw
+    model = raw["model"]
+    if isinstance(model, str):
+        return raw | {"model": {"spec": model}}
+    if model is not None and not isinstance(model, dict):
+        raise ParamsError(
+            f"model: expected a mapping (this project's detector) or a model spec, got {model!r}; allowed "
+            f"specs: {specs.SPEC_FORMS}"
+        )
+    if (
+        isinstance(model, dict)
+        and isinstance(model.get("spec"), str)
+        and specs.MODEL_SPEC.problem(model["spec"]) is None  # a bad spec: the rule's own line first
+        and (given := [key for key in DETECTOR_ONLY if key in model])
+    ):
+        raise ParamsError(
+            f"model.{given[0]}: applies to this project's detector only (model.spec unset), not to "
+            f"{model['spec']}; allowed beside a spec: image_size, frames"
+        )
+    return raw
+
+
+def _auto_batch_size(raw: Any) -> Any:
+    """``sweep.space.batch_size: auto`` read as ``sweep.find_batch_sizes`` (the sizes the sweep stage finds,
+    rcnn.measure.batch), the space's batch sizes left at their default until then."""
+    sweep = raw.get("sweep") if isinstance(raw, dict) else None
+    space = sweep.get("space") if isinstance(sweep, dict) else None
+    if not isinstance(space, dict) or not isinstance(space.get("batch_size"), str):
+        return raw
+    if space["batch_size"] != settings.AUTO:
+        raise ParamsError(
+            f"sweep.space.batch_size: {space['batch_size']!r} is not allowed; allowed: a list of batch sizes "
+            f"(>= 1), or {settings.AUTO} (a spec's model: the largest that fits and a few below it)"
+        )
+    space = {k: v for k, v in space.items() if k != "batch_size"}
+    return raw | {"sweep": sweep | {"space": space, "find_batch_sizes": True}}
+
+
+def _refuse_derived(raw: Any) -> None:
+    """A derived field (set from another key) given in the file reads as an unknown key."""
+    sweep = raw.get("sweep") if isinstance(raw, dict) else None
+    if isinstance(sweep, dict) and "find_batch_sizes" in sweep:
+        allowed = ", ".join(f.name for f in dataclasses.fields(SweepParams) if not f.metadata.get("derived"))
+        raise ParamsError(f"sweep.find_batch_sizes: unknown key; allowed: {allowed}")
+
+
 def parse_params(raw: Any) -> Params:
     """Validate an already-loaded params mapping; missing keys take the defaults above."""
     _refuse_embedded_password(raw)
-    params = _build(Params, raw, "")
+    _refuse_derived(raw)
+    params = _build(Params, _auto_batch_size(_model_section(raw)), "")
+    if params.model.detector and isinstance(raw.get("model"), dict) and "frames" in raw["model"]:
+        raise ParamsError(
+            "model.frames: applies to a spec's video model only (model.spec), not to this project's "
+            "detector; allowed: leave it out"
+        )
+    if params.sweep.find_batch_sizes and params.model.detector:
+        raise ParamsError(
+            "sweep.space.batch_size: auto finds the batch sizes of a spec's model (model.spec); allowed "
+            "for this project's detector: a list of batch sizes"
+        )
+    if params.sweep.memory_limit_mb is not None and not params.sweep.find_batch_sizes:
+        raise ParamsError(
+            "sweep.memory_limit_mb: applies only with sweep.space.batch_size: auto; allowed: null, or "
+            "set batch_size to auto"
+        )
+    if not params.model.detector and params.sweep.space.head != SpaceParams().head:
+        raise ParamsError(
+            f"sweep.space.head: the box head is a knob of this project's detector only, not of "
+            f"{params.model.spec}; allowed: leave it as it is, or unset model.spec"
+        )
     if params.sweep.n_trials is None and params.sweep.sampler != "grid":
         raise ParamsError(
             "sweep.n_trials: null (whole grid) needs sampler: grid; allowed for tpe: an integer >= 1"

@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from pipeline import model_report
 from pipeline.analysis import (
     baseline_first,
     batch_scaling,
@@ -728,10 +729,10 @@ def drift_line(summary: dict) -> str:
     if not drift:
         return "No baseline drift measured (nothing new was measured in the last run)."
     point = setting_label({k: "n/a" if v is None else v for k, v in drift["point"].items()})
+    head = f"{drift['point']['head']} head, " if drift["point"].get("head") else ""  # none: a spec's model
     return (
-        f"Baseline ({drift['point']['head']} head, {point}) step time {drift['start']['step_ms']:.1f} ms at "
-        "the "
-        f"start of the sweep, {drift['end']['step_ms']:.1f} ms at the end: drift {drift['step_drift']:+.1%}."
+        f"Baseline ({head}{point}) step time {drift['start']['step_ms']:.1f} ms at the start of the sweep, "
+        f"{drift['end']['step_ms']:.1f} ms at the end: drift {drift['step_drift']:+.1%}."
     )
 
 
@@ -819,20 +820,33 @@ def environment_section(r: Results, lock: Path | None) -> list[str]:
     ]
 
 
+def header(r: Results) -> str:
+    """The machine, torch and how much of the sweep completed."""
+    s = r.summary
+    notes = [f"{s[k]} {k.replace('_', ' ')}" for k in ("failed", "timeout", "not_run") if s.get(k)]
+    return (
+        f"{r.env['fingerprint'].get('device')} ({r.device}); torch {r.env['fingerprint'].get('torch')}; "
+        f"{s['complete']} of {s['trials']} trials complete"
+        + (f" (partial sweep: {', '.join(notes)})" if notes else "")
+        + "."
+    )
+
+
+def skipped_lines(summary: dict) -> list[str]:
+    return [f"- {x['knob']}={x['value']}: {x['reason']}" for x in summary.get("skipped", [])] or ["- none"]
+
+
 def render(r: Results, lock: Path | None) -> str:
     s = r.summary
     effects = knob_effects(r.trials)
-    notes = [f"{s[k]} {k.replace('_', ' ')}" for k in ("failed", "timeout", "not_run") if s.get(k)]
     setting = setting_label(r.setting)
     figure = lambda name, caption: f"![{caption}](figures/{name}.png)"  # noqa: E731
     done = complete(r.trials)
     out = [
         TITLE,
         "",
-        f"{r.env['fingerprint'].get('device')} ({r.device}); torch {r.env['fingerprint'].get('torch')}; "
-        f"{s['complete']} of {s['trials']} trials complete"
-        + (f" (partial sweep: {', '.join(notes)})" if notes else "")
-        + f". {_ratios_read(r.comparisons)} Pooled ratios are geometric means over knob settings, with 95% "
+        header(r)
+        + f" {_ratios_read(r.comparisons)} Pooled ratios are geometric means over knob settings, with 95% "
         "CIs from a bootstrap that resamples every setting's times.",
         "",
         "## Verdict",
@@ -851,7 +865,7 @@ def render(r: Results, lock: Path | None) -> str:
         "",
         "Knobs not swept on this device:",
         "",
-        *([f"- {x['knob']}={x['value']}: {x['reason']}" for x in s.get("skipped", [])] or ["- none"]),
+        *skipped_lines(s),
         "",
         "Per setting, box-head backward ratios with bootstrap 95% CIs: of the two heads stepped in turn in "
         "the numerator's trial (paired over the rounds, Wilcoxon signed-rank p-value), or, where that trial "
@@ -933,7 +947,7 @@ def render(r: Results, lock: Path | None) -> str:
     return "\n".join(out)
 
 
-def to_html(text: str, out: Path, device: str) -> str:
+def to_html(text: str, out: Path, device: str, start: str = HTML_START) -> str:
     """The report as one HTML file: markdown rendered, figures embedded as data URIs."""
     body = markdown.markdown(text, extensions=["tables"])
 
@@ -948,7 +962,7 @@ def to_html(text: str, out: Path, device: str) -> str:
         "td,th{border:1px solid #ccc;padding:.2em .5em}"
         "th{background:#f3f3f3}img{max-width:100%}code{background:#f6f6f6;padding:0 .2em}"
     )
-    return f"{HTML_START}: {device}</title><style>{style}</style></head><body>{body}</body></html>\n"
+    return f"{start}: {device}</title><style>{style}</style></head><body>{body}</body></html>\n"
 
 
 def log_to_mlflow(r: Results, out: Path, uri: str, trials_path: str) -> None:
@@ -1004,15 +1018,14 @@ def keep_tables(args: argparse.Namespace, out: Path) -> None:
 
 
 def stage(args: argparse.Namespace, params: Params) -> None:
+    r = load_results(args.trials, args.comparisons, args.kernels, args.summary, args.env, args.modules)
+    if spec := model_report.model_of(r.trials):
+        return model_stage(args, params, r, spec)
     check_folder(args.out, written_files(), root=project_root(Path(args.params).parent), what="--out")
     check_writable(Path(args.out) / "report.md")
     if args.modules:
         require_plotly()  # the box heads' page: before anything is written
-    r = load_results(args.trials, args.comparisons, args.kernels, args.summary, args.env, args.modules)
-    if complete(r.trials).empty:
-        raise ResultsError(
-            f"{args.trials}: no complete trial to report; run the sweep stage until one completes"
-        )
+    require_complete(r, args.trials)
     out = Path(args.out)
     for figure in FIGURES:
         render_figure(figure, r, out)
@@ -1021,6 +1034,39 @@ def stage(args: argparse.Namespace, params: Params) -> None:
     write_atomic(out / "report.html", to_html(text, out, r.device))
     if page := box_heads_page(r.modules):
         write_atomic(out / BOX_HEADS_PAGE, page)
+    keep_tables(args, out)
+    if args.mlflow:
+        log_to_mlflow(r, out, params.tracking.mlflow_uri, args.trials)
+    print(f"wrote {out / 'report.md'} and {out / 'report.html'}")
+
+
+def require_complete(r: Results, trials: str) -> None:
+    if complete(r.trials).empty:
+        raise ResultsError(f"{trials}: no complete trial to report; run the sweep stage until one completes")
+
+
+def model_stage(args: argparse.Namespace, params: Params, r: Results, spec: str) -> None:
+    """A spec's model: its report (pipeline.model_report) in a folder named for it under --out."""
+    out = model_report.folder_for(args.out, spec)
+    tables = {name: WRITTEN.get(role, ENV_FILE) for role, name in TABLES.items()}
+    check_folder(
+        out, model_report.written_files(tables), root=project_root(Path(args.params).parent), what="--out"
+    )
+    check_writable(out / "report.md")
+    require_complete(r, args.trials)
+    lock = Path(args.lock) if args.lock else None
+    done = complete(r.trials)
+    context = {
+        "header": header(r),
+        "cautions": [*contention_caution(done), *drift_caution(r.summary)],
+        "skipped": skipped_lines(r.summary),
+        "drift": drift_line(r.summary),
+        "environment": environment_section(r, lock),
+        "wall": wall_section(r.summary),
+    }
+    text = model_report.render(spec, r.trials, r.modules, r.summary, context)
+    model_report.write(out, spec, text, r.trials, r.device)
+    write_atomic(out / "report.html", to_html(text, out, r.device, start=model_report.HTML_START))
     keep_tables(args, out)
     if args.mlflow:
         log_to_mlflow(r, out, params.tracking.mlflow_uri, args.trials)

@@ -125,7 +125,7 @@ def read_table(
 
 
 # Columns newer than the committed reports' tables: unknown (NaN) there
-ADDED_TRIAL_COLUMNS = ("core_share", "wall_paired_s")
+ADDED_TRIAL_COLUMNS = ("core_share", "wall_paired_s", "model")  # model: NaN, the detector
 ADDED_COMPARISON_COLUMNS = ("rounds",)  # NaN: the two trials' own steps, as every table then compared
 ADDED_MODULE_COLUMNS = (
     "saved_mb",
@@ -300,6 +300,76 @@ def fastest(trials: pd.DataFrame) -> dict | None:
     best = done.loc[ms_per_image(done).idxmin()]
     knobs = {k: best[k].item() if hasattr(best[k], "item") else best[k] for k in KNOB_NAMES}
     return knobs | {"ms_per_image": float(ms_per_image(done)[best.name]), "step_ms": float(best["step_ms"])}
+
+
+# PyTorch's own defaults, where a knob's effect starts (TF32: cuDNN's is on, matmul's off; the knob sets both
+# alike, and off is the fp32 baseline); batch size has none: its smallest swept value.
+DEFAULTS = {knob.name: knob.baseline for knob in KNOBS[1:] if knob.baseline is not None}
+
+
+def at_defaults(trials: pd.DataFrame) -> pd.DataFrame:
+    """The trials at PyTorch's defaults: every knob at its DEFAULTS value (n/a where it does not apply),
+    the smallest batch swept."""
+    mask = trials["batch_size"] == trials["batch_size"].min()
+    for knob, default in DEFAULTS.items():
+        mask &= trials[knob].astype(str).isin([str(default), "n/a"])
+    return trials[mask]
+
+
+def fastest_and_defaults(trials: pd.DataFrame) -> tuple[int, int] | None:
+    """The trial numbers of the complete setting with the least time per sample and of PyTorch's defaults
+    (at_defaults), or None when either is missing or they are one."""
+    done = complete(trials).dropna(subset=["step_ms"])
+    default = at_defaults(done)
+    if done.empty or default.empty:
+        return None
+    best, base = int(done.loc[ms_per_image(done).idxmin(), "trial"]), int(default["trial"].iloc[0])
+    return None if best == base else (best, base)
+
+
+def versus_defaults(
+    trials: pd.DataFrame,
+    samples: dict[int, dict[str, list[float]] | None],
+    seed: int = 0,
+    in_turn: dict | None = None,
+) -> dict | None:
+    """The setting with the least time per sample against PyTorch's defaults (fastest_and_defaults), per
+    sample: the defaults' step time per sample over the fastest's (``speedup``, >1: the fastest is faster)
+    with its 95% CI and p-value. Read from the two stepped in turn where ``in_turn`` (the sweep's record:
+    the two trials' numbers, one time per round each) holds them (paired bootstrap, Wilcoxon; ``rounds``),
+    else from the two trials' own steps (bootstrap, Mann-Whitney; ``rounds`` 0). None unless both
+    completed, or when the defaults are the fastest."""
+    picked = fastest_and_defaults(trials)
+    if picked is None:
+        return None
+    rows = trials.set_index("trial").loc[list(picked)]
+    best, base = rows.iloc[0], rows.iloc[1]
+    times = (in_turn or {}).get("in_turn")
+    if times and (in_turn["fastest_trial"], in_turn["defaults_trial"]) == picked:
+        fast, slow = (np.asarray(times[k]["step"], dtype=float) for k in ("fastest", "defaults"))
+        rounds, comparing = len(fast), compare_paired
+    elif all(samples.get(t) for t in picked):
+        fast, slow = (np.asarray(samples[t]["step"], dtype=float) for t in picked)
+        rounds, comparing = 0, compare
+    else:
+        return None
+    c = comparing(slow / base["batch_size"], fast / best["batch_size"], seed=seed)
+    return {
+        "fastest": {k: _plain(best[k]) for k in OTHER_KNOBS},
+        "defaults": {k: _plain(base[k]) for k in OTHER_KNOBS},
+        "fastest_ms_per_sample": float(best["step_ms"] / best["batch_size"]),
+        "defaults_ms_per_sample": float(base["step_ms"] / base["batch_size"]),
+        "speedup": c.ratio,
+        "ci_low": c.ci_low,
+        "ci_high": c.ci_high,
+        "p_value": c.p_value,
+        "rounds": rounds,
+        "in_turn_error": (in_turn or {}).get("error"),
+    }
+
+
+def _plain(value: object) -> object:
+    return value.item() if hasattr(value, "item") else value
 
 
 def summarize_trials(trials: pd.DataFrame, comparisons: pd.DataFrame) -> dict:

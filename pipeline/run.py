@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.params import YamlLoader, load_params
+from pipeline.params import YamlLoader, load_params, parse_params
 from rcnn.cli import Parser, run_command
 from rcnn.rules import UserError
 
@@ -27,9 +27,16 @@ MARKER = ".pipeline-run"  # marks a work folder this command made, whose params.
 
 
 def lookup(raw: dict, dotted: str):
+    """The params value at ``dotted`` as the file has it, else its default (a file may leave a key out:
+    ``data.name``)."""
     value = raw
-    for part in dotted.split("."):
-        value = value[part]
+    try:
+        for part in dotted.split("."):
+            value = value[part]
+    except (KeyError, TypeError):
+        value = parse_params(raw)
+        for part in dotted.split("."):
+            value = getattr(value, part)
     return value
 
 

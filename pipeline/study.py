@@ -27,12 +27,19 @@ from optuna.storages import JournalStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from pipeline.params import Params, ParamsError, SweepParams
+from pipeline.params import ModelParams, Params, ParamsError, SweepParams
 from pipeline.results import trial_row
 from pipeline.stopping import interrupts
 from rcnn.detector.knobs import Skipped, why_not_together
 from rcnn.detector.model import DetectorConfig
-from rcnn.detector.schema import DEVICE_KNOBS, KERNEL_COLUMNS, KNOB_NAMES, MODULE_TABLE_COLUMNS, TRIAL_COLUMNS
+from rcnn.detector.schema import (
+    DETECTOR,
+    DEVICE_KNOBS,
+    KERNEL_COLUMNS,
+    KNOB_NAMES,
+    MODULE_TABLE_COLUMNS,
+    TRIAL_COLUMNS,
+)
 from rcnn.outputs import Kind, first_line_of, is_ours, parse_json
 from rcnn.rules import first_line
 
@@ -383,19 +390,25 @@ def trials_to_run(params: Params, study: optuna.Study) -> int:
 def knob_values(trial: optuna.trial.FrozenTrial) -> dict:
     """The trial's knobs as the tables show them: a backend switch that does not apply reads 'n/a'."""
     values = {k: WorkQueue.point(trial).get(k) for k in KNOB_NAMES}
-    return values | {k: "n/a" for k, v in values.items() if v is None and k in DEVICE_KNOBS}
+    # The head is None for a spec's model, which has none
+    return values | {k: "n/a" for k, v in values.items() if v is None and (k in DEVICE_KNOBS or k == "head")}
 
 
-def trials_table(study: optuna.Study, config: DetectorConfig, device: torch.device) -> pd.DataFrame:
+def trials_table(
+    study: optuna.Study, config: DetectorConfig | None, device: torch.device, model: ModelParams | None = None
+) -> pd.DataFrame:
+    """The study's trials as the trials table: of the detector (``config``), or of a spec's ``model``
+    (``config`` None: no backbone nor RoIs)."""
     rows = [
         trial_row(
             t.user_attrs.get("result"),
             trial=t.number,
             status=t.user_attrs.get("status", STATUS[t.state]),
             device=device.type,
-            backbone=config.backbone,
-            image_size=config.image_size,
-            rois_per_image=config.rois_per_image,
+            model=model.spec if config is None else DETECTOR,
+            backbone=config.backbone if config else "n/a",
+            image_size=config.image_size if config else model.image_size,
+            rois_per_image=config.rois_per_image if config else float("nan"),
             **knob_values(t),
             mlflow_run_id=t.user_attrs.get("mlflow_run_id"),
             worker=t.user_attrs.get("worker"),

@@ -29,20 +29,33 @@ import pandas as pd
 
 from pipeline.common import run_stage, stage_parser, write_json
 from pipeline.params import Params, ParamsError
-from pipeline.results import WRITTEN, comparisons_table, summarize_trials, write_table, write_trials
+from pipeline.progress import Progress
+from pipeline.results import (
+    WRITTEN,
+    comparisons_table,
+    fastest_and_defaults,
+    summarize_trials,
+    versus_defaults,
+    write_table,
+    write_trials,
+)
 from pipeline.study import (
     JOURNAL,
     OWNER,
+    WorkQueue,
     hold_journal,
     is_rdb,
     kernels_table,
+    knob_values,
     mend_journal,
     modules_table,
     owner_of,
     trials_table,
 )
-from pipeline.sweep_setup import Setup, connect
+from pipeline.sweep_setup import Setup, connect, with_batch_sizes_found
+from pipeline.trials import Sweep
 from pipeline.workers import join, open_study, run_workers, sweep_wall
+from rcnn.detector.schema import DETECTOR
 from rcnn.outputs import check_output, check_sqlite_url, check_writable, project_root
 
 
@@ -53,6 +66,11 @@ def stage(args: argparse.Namespace, params: Params) -> int:
                 f"sweep.storage: --join needs a database every machine reaches, such as "
                 f"postgresql://user@host/db, not the journal file {params.sweep.storage} "
                 "(one host: use sweep.workers)"
+            )
+        if params.sweep.find_batch_sizes:
+            raise ParamsError(
+                "sweep.space.batch_size: auto finds the sizes on the machine running the sweep stage; "
+                "allowed with --join: the list of batch sizes that stage found (its first line says them)"
             )
         return join(args, params, *connect(args, params))
     # Before measuring anything: results that cannot be written would be lost, and a mistyped path must not
@@ -77,9 +95,16 @@ def stage(args: argparse.Namespace, params: Params) -> int:
 def run_sweep(args: argparse.Namespace, params: Params) -> int:
     """The sweep stage proper: open the study, work it on this host, collect the tables, write them."""
     started = time.time()
+    params, batch_search = with_batch_sizes_found(params)
+    if batch_search:
+        print(batch_search)
     setup, storage = connect(args, params)
     with open_study(params, setup, storage) as (study, parent_run_id):
+        if batch_search:
+            study.set_user_attr("batch_search", batch_search)
         failures, baselines = run_workers(args, params, setup, study, parent_run_id)
+        if not setup.model.detector and (baselines or "versus_defaults" not in study.user_attrs):
+            step_in_turn_with_defaults(params, setup, study, parent_run_id)
         if wall := sweep_wall(study, started, baselines, params.sweep.workers):
             study.set_user_attr("wall", wall)  # a rerun that measures nothing keeps the last run's accounting
             mlflow.log_metrics(
@@ -100,6 +125,17 @@ def run_sweep(args: argparse.Namespace, params: Params) -> int:
     return 0
 
 
+def step_in_turn_with_defaults(params: Params, setup: Setup, study: optuna.Study, parent_run_id: str) -> None:
+    """A spec's model: its fastest setting per sample and PyTorch's defaults stepped in turn, the fastest
+    profiled (Sweep.versus_defaults), recorded on the study for the summary and the by-module table."""
+    trials = trials_table(study, setup.config, setup.device, setup.model)
+    if (picked := fastest_and_defaults(trials)) is None:
+        return
+    points = [WorkQueue.point(study.trials[number]) for number in picked]
+    record = Sweep(params, setup, parent_run_id, Progress(0)).versus_defaults(*points)
+    study.set_user_attr("versus_defaults", record | dict(zip(("fastest_trial", "defaults_trial"), picked)))
+
+
 @dataclass(frozen=True)
 class Tables:
     """What the sweep stage writes."""
@@ -115,7 +151,7 @@ def collect_tables(params: Params, setup: Setup, study: optuna.Study, parent_run
     """The trials table, the head comparisons, the kernel and by-module tables and the headline metrics of the
     whole study
     (every run and machine that worked it)."""
-    trials = trials_table(study, setup.config, setup.device)
+    trials = trials_table(study, setup.config, setup.device, setup.model)
     finished = study.get_trials(deepcopy=False)
     comparisons = comparisons_table(
         trials,
@@ -125,6 +161,7 @@ def collect_tables(params: Params, setup: Setup, study: optuna.Study, parent_run
         paired={t.number: t.user_attrs.get("paired") for t in finished},
     )
     summary = summarize_trials(trials, comparisons) | {
+        "model": setup.model.spec or DETECTOR,
         "device": setup.device.type,
         "study": setup.study_name,
         "skipped": [asdict(s) for s in setup.skipped],
@@ -135,12 +172,24 @@ def collect_tables(params: Params, setup: Setup, study: optuna.Study, parent_run
         "workers": params.sweep.workers,
         "wall": study.user_attrs.get("wall"),
         "mlflow_parent_run_id": parent_run_id,
+        "batch_search": study.user_attrs.get("batch_search"),
     }
+    modules = modules_table(study)
+    if not setup.model.detector:
+        samples = {t.number: t.user_attrs.get("samples") for t in finished}
+        record = study.user_attrs.get("versus_defaults")
+        summary["versus_defaults"] = versus_defaults(trials, samples, seed=params.sweep.seed, in_turn=record)
+        if record and record.get("modules"):  # the fastest's, where no profile_at setting was it
+            fastest = knob_values(study.trials[record["fastest_trial"]])
+            extra = pd.DataFrame(
+                [{"trial": record["fastest_trial"], **fastest, **row} for row in record["modules"]]
+            )
+            modules = pd.concat([modules, extra.reindex(columns=modules.columns)], ignore_index=True)
     return Tables(
         trials=trials,
         comparisons=comparisons,
         kernels=kernels_table(study),
-        modules=modules_table(study),
+        modules=modules,
         summary=summary,
     )
 

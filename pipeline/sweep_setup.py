@@ -9,35 +9,47 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import optuna
 import torch
 
 from pipeline.common import git_commit
-from pipeline.params import Params, keyed
+from pipeline.params import ModelParams, Params, keyed
 from pipeline.results import read_env, reference_head
 from pipeline.study import grid_points, open_storage
 from pipeline.tracking import connect_tracking
 from rcnn.detector.data import Sample, read_coco
-from rcnn.detector.knobs import Skipped, applicable_space
+from rcnn.detector.knobs import Skipped, applicable_space, knobs_for, model_space
 from rcnn.detector.model import DetectorConfig
 from rcnn.detector.schema import HEAD_NAMES, KNOB_NAMES
+from rcnn.detector.trial import check_spec, find_batch_size
+from rcnn.doctor.specs import is_factory
 from rcnn.factory import source_of
+from rcnn.measure.batch import batches_below
 from rcnn.measure.device import resolve_device
 
 LIBRARY = Path(__file__).parents[1] / "rcnn"  # the study name hashes every module of it, subfolders too
 
 
+def users_code(params: Params, grid: dict) -> str:
+    """The source of the user's code a sweep measures: a ``package.module:factory`` model's module, or the
+    modules of users' heads (package.module:factory in sweep.space.head)."""
+    if not params.model.detector:
+        with keyed("model."):
+            return source_of(params.model.spec, "spec") if is_factory(params.model.spec) else ""
+    with keyed("sweep.space."):
+        return "".join(source_of(head, "head") for head in grid["head"] if head not in HEAD_NAMES)
+
+
 def study_name(params: Params, grid: dict, fingerprint: dict, data_dir: Path) -> str:
     """Experiment name plus a hash of the model, timing, grid, environment, data and library code, and the
-    code of users' heads (the module defining each factory): a change to any re-measures."""
+    user's code (users_code): a change to any re-measures."""
     code = "".join(f"{p.relative_to(LIBRARY)}\n{p.read_text()}" for p in sorted(LIBRARY.rglob("*.py")))
-    with keyed("sweep.space."):
-        code += "".join(source_of(head, "head") for head in grid["head"] if head not in HEAD_NAMES)
+    code += users_code(params, grid)
     shape = {
-        "model": asdict(params.model),
+        "model": params.model.describe(),
         "timing": asdict(params.timing),
         "grid": grid,
         "env": fingerprint,
@@ -46,7 +58,7 @@ def study_name(params: Params, grid: dict, fingerprint: dict, data_dir: Path) ->
         "code": code,
     }
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()
-    return f"{params.tracking.experiment}-{digest[:12]}"
+    return f"{params.experiment}-{digest[:12]}"
 
 
 def profile_settings(params: Params, grid: dict) -> list[dict]:
@@ -74,8 +86,9 @@ class Setup:
     skipped: list[Skipped]
     points: list[dict]  # the grid in run order
     profiled: list[dict]  # settings whose heads get kernel tables
-    samples: list[Sample]
-    config: DetectorConfig
+    model: ModelParams  # the detector (its configuration is ``config``) or any model a spec names
+    samples: list[Sample]  # the detector's images; none for a spec's model, fed synthetic batches
+    config: DetectorConfig | None  # None for a spec's model
     fingerprint: dict
     ceilings: dict
     study_name: str
@@ -92,12 +105,19 @@ class Setup:
     def of(cls, params: Params, data_dir: str | Path, env_path: str | Path) -> Setup:
         with keyed("sweep."):
             device = resolve_device(params.sweep.device)
+        model = params.model
         with keyed("sweep.space."):
-            grid, skipped = applicable_space(params.sweep.space.as_dict(), device)
+            if model.detector:
+                grid, skipped = applicable_space(params.sweep.space.as_dict(), device)
+            else:
+                grid, skipped = model_space(params.sweep.space.as_dict(), device, model.spec)
         profiled = profile_settings(params, grid) if params.sweep.profile_steps else []
         points, skipped_together = grid_points(grid, device, params.sweep.seed, first=profiled)
-        coco = read_coco(data_dir, image_size=params.model.image_size)
-        samples, num_classes = coco.samples, coco.num_classes
+        samples, config = [], None
+        if model.detector:
+            coco = read_coco(data_dir, image_size=model.image_size)
+            samples = coco.samples
+            config = DetectorConfig(**model.detector_config(), num_classes=coco.num_classes)
         env = read_env(env_path)
         name = study_name(params, grid, env["fingerprint"], Path(data_dir))
         return cls(
@@ -106,8 +126,9 @@ class Setup:
             skipped=skipped + skipped_together,
             points=points,
             profiled=profiled,
+            model=model,
             samples=samples,
-            config=DetectorConfig(**asdict(params.model), num_classes=num_classes),
+            config=config,
             fingerprint=env["fingerprint"],
             ceilings=env["ceilings"],
             study_name=name,
@@ -117,14 +138,44 @@ class Setup:
                 "torchvision": env["fingerprint"]["torchvision"],
                 "git_commit": git_commit(),
                 "study": name,
+                "model": model.spec or "detector",
             },
         )
+
+
+def with_batch_sizes_found(params: Params) -> tuple[Params, str | None]:
+    """``sweep.space.batch_size: auto``: the params with the batch sizes found in their place (the largest
+    that fits at PyTorch's defaults, against sweep.memory_limit_mb on a CPU, and a few below it:
+    rcnn.detector.trial.find_batch_size, rcnn.measure.batch.batches_below), and the search in words; the
+    params as they are (and None) otherwise. The sweep stage finds them once, before its workers start, so
+    that every worker sweeps the same grid."""
+    if not params.sweep.find_batch_sizes:
+        return params, None
+    with keyed("sweep."):
+        device = resolve_device(params.sweep.device)
+        search = find_batch_size(
+            params.model.spec,
+            replace(knobs_for(device), head=None),
+            image_size=params.model.image_size,
+            device=device,
+            limit_mb=params.sweep.memory_limit_mb,
+        )
+    sizes = tuple(batches_below(search.largest))
+    space = replace(params.sweep.space, batch_size=sizes)
+    said = (
+        f"batch size auto: the largest that fits is {search.largest} ({search.describe()}); "
+        f"sweeping {list(sizes)}"
+    )
+    return replace(params, sweep=replace(params.sweep, space=space, find_batch_sizes=False)), said
 
 
 def connect(args: argparse.Namespace, params: Params) -> tuple[Setup, optuna.storages.BaseStorage]:
     """The sweep's setup, its study storage and the MLflow experiment, each checked before any trial runs."""
     setup = Setup.of(params, args.data, args.env)
+    if not setup.model.detector:
+        with keyed("model."):
+            check_spec(setup.model.spec, image_size=setup.model.image_size, device=setup.device)
     storage = open_storage(params.sweep)
-    connect_tracking(params.tracking)
+    connect_tracking(params.tracking, params.experiment)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     return setup, storage

@@ -42,9 +42,10 @@ def check_credentials(uri: str) -> None:
 EXPERIMENT_ATTEMPTS = 3
 
 
-def connect_tracking(tracking: TrackingParams) -> None:
-    """Point MLflow at the tracking store and experiment, or stop with one line naming the URI."""
-    uri = tracking.mlflow_uri
+def connect_tracking(tracking: TrackingParams, experiment: str | None = None) -> None:
+    """Point MLflow at the tracking store and ``experiment`` (tracking.experiment unless given), or stop with
+    one line naming the URI."""
+    uri, experiment = tracking.mlflow_uri, experiment or tracking.experiment
     if uri.startswith(("http://", "https://")):  # fail at once, not after MLflow's minutes of retries
         try:
             urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=10).close()
@@ -61,10 +62,10 @@ def connect_tracking(tracking: TrackingParams) -> None:
         logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # not two lines per run
     for attempt in range(EXPERIMENT_ATTEMPTS):
         try:
-            experiment = mlflow.set_experiment(tracking.experiment)
+            made = mlflow.set_experiment(experiment)
             # Again by id: when another machine created the experiment at the same moment, MLflow returns it
             # but leaves the default experiment active.
-            mlflow.set_experiment(experiment_id=experiment.experiment_id)
+            mlflow.set_experiment(experiment_id=made.experiment_id)
             # A write needing the permission runs need (EDIT): a user who may only read stops here, not in a
             # trial.
             mlflow.set_experiment_tag("last_sweep_start", time.strftime("%Y-%m-%dT%H:%M:%S"))
@@ -75,8 +76,7 @@ def connect_tracking(tracking: TrackingParams) -> None:
             # final.
             if err.get_http_status_code() in (401, 403) or attempt + 1 == EXPERIMENT_ATTEMPTS:
                 raise ParamsError(
-                    f"tracking.mlflow_uri: cannot use {uri} with experiment {tracking.experiment} "
-                    f"({first_line(err)})"
+                    f"tracking.mlflow_uri: cannot use {uri} with experiment {experiment} ({first_line(err)})"
                 ) from err
             time.sleep(0.5 + random.random())
 

@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict
 
 import mlflow
+import numpy as np
 import optuna
 import pandas as pd
 import torch
@@ -26,8 +27,8 @@ from pipeline.tracking import killed_on_interrupt
 from rcnn.detector.knobs import Knobs
 from rcnn.detector.model import BACKBONE_CHANNELS, ROI_RESOLUTION, DetectorConfig
 from rcnn.detector.roofline import head_flops
-from rcnn.detector.schema import KNOB_NAMES, TRIAL_WALL_PARTS
-from rcnn.detector.trial import TrialResult, isolated_head_ms, run_trial
+from rcnn.detector.schema import KNOB_NAMES, MEASURED_COLUMNS, TRIAL_WALL_PARTS
+from rcnn.detector.trial import TrialResult, isolated_head_ms, run_model_trial, run_trial, settings_in_turn
 from rcnn.measure.machine import achieved
 from rcnn.measure.settings import peak_dtype
 from rcnn.measure.stats import compare_paired
@@ -42,12 +43,15 @@ def matmul_peak(ceilings: dict, knobs: Knobs) -> float | None:
 def measured_columns(
     result: TrialResult,
     knobs: Knobs,
-    config: DetectorConfig,
+    config: DetectorConfig | None,
     ceilings: dict,
     isolated: tuple[float, float] = (float("nan"), float("nan")),
 ) -> dict:
     """What a trial measured, as the trials table's MEASURED_COLUMNS: timing statistics, the head's FLOPs and
-    where they sit against the peak, and the ``isolated`` head's forward and backward ms (the cross-check)."""
+    where they sit against the peak, and the ``isolated`` head's forward and backward ms (the cross-check).
+    A spec's model (``config`` None) has no box head: its head columns are NaN."""
+    if config is None:
+        return dict.fromkeys(MEASURED_COLUMNS, float("nan")) | result.row()
     forward, backward = head_flops(
         knobs.head,
         rois=result.rois,
@@ -102,13 +106,20 @@ class Sweep:
         self.reference = setup.reference  # every other head's trial steps in turn with it: their ratio
 
     def measure_in_run(
-        self, knobs: Knobs, run_name: str, tags: dict[str, str], trial: optuna.Trial | None = None
+        self,
+        knobs: Knobs,
+        run_name: str,
+        tags: dict[str, str],
+        trial: optuna.Trial | None = None,
+        profile: bool | None = None,
     ) -> tuple[TrialResult, dict, str]:
         """Measure ``knobs`` in a nested MLflow run (FAILED with the error if it raises, KILLED on the trial
         time limit or Ctrl-C) that records the knobs, the measured columns as metrics and any kernel table:
-        (result, measured columns, the run's id)."""
+        (result, measured columns, the run's id). ``profile``: whether to profile too; by default a trial at
+        a profile_at setting is, the baselines (no ``trial``) are not."""
         setting = {k: v for k, v in asdict(knobs).items() if k != "head"}
-        profile = trial is not None and setting in self.profiled  # the baselines measure drift only
+        if profile is None:
+            profile = trial is not None and setting in self.profiled  # the baselines measure drift only
         started = time.perf_counter()
         with (
             mlflow.start_run(
@@ -123,7 +134,8 @@ class Sweep:
             if trial is not None:
                 trial.set_user_attr("mlflow_run_id", run.info.run_id)
                 trial.set_user_attr("worker", self.worker)
-            mlflow.log_params(asdict(knobs) | asdict(self.config) | {"threads": torch.get_num_threads()})
+            model = asdict(self.config) if self.config else self.setup.model.describe()
+            mlflow.log_params(asdict(knobs) | model | {"threads": torch.get_num_threads()})
             try:
                 with time_limit(self.params.sweep.trial_timeout_s):
                     result, row = self.measure(knobs, profile, pair=trial is not None)
@@ -168,10 +180,14 @@ class Sweep:
             - started
             - sum(v for k, v in row.items() if k.startswith("wall_") and k != "wall_logging_s" and v == v)
         )
+        head = (
+            f", head backward {result.median('head_backward'):.1f} ms"
+            if "head_backward" in result.stats
+            else ""
+        )
         self.progress.line(
-            f"  step {result.median('step'):.0f} ms, backward {result.median('backward'):.0f} ms, head "
-            "backward "
-            f"{result.median('head_backward'):.1f} ms ({result.iterations} steps, precision "
+            f"  step {result.median('step'):.0f} ms, backward {result.median('backward'):.0f} ms{head} "
+            f"({result.iterations} steps, precision "
             f"{'n/a' if result.precision == float('inf') else format(result.precision, '.1%')})"
         )
         return result, row, run.info.run_id
@@ -180,6 +196,8 @@ class Sweep:
         """Time one configuration (kernel tables too if ``profile``; with ``pair``, a head other than the
         reference then stepped in turn with it): (result, measured columns). Writes no store."""
         with interrupts.interruptible():  # no store is written in here: Ctrl-C may stop it at once
+            if not self.setup.model.detector:
+                return self.measure_model(knobs, profile)
             result = run_trial(
                 self.config,
                 knobs,
@@ -201,6 +219,22 @@ class Sweep:
         return result, measured_columns(result, knobs, self.config, self.ceilings, isolated) | {
             "wall_cross_check_s": cross_check_s
         }
+
+    def measure_model(self, knobs: Knobs, profile: bool) -> tuple[TrialResult, dict]:
+        """Time one setting of a spec's model (its by-module table too if ``profile``)."""
+        model = self.setup.model
+        result = run_model_trial(
+            model.spec,
+            knobs,
+            image_size=model.image_size,
+            device=self.device,
+            policy=self.policy,
+            seed=self.params.sweep.seed,
+            profile_steps=self.params.sweep.profile_steps if profile else 0,
+            peak_tflops=matmul_peak(self.ceilings, knobs),
+            frames=model.frames,
+        )
+        return result, measured_columns(result, knobs, None, self.ceilings) | {"wall_cross_check_s": 0.0}
 
     def objective(self, trial: optuna.Trial) -> float:
         """Measure the trial's knobs and record the row on it; the error is recorded on the trial if it
@@ -275,7 +309,75 @@ class Sweep:
             return None
         return {
             "step_ms": result.median("step"),
-            "head_backward_ms": result.median("head_backward"),
+            "head_backward_ms": result.median("head_backward") if "head_backward" in result.stats else None,
             "mlflow_run_id": run_id,
             "wall_s": {part: row[f"wall_{part}_s"] for part in TRIAL_WALL_PARTS},
         }
+
+    def versus_defaults(self, fastest: dict, defaults: dict) -> dict:
+        """A spec's model: its fastest setting per sample and PyTorch's defaults (two grid points) built side
+        by side and stepped in turn (rcnn.detector.trial.settings_in_turn), in an MLflow run of its own that
+        records the per-sample speed-up; then the fastest profiled, for its by-module table, unless a
+        profile_at setting already was. Returns what the summary reads: the two points, the in-turn times
+        (or the error that stopped them) and the fastest's by-module rows."""
+        model = self.setup.model
+        out: dict = {"fastest": fastest, "defaults": defaults}
+        self.progress.line(f"fastest per sample {fastest} and the defaults {defaults}, stepped in turn")
+        with (
+            mlflow.start_run(
+                run_name="fastest-vs-defaults",
+                nested=True,
+                parent_run_id=self.parent_run_id,
+                tags=self.tags | {"role": "fastest-vs-defaults", "worker": self.worker},
+            ),
+            killed_on_interrupt(),
+        ):
+            mlflow.log_params({f"fastest.{k}": v for k, v in fastest.items()})
+            try:
+                with time_limit(self.params.sweep.trial_timeout_s), interrupts.interruptible():
+                    out["in_turn"] = settings_in_turn(
+                        model.spec,
+                        {"fastest": Knobs(**fastest), "defaults": Knobs(**defaults)},
+                        image_size=model.image_size,
+                        device=self.device,
+                        policy=self.policy,
+                        seed=self.params.sweep.seed,
+                        frames=model.frames,
+                    )
+            except Exception as err:  # the two trials' own steps still compare them
+                out["error"] = first_line(err)
+                mlflow.set_tag("error", out["error"])
+                self.progress.line(f"  stepped in turn: failed, {out['error']}")
+            else:
+                fast, base = (
+                    np.asarray(out["in_turn"][k]["step"], dtype=float) / p["batch_size"]
+                    for k, p in (("fastest", fastest), ("defaults", defaults))
+                )
+                c = compare_paired(base, fast, seed=self.params.sweep.seed)
+                mlflow.log_metrics(
+                    {
+                        k: v
+                        for k, v in (
+                            ("speedup", c.ratio),
+                            ("ci_low", c.ci_low),
+                            ("ci_high", c.ci_high),
+                            ("rounds", float(len(fast))),
+                        )
+                        if v == v
+                    }
+                )
+                self.progress.line(
+                    f"  per sample, the defaults over the fastest: {c.ratio:.2f}x "
+                    f"[{c.ci_low:.2f}, {c.ci_high:.2f}]"
+                )
+        if {
+            k: v for k, v in fastest.items() if k != "head"
+        } not in self.profiled and self.params.sweep.profile_steps:
+            try:
+                result, _, _ = self.measure_in_run(
+                    Knobs(**fastest), "fastest-profiled", {"role": "fastest-profiled"}, profile=True
+                )
+                out["modules"] = result.modules
+            except Exception as err:
+                self.progress.line(f"  profiling the fastest failed: {first_line(err)}")
+        return out

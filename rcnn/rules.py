@@ -53,8 +53,9 @@ class Rule:
         if self.choices is not None and value not in self.choices:
             if self.other and isinstance(value, str) and re.fullmatch(self.other[0], value):
                 return None
-            also = f", or {self.other[1]}" if self.other else ""
-            return f"{value!r} is not allowed; allowed: {', '.join(map(str, self.choices))}{also}"
+            listed = ", ".join(map(str, self.choices))
+            also = self.other[1] if self.other else ""
+            return f"{value!r} is not allowed; allowed: {listed}{', or ' if listed and also else ''}{also}"
         if self.minimum is not None and value < self.minimum:
             return f"{value!r} is too small; allowed: >= {self.minimum}"
         if self.multiple_of and value % self.multiple_of:

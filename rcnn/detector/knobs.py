@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rcnn.detector.schema import DEVICE_KNOBS, KNOBS, Knob
+from rcnn.detector.schema import DEVICE_KNOBS, KNOBS, MODEL_COMPILE_TARGETS, Knob
 from rcnn.measure.device import amp_unavailable, compile_forward, compile_unavailable, tf32
 from rcnn.rules import ValueNotAllowed
 
@@ -88,6 +88,28 @@ def applicable_space(space: dict[str, list], device: torch.device) -> tuple[dict
             raise ValueNotAllowed(knob, f"no value applies on {device.type} ({why})")
         skipped += [Skipped(knob, v, r) for v, r in reasons.items() if r]
     return grid, skipped
+
+
+def model_space(
+    space: dict[str, list], device: torch.device, spec: str
+) -> tuple[dict[str, list], list[Skipped]]:
+    """A spec's model's space (applicable_space, less what needs the detector): no head knob (pinned to
+    [None]), and no compile of the box head, which the model has not."""
+    space = {k: v for k, v in space.items() if k != "head"}
+    kept = [v for v in space["compile"] if v in MODEL_COMPILE_TARGETS]
+    if not kept:
+        raise ValueNotAllowed(
+            "compile",
+            f"{space['compile']} compile the detector's box head only; allowed for {spec}: "
+            f"{', '.join(MODEL_COMPILE_TARGETS)}",
+        )
+    left_out = [
+        Skipped("compile", v, f"compiles the detector's box head; {spec} has none")
+        for v in space["compile"]
+        if v not in kept
+    ]
+    grid, skipped = applicable_space(space | {"compile": kept}, device)
+    return {"head": [None], **grid}, left_out + skipped
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from rcnn.rules import Rule, UserError
 HEAD_NAMES = ("linear", "conv", "conv_as_linear")
 # torch.compile of nothing, of the box head and predictor, or of the whole detector.
 COMPILE_TARGETS = ("off", "head", "model")
+MODEL_COMPILE_TARGETS = ("off", "model")  # those of any other model: it has no box head
 
 # A user's head: a factory the detector calls with in_channels, resolution, representation_size, num_classes.
 FACTORY = (r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", "package.module:factory")
@@ -213,7 +214,18 @@ SWEEP_WALL_PARTS = (*TRIAL_WALL_PARTS, "failed", "other")  # other: setup, Optun
 WALL_COLUMNS = tuple(f"wall_{part}_s" for part in TRIAL_WALL_PARTS)
 
 # --- The result tables. The sweep writes exactly these columns; the report reads nothing else.
-SETUP_COLUMNS = ("trial", "status", "device", "backbone", "image_size", "rois_per_image", *KNOB_NAMES)
+# model: DETECTOR, this project's detector (its backbone and RoIs), or the spec of any other model (no head)
+DETECTOR = "detector"
+SETUP_COLUMNS = (
+    "trial",
+    "status",
+    "device",
+    "model",
+    "backbone",
+    "image_size",
+    "rois_per_image",
+    *KNOB_NAMES,
+)
 MEASURED_COLUMNS = (
     *(pattern.format(phase) for phase in PHASES for pattern in STAT_COLUMNS.values()),
     "peak_mem_mb",

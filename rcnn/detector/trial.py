@@ -43,6 +43,7 @@ from rcnn.detector.schema import (
     KNOB,
     KNOB_NAMES,
     KNOBS,
+    MODEL_COMPILE_TARGETS,
     NUM_IMAGES,
     OTHER_KNOBS,
     PHASES,
@@ -52,10 +53,10 @@ from rcnn.detector.schema import (
     WATCHED,
     setting_label,
 )
-from rcnn.doctor import workloads
+from rcnn.doctor import specs
 from rcnn.doctor.attribution import ModuleTimer
 from rcnn.doctor.diagnosis import diagnose
-from rcnn.doctor.workloads import Loss, Workload, build_workload, detection_loss
+from rcnn.doctor.workloads import Loss, ModelError, Workload, build_workload, detection_loss
 from rcnn.fix import linearize_with
 from rcnn.measure.batch import MEMORY_LIMIT_MB, BatchSearch, batches_below, largest_batch
 from rcnn.measure.clock import BACKWARD_RANGE, Clock, ModuleSpanProbe, PeakMemory, Stopwatch
@@ -218,7 +219,7 @@ class ModelTrainer:
     """
 
     phases: tuple[str, ...] = STEP_PHASES
-    compile_targets: tuple[str, ...] = ("off", "model")  # the detector adds its box head
+    compile_targets: tuple[str, ...] = MODEL_COMPILE_TARGETS  # the detector adds its box head
 
     def __init__(
         self,
@@ -388,7 +389,7 @@ def run_trial(
 
 
 def model_trainer(
-    spec: str, knobs: Knobs, *, image_size: int, device: torch.device, seed: int = 0
+    spec: str, knobs: Knobs, *, image_size: int, device: torch.device, seed: int = 0, frames: int = 8
 ) -> ModelTrainer:
     """A ModelTrainer of the model a spec names (rcnn.doctor.workloads.build_workload), its synthetic batch of
     ``knobs.batch_size`` at ``image_size``, channels-last as the knob says."""
@@ -399,11 +400,21 @@ def model_trainer(
             batch_size=knobs.batch_size,
             image_size=image_size,
             device=device,
+            frames=frames,
             channels_last=bool(knobs.channels_last),
         )
         return made.model, [made.batch], made.loss
 
     return ModelTrainer(spec, knobs, build, device=device, seed=seed)
+
+
+def check_spec(spec: str, *, image_size: int, device: torch.device) -> None:
+    """Build the model a spec names once, at batch 1, so that a spec naming nothing usable is one line
+    (a ValueNotAllowed keyed 'spec') before any trial runs."""
+    try:
+        build_workload(spec, batch_size=1, image_size=image_size, device=device)
+    except ModelError as err:
+        raise ValueNotAllowed("spec", err.problem) from err
 
 
 def run_model_trial(
@@ -416,6 +427,7 @@ def run_model_trial(
     seed: int = 0,
     profile_steps: int = 0,
     peak_tflops: float | None = None,
+    frames: int = 8,
 ) -> TrialResult:
     """One trial (``measure_trial``) of any model the doctor takes (rcnn.doctor.workloads.build_workload:
     ``torchvision:<builder>``, ``timm:<name>``, ``hf:<model_type>``, ``package.module:factory``, ...), on its
@@ -426,7 +438,7 @@ def run_model_trial(
     apply on ``device`` (knob compile ``head``: the detector's box head)."""
 
     return measure_trial(
-        lambda: model_trainer(spec, knobs, image_size=image_size, device=device, seed=seed),
+        lambda: model_trainer(spec, knobs, image_size=image_size, device=device, seed=seed, frames=frames),
         knobs,
         device=device,
         policy=policy,
@@ -759,6 +771,44 @@ def batch_sizes_in_turn(
         return in_turn(steps, policy, watched=MODEL_WATCHED, seed=seed)
 
 
+def settings_in_turn(
+    spec: str,
+    settings: Mapping[K, Knobs],
+    *,
+    image_size: int,
+    device: torch.device,
+    policy: TimingPolicy,
+    seed: int = 0,
+    frames: int = 8,
+) -> dict[K, dict[str, list[float]]]:
+    """The model a spec names at each knob setting, built side by side and stepped in turn, a fresh order each
+    round, each built and stepped under its own backend flags (oneDNN, cuDNN, TF32), until ``policy`` says
+    stop: setting -> phase -> one time per round (ms). What two settings' ratio is read from: the machine's
+    load and drift hit both alike."""
+    trainers: dict[K, ModelTrainer] = {}
+
+    def under_flags(trainer: ModelTrainer) -> Callable[[], dict[str, float]]:
+        stepper = trainer.stepper()
+
+        def step() -> dict[str, float]:
+            with backend_flags(trainer.knobs):
+                return stepper()
+
+        return step
+
+    try:
+        for name, knobs in settings.items():
+            with backend_flags(knobs):
+                trainers[name] = model_trainer(
+                    spec, knobs, image_size=image_size, device=device, seed=seed, frames=frames
+                )
+        steps = {name: under_flags(trainer) for name, trainer in trainers.items()}
+        return in_turn(steps, policy, watched=MODEL_WATCHED, seed=seed)
+    finally:
+        for trainer in trainers.values():
+            trainer.close()
+
+
 def per_sample_table(times: Mapping[int, Mapping[str, Sequence[float]]], *, seed: int = 0) -> pd.DataFrame:
     """Batch sizes stepped in turn (``batch_sizes_in_turn``) per sample, fastest first: each one's step and
     step per sample medians with the latter's 95% CI, and its per-sample time over the fastest's, paired over
@@ -858,7 +908,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--image-size",
-        type=workloads.IMAGE_SIZE.arg(int),
+        type=specs.IMAGE_SIZE.arg(int),
         help=f"square input size in pixels (default: {DETECTOR_DEFAULTS['image_size']}; with --model, "
         f"{MODEL_IMAGE_SIZE}); the detector's: at least 64, a multiple of 32",
     )
@@ -911,7 +961,7 @@ DETECTOR_DEFAULTS = {
     "data": None,
     "num_images": 8,
 }
-MODEL_IMAGE_SIZE = 224  # --model's image size unless given (the doctor's)
+MODEL_IMAGE_SIZE = specs.DEFAULT_IMAGE_SIZE  # --model's image size unless given (the doctor's)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -939,7 +989,7 @@ def check_model_options(parser: argparse.ArgumentParser, args: argparse.Namespac
                 f"{flags}: the detector's, not --model's; allowed with --model: the knob flags, "
                 "--image-size, --device and the timing options"
             )
-        image_size, rule = MODEL_IMAGE_SIZE, workloads.IMAGE_SIZE
+        image_size, rule = MODEL_IMAGE_SIZE, specs.IMAGE_SIZE
     else:
         for key, default in DETECTOR_DEFAULTS.items():
             if getattr(args, key) is None:

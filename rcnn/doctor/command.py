@@ -34,7 +34,8 @@ from pathlib import Path
 from rcnn.cli import Parser, run_command
 from rcnn.doctor.diagnosis import Diagnosis, Fixed, diagnose, fix
 from rcnn.doctor.files import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
-from rcnn.doctor.workloads import IMAGE_SIZE, build_workload
+from rcnn.doctor.specs import DEFAULT_IMAGE_SIZE, IMAGE_SIZE
+from rcnn.doctor.workloads import build_workload
 from rcnn.measure.device import DTYPES, amp_unavailable, resolve_device, set_tf32
 from rcnn.measure.machine import copy_peak, fingerprint, matmul_paths
 from rcnn.measure.options import add_timing_options, check_timing_options, timing_policy
@@ -65,7 +66,12 @@ def _parser() -> argparse.ArgumentParser:
         "'hf:bert?num_hidden_layers=2') or package.module:factory",
     )
     p.add_argument("--batch-size", type=BATCH_SIZE.arg(int), default=2, help="images (or clips) per step")
-    p.add_argument("--image-size", type=IMAGE_SIZE.arg(int), default=224, help="square input size in pixels")
+    p.add_argument(
+        "--image-size",
+        type=IMAGE_SIZE.arg(int),
+        default=DEFAULT_IMAGE_SIZE,
+        help="square input size in pixels",
+    )
     p.add_argument("--frames", type=FRAMES.arg(int), default=8, help="frames per clip, for video models")
     p.add_argument("--amp", type=AMP.arg(), metavar=AMP.metavar, default="off", help="autocast dtype")
     p.add_argument("--channels-last", action="store_true", help="model and images in NHWC")

@@ -37,10 +37,8 @@ from torch import nn
 
 from rcnn.factory import call_factory, import_factory
 from rcnn.measure.inputs import describe_batch
-from rcnn.rules import Rule, ValueNotAllowed, first_line
+from rcnn.rules import ValueNotAllowed, first_line
 
-# A spec's square image size in pixels; a zoo may ask more (the detector's FPN: a multiple of 32, at least 64)
-IMAGE_SIZE = Rule(minimum=16)
 NUM_CLASSES = 4  # object classes of the synthetic detection targets, background excluded
 # Model zoos named by the spec's prefix, each a builder ``(name, batch_size=, image_size=, device=, **options)
 # -> (model, batch, loss)`` imported when a spec names it: a zoo may import the doctor, never the reverse.

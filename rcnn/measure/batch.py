@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rcnn.rules import Rule, ValueNotAllowed, first_line
+from rcnn.measure.settings import MEMORY_LIMIT_MB  # noqa: F401  (rcnn.bench's flag checks it here)
+from rcnn.rules import ValueNotAllowed, first_line
 
-MEMORY_LIMIT_MB = Rule(minimum=1)
 MOST = 4096  # the search's largest batch: past it, a model's step is no longer what a batch size tunes
 
 

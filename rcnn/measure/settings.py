@@ -19,6 +19,9 @@ AMP_DTYPES = {
     "bf16": "bf16",
 }
 AMP = Rule(choices=AMP_DTYPES)
+# A batch size search's memory limit (rcnn.measure.batch), MiB
+MEMORY_LIMIT_MB = Rule(minimum=1)
+AUTO = "auto"  # a batch size to find (the largest that fits, and a few below it), not given
 
 
 def peak_dtype(amp: str, tf32: object) -> str:

@@ -107,6 +107,20 @@ CASES = [  # id, params override, what is done to the files, what the one line m
     ),
     ("zero-rois", {"model": {"rois_per_image": 0}}, None, "model.rois_per_image: 0 is too small"),
     (
+        "not-a-spec",
+        {"model": {"spec": "resnet18"}},
+        None,
+        "model.spec: 'resnet18' is not allowed; allowed: a model spec: detector:<head>",
+    ),
+    ("tiny-model-images", {"model": {"image_size": 8}}, None, "model.image_size: 8 is too small; allowed: >= 16"),
+    ("zero-frames", {"model": {"frames": 0}}, None, "model.frames: 0 is too small; allowed: >= 1"),
+    (
+        "zero-memory-limit",
+        {"sweep": {"memory_limit_mb": 0}},
+        None,
+        "sweep.memory_limit_mb: 0.0 is too small; allowed: >= 1",
+    ),
+    (
         "unknown-backbone",
         {"model": {"backbone": "vgg16"}},
         None,

@@ -214,6 +214,7 @@ def test_trial_row_refuses_a_misspelt_or_missing_column():
         "trial": 0,
         "status": "failed",
         "device": "cpu",
+        "model": "detector",
         "backbone": "resnet18_fpn",
         "image_size": 256,
         "rois_per_image": 128,

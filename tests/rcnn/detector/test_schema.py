@@ -56,7 +56,7 @@ def test_the_declarations_are_consistent():
             assert all(knob.rule.problem(v) is None for v in knob.space)
         if knob.device:
             assert knob.kind is bool and knob.backend and knob.baseline is not None
-    assert TRIAL_COLUMNS[6 : 6 + len(KNOBS)] == tuple(KNOB)  # the setup columns, then the knobs in order
+    assert TRIAL_COLUMNS[7 : 7 + len(KNOBS)] == tuple(KNOB)  # the setup columns, then the knobs in order
 
 
 def test_a_setting_label_says_each_applicable_knob():

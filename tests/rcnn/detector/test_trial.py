@@ -19,7 +19,6 @@ from rcnn.detector.trial import (
     find_batch_size,
     isolated_head_ms,
     main,
-    model_peak_mb,
     per_sample_table,
     run_model_trial,
     run_trial,
@@ -31,6 +30,7 @@ from rcnn.measure.step import STEP_PHASES
 from rcnn.rules import ValueNotAllowed
 from tests import launcher
 from tests.conftest import ROOT, TINY_CONFIG
+from tests.fixtures.models import HUNGRY, hungry_limit
 
 CPU = torch.device("cpu")
 DEVICES = [pytest.param(CPU, id="cpu"), pytest.param(torch.device("cuda"), id="cuda", marks=pytest.mark.gpu)]
@@ -597,8 +597,11 @@ def test_any_models_trial_times_its_steps_under_the_knobs(monkeypatch):
 
     monkeypatch.setattr(bench, "build_workload", recording)
     knobs = knobs_for(CPU, batch_size=3, channels_last=True, linearize=True)
-    result = run_model_trial(USERS_MODEL, knobs, image_size=32, device=CPU, policy=QUICK, profile_steps=1)
-    assert built == [(USERS_MODEL, {"batch_size": 3, "image_size": 32, "device": CPU, "channels_last": True})]
+    result = run_model_trial(
+        USERS_MODEL, knobs, image_size=32, device=CPU, policy=QUICK, profile_steps=1, frames=4
+    )
+    sizes = {"batch_size": 3, "image_size": 32, "device": CPU, "frames": 4, "channels_last": True}
+    assert built == [(USERS_MODEL, sizes)]
     assert set(result.samples) == set(STEP_PHASES) and result.iterations == 2
     for i, step in enumerate(result.samples["step"]):
         parts = sum(result.samples[p][i] for p in ("forward", "backward", "optimizer"))
@@ -633,21 +636,6 @@ def test_cli_refuses_a_model_spec_that_names_nothing_with_one_line(capsys):
     assert (
         err.startswith("error: --model: 'resnet18' is not a model spec; allowed: ") and err.count("\n") == 1
     )
-
-
-HUNGRY = "tests.fixtures.models:memory_hungry"  # its step's peak memory grows by hundreds of MiB a sample
-
-
-def hungry_limit(samples: float) -> float:
-    """A memory limit (MiB) that ``samples`` of MemoryHungry's steps reach, measured in this process."""
-    knobs = knobs_for(CPU)
-    # From batch 2 on, the peak grows by the same step (at 1, a (1, N) tensor's reductions take other paths).
-    two, four = (
-        model_peak_mb(HUNGRY, replace(knobs, batch_size=size), image_size=16, device=CPU) for size in (2, 4)
-    )
-    per_sample = (four - two) / 2
-    assert per_sample > 100  # 64 MiB a sample, held more than once
-    return two + (samples - 2) * per_sample
 
 
 @pytest.mark.slow  # the model built and stepped at each batch size tried: seconds
