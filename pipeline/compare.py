@@ -2,7 +2,9 @@
 
 ``python -m pipeline.compare results reports/h200 --out reports/compare`` reads from each folder the
 trials table, summary.json and env.json (the sweep's and env stage's outputs), and writes compare.md with
-the headline ratios per machine, per-head medians with their ratio to the first folder, and a figure.
+the headline ratios per machine, per-head medians with their ratio to the first folder, and a figure. A
+folder of a spec's model (``reports/timm-resnet18/tables``) shows its model, its fastest setting per sample
+and that setting against PyTorch's defaults; its head rows read n/a.
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ from pipeline.common import read_json
 from pipeline.report import ratio_text
 from pipeline.results import complete, fastest, headline_scope, read_env, read_table, scope_text
 from rcnn.cli import Parser, run_command
-from rcnn.detector.schema import KNOB_NAMES
+from rcnn.detector.schema import DETECTOR, KNOB_NAMES
 from rcnn.outputs import CSV, PNG, check_folder, check_writable, project_root, text_start, write_atomic
 from rcnn.rules import UserError
 
 PHASE_COLUMNS = ["forward_ms", "backward_ms", "step_ms", "head_backward_ms"]  # the per-head medians compared
 NEEDED = ("status", *KNOB_NAMES, *PHASE_COLUMNS)
-TITLE = "# RoI-head backward across machines"
+TITLE = "# RoI-head backward across machines"  # and across models: a spec's model shows its own rows
 WRITTEN = {
     "compare.md": text_start("the comparison", TITLE),
     "head_backward_by_machine.csv": CSV,
@@ -55,6 +57,15 @@ def per_head(trials: pd.DataFrame) -> pd.DataFrame:
     return medians.reindex(head_order(medians.index))
 
 
+def speedup_text(against: dict | None) -> str:
+    """A spec's model: the defaults' time per sample over the fastest setting's, with its CI and how it was
+    read (pipeline.results.versus_defaults); 'n/a' for the detector or where there is none."""
+    if not against:
+        return "n/a"
+    how = f"in turn, {against['rounds']} rounds" if against.get("rounds") else "two trials"
+    return f"{against['speedup']:.2f}x [{against['ci_low']:.2f}, {against['ci_high']:.2f}] ({how})"
+
+
 def compare(folders: list[Path], out: Path) -> str:
     runs = []
     for folder in folders:
@@ -66,9 +77,11 @@ def compare(folders: list[Path], out: Path) -> str:
     headline = pd.DataFrame(
         {
             name: {
+                "model": s.get("model", DETECTOR),  # older summaries: the detector's
                 "trials complete": f"{s.get('complete')} of {s.get('trials')}",
                 **{k.replace("_over_", " / ").replace("_", " "): ratio_text(s, k) for k in HEADLINES},
                 "fastest (ms per image)": round((fastest(trials) or {}).get("ms_per_image", float("nan")), 1),
+                "fastest / PyTorch's defaults, per sample": speedup_text(s.get("versus_defaults")),
             }
             for name, trials, s in runs
         }

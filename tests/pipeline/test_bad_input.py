@@ -112,7 +112,12 @@ CASES = [  # id, params override, what is done to the files, what the one line m
         None,
         "model.spec: 'resnet18' is not allowed; allowed: a model spec: detector:<head>",
     ),
-    ("tiny-model-images", {"model": {"image_size": 8}}, None, "model.image_size: 8 is too small; allowed: >= 16"),
+    (
+        "tiny-model-images",
+        {"model": {"image_size": 8}},
+        None,
+        "model.image_size: 8 is too small; allowed: >= 16",
+    ),
     ("zero-frames", {"model": {"frames": 0}}, None, "model.frames: 0 is too small; allowed: >= 1"),
     (
         "zero-memory-limit",

@@ -8,7 +8,7 @@ import mlflow
 import pytest
 import yaml
 
-from pipeline import env, report, sweep
+from pipeline import compare, env, report, sweep
 from pipeline.env import model_code
 from pipeline.params import SpaceParams, parse_params
 from pipeline.results import read_trials
@@ -56,7 +56,9 @@ def report_args(tmp_path):
 
 
 @pytest.mark.slow  # four trials, the two fastest stepped in turn, a report
-def test_a_factory_model_is_swept_and_reported_in_its_own_folder_and_experiment(tmp_path, tiny_params):
+def test_a_factory_model_is_swept_and_reported_in_its_own_folder_and_experiment(
+    tmp_path, tiny_params, monkeypatch
+):
     params = model_params(FACTORY, {"compile": ["off", "head"]})
     args = prepare(tmp_path, with_model(tiny_params, FACTORY), params)
     assert sweep.main(args) == 0
@@ -91,6 +93,15 @@ def test_a_factory_model_is_swept_and_reported_in_its_own_folder_and_experiment(
     assert "At oneDNN on, amp off, NCHW, bs 2: the top 8 modules" in text  # the profiled defaults
     assert (folder / "report.html").exists() and (folder / "figures" / "per_sample.png").exists()
     assert not (tmp_path / "reports" / "report.md").exists()  # the detector's report is not written
+
+    # Across models: this model's tables beside the detector's reference ones.
+    monkeypatch.chdir(tmp_path)  # the project: compare writes inside it
+    assert compare.main([str(folder / "tables"), str(ROOT / "reports" / "tables"), "--out", "compare"]) == 0
+    text = (tmp_path / "compare" / "compare.md").read_text()
+    model_row = next(line for line in text.splitlines() if line.startswith("| model "))
+    assert FACTORY in model_row and "detector" in model_row
+    speedup_row = next(line for line in text.splitlines() if "PyTorch's defaults, per sample" in line)
+    assert (against is None) == (speedup_row.count("n/a") == 2)
 
 
 def test_the_factory_module_is_what_the_sweep_depends_on(tmp_path, monkeypatch):

@@ -208,3 +208,33 @@ def test_the_password_check_comes_before_every_other(tmp_path):
 def test_urls_without_a_password_are_kept(key, value):
     section, name = key.split(".")
     assert getattr(getattr(parse_params({section: {name: value}}), section), name) == value
+
+
+@pytest.mark.parametrize("preset", sorted((ROOT / "presets").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_preset_is_a_valid_params_file(preset):
+    params = load_params(preset)
+    if preset.name.startswith("model-"):  # the sweeps for a spec's model: one of each kind of spec
+        assert params.model.spec.partition(":")[0] in ("torchvision", "timm", "hf")
+
+
+def test_a_model_spec_is_short_for_its_mapping_and_names_its_experiment():
+    default = parse_params({})
+    assert (
+        default.model.detector
+        and default.model.image_size == 256
+        and default.experiment == "roi-head-backward"
+    )
+    short = parse_params({"model": "timm:resnet18"})
+    assert short.model == parse_params({"model": {"spec": "timm:resnet18"}}).model
+    assert not short.model.detector and short.model.image_size == 224 and short.model.name == "timm-resnet18"
+    assert short.experiment == "timm-resnet18" and short.model.describe() == {
+        "spec": "timm:resnet18", "image_size": 224, "frames": 8
+    }  # fmt: skip
+    sized = parse_params({"model": {"spec": "hf:bert?num_hidden_layers=2", "image_size": 32, "frames": 4}})
+    assert sized.model.image_size == 32 and sized.model.name == "hf-bert-num_hidden_layers-2"
+    auto = parse_params({"model": "timm:resnet18", "sweep": {"space": {"batch_size": "auto"}}})
+    assert auto.sweep.find_batch_sizes and auto.sweep.memory_limit_mb is None
+    with pytest.raises(ParamsError, match="^model.frames: applies to a spec's video model only"):
+        parse_params({"model": {"frames": 4}})
+    with pytest.raises(ParamsError, match="^model: expected a mapping .* or a model spec, got 3"):
+        parse_params({"model": 3})
