@@ -38,6 +38,7 @@ SHOWN = [
     "swapped",
     "error",
 ]
+ROLES = {"defaults": "PyTorch's defaults", "fastest": "the fastest per sample"}
 MODULES_SHOWN = ["module", "type", "backward_ms", "backward_share", "backward_gflop", "peak_fraction", "flag"]
 
 
@@ -171,16 +172,20 @@ def failed_lines(trials: pd.DataFrame) -> list[str]:
     ] or ["- none"]
 
 
-def module_lines(modules: pd.DataFrame, top: int = 8) -> list[str]:
-    """Per profiled setting: the modules with the most backward time of their own (rcnn.doctor)."""
+def module_lines(modules: pd.DataFrame, summary: dict, top: int = 8) -> list[str]:
+    """Per profiled setting (PyTorch's defaults and the fastest among them): the modules with the most
+    backward time of their own (rcnn.doctor)."""
     if modules.empty:
         return ["No by-module table (sweep.profile_steps: 0, or the profiled setting did not run).", ""]
+    against = summary.get("versus_defaults") or {}
+    roles = {setting_label(against[r]): words for r, words in ROLES.items() if r in against}
     out = []
     labels = modules.apply(setting_label, axis=1)
     for label, group in modules.groupby(labels, sort=False):
         own = group[group["module"] != OUTSIDE]
+        role = f" ({roles[label]})" if label in roles else ""
         out += [
-            f"At {label}: the top {top} modules by backward time of their own, per step "
+            f"At {label}{role}: the top {top} modules by backward time of their own, per step "
             "(`python -m rcnn.doctor` gives the whole table and page).",
             "",
             own.nlargest(top, "backward_ms")
@@ -229,7 +234,7 @@ def render(spec: str, trials: pd.DataFrame, modules: pd.DataFrame, summary: dict
             "",
             "## Where the time goes",
             "",
-            *module_lines(modules),
+            *module_lines(modules, summary),
             "## Environment and reproduction",
             "",
             context["drift"],

@@ -179,12 +179,13 @@ def collect_tables(params: Params, setup: Setup, study: optuna.Study, parent_run
         samples = {t.number: t.user_attrs.get("samples") for t in finished}
         record = study.user_attrs.get("versus_defaults")
         summary["versus_defaults"] = versus_defaults(trials, samples, seed=params.sweep.seed, in_turn=record)
-        if record and record.get("modules"):  # the fastest's, where no profile_at setting was it
-            fastest = knob_values(study.trials[record["fastest_trial"]])
-            extra = pd.DataFrame(
-                [{"trial": record["fastest_trial"], **fastest, **row} for row in record["modules"]]
-            )
-            modules = pd.concat([modules, extra.reindex(columns=modules.columns)], ignore_index=True)
+        for role in ("fastest", "defaults"):  # profiled after the grid, where no profile_at setting was it
+            if rows := (record or {}).get(f"{role}_modules"):
+                trial = record[f"{role}_trial"]
+                extra = pd.DataFrame(
+                    [{"trial": trial, **knob_values(study.trials[trial]), **row} for row in rows]
+                )
+                modules = pd.concat([modules, extra.reindex(columns=modules.columns)], ignore_index=True)
     return Tables(
         trials=trials,
         comparisons=comparisons,

@@ -317,9 +317,9 @@ class Sweep:
     def versus_defaults(self, fastest: dict, defaults: dict) -> dict:
         """A spec's model: its fastest setting per sample and PyTorch's defaults (two grid points) built side
         by side and stepped in turn (rcnn.detector.trial.settings_in_turn), in an MLflow run of its own that
-        records the per-sample speed-up; then the fastest profiled, for its by-module table, unless a
-        profile_at setting already was. Returns what the summary reads: the two points, the in-turn times
-        (or the error that stopped them) and the fastest's by-module rows."""
+        records the per-sample speed-up; then each profiled, for its by-module table, unless a profile_at
+        setting already was. Returns what the summary reads: the two points, the in-turn times (or the error
+        that stopped them) and each one's by-module rows profiled here."""
         model = self.setup.model
         out: dict = {"fastest": fastest, "defaults": defaults}
         self.progress.line(f"fastest per sample {fastest} and the defaults {defaults}, stepped in turn")
@@ -370,14 +370,15 @@ class Sweep:
                     f"  per sample, the defaults over the fastest: {c.ratio:.2f}x "
                     f"[{c.ci_low:.2f}, {c.ci_high:.2f}]"
                 )
-        if {
-            k: v for k, v in fastest.items() if k != "head"
-        } not in self.profiled and self.params.sweep.profile_steps:
+        for role, point in (("fastest", fastest), ("defaults", defaults)):
+            setting = {k: v for k, v in point.items() if k != "head"}
+            if not self.params.sweep.profile_steps or setting in self.profiled:
+                continue
             try:
                 result, _, _ = self.measure_in_run(
-                    Knobs(**fastest), "fastest-profiled", {"role": "fastest-profiled"}, profile=True
+                    Knobs(**point), f"{role}-profiled", {"role": f"{role}-profiled"}, profile=True
                 )
-                out["modules"] = result.modules
+                out[f"{role}_modules"] = result.modules
             except Exception as err:
-                self.progress.line(f"  profiling the fastest failed: {first_line(err)}")
+                self.progress.line(f"  profiling the {role} setting failed: {first_line(err)}")
         return out
