@@ -12,10 +12,11 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from pipeline.analysis import knob_effects
-from pipeline.results import at_defaults, complete, ms_per_image
-from rcnn.detector.schema import OTHER_KNOBS, setting_label
+from pipeline.results import at_defaults, complete, fastest_and_defaults, ms_per_image
+from rcnn.detector.schema import DETECTOR, OTHER_KNOBS, setting_label
 from rcnn.doctor.columns import OUTSIDE
 from rcnn.doctor.specs import spec_slug
+from rcnn.measure.cores import CONTENDED_BELOW
 from rcnn.outputs import CSV, PNG, Kind, text_start, write_atomic
 
 TITLE = "# Which knob setting trains"
@@ -44,7 +45,7 @@ MODULES_SHOWN = ["module", "type", "backward_ms", "backward_share", "backward_gf
 
 def model_of(trials: pd.DataFrame) -> str | None:
     """The spec the trials table's model column names, or None for the detector (older tables: NaN)."""
-    models = {str(m) for m in trials["model"].dropna()} - {"detector"}
+    models = {str(m) for m in trials["model"].dropna()} - {DETECTOR}
     if len(models) > 1:
         raise ValueError(f"a trials table of one sweep holds one model, not {sorted(models)}")
     return models.pop() if models else None
@@ -135,10 +136,20 @@ def verdict(trials: pd.DataFrame, summary: dict) -> list[str]:
         else:
             said = f"**no faster than {defaults} within the 95% CI**: {ratio} per sample"
         lines.append(f"- {said}; {how}.")
-    elif not at_defaults(done).empty:
+        if (share := against.get("core_share")) is not None and share < CONTENDED_BELOW:
+            lines.append(
+                f"- **caution**: the rounds in turn had {share:.0%} of their CPU cores (under "
+                f"{CONTENDED_BELOW:.0%}: another process shared the machine); measure again on a quiet "
+                "machine before quoting the speed-up."
+            )
+    elif at_defaults(done).empty:
+        lines.append("- PyTorch's defaults did not complete (or were not swept): no speed-up against them.")
+    elif fastest_and_defaults(done) is None:
         lines.append("- PyTorch's defaults are the fastest setting swept: no knob made it faster.")
     else:
-        lines.append("- PyTorch's defaults did not complete (or were not swept): no speed-up against them.")
+        lines.append(
+            "- The fastest setting was not compared with PyTorch's defaults: their steps were not kept."
+        )
     return lines
 
 
@@ -195,7 +206,32 @@ def module_lines(modules: pd.DataFrame, summary: dict, top: int = 8) -> list[str
             .to_markdown(index=False),
             "",
         ]
-    return out
+    return out + module_change_lines(modules, labels, against, top)
+
+
+def module_change_lines(modules: pd.DataFrame, labels: pd.Series, against: dict, top: int) -> list[str]:
+    """The modules' own backward per sample at PyTorch's defaults and at the fastest setting, side by side:
+    which got faster and which did not (both profiled; none otherwise)."""
+    if not {"fastest", "defaults"} <= set(against):
+        return []
+    per_sample = {}
+    for role in ("defaults", "fastest"):
+        rows = modules[(labels == setting_label(against[role])) & (modules["module"] != OUTSIDE)]
+        if rows.empty:
+            return []
+        per_sample[role] = rows.set_index("module")["backward_ms"] / int(against[role]["batch_size"])
+    table = pd.DataFrame(per_sample).dropna()
+    table = table.loc[table["defaults"].nlargest(top).index].assign(
+        ratio=lambda t: t["defaults"] / t["fastest"]
+    )
+    table.columns = ["defaults ms/sample", "fastest ms/sample", "defaults / fastest"]
+    return [
+        f"The top {top} modules at PyTorch's defaults, their own backward per sample there and at the "
+        "fastest setting (one profile each: no CI; over 1, the module got faster):",
+        "",
+        table.round(3).to_markdown(),
+        "",
+    ]
 
 
 def render(spec: str, trials: pd.DataFrame, modules: pd.DataFrame, summary: dict, context: dict) -> str:

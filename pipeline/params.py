@@ -90,9 +90,6 @@ class DataParams:
             )
 
 
-DETECTOR_IMAGE_SIZE = 256  # the detector's image size unless given
-
-
 @dataclass(frozen=True)
 class ModelParams:
     """The model swept: this project's detector (``spec`` null, the default), whose box head is a knob, or any
@@ -110,7 +107,7 @@ class ModelParams:
     def __post_init__(self) -> None:
         if self.image_size is None:
             object.__setattr__(
-                self, "image_size", DETECTOR_IMAGE_SIZE if self.detector else specs.DEFAULT_IMAGE_SIZE
+                self, "image_size", schema.DEFAULT_IMAGE_SIZE if self.detector else specs.DEFAULT_IMAGE_SIZE
             )
         elif self.detector and (problem := schema.IMAGE_SIZE.problem(self.image_size)):
             raise ParamsError(f"model.image_size: {problem}")

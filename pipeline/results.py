@@ -7,6 +7,7 @@ used.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ from rcnn.detector.schema import (
     TRIAL_COLUMNS,
     ResultsError,
 )
-from rcnn.measure.stats import compare, compare_paired, geomean_ratio
+from rcnn.measure.stats import Comparison, compare, compare_paired, geomean_ratio
 from rcnn.outputs import csv_with, json_object, write_atomic
 
 
@@ -327,6 +328,22 @@ def fastest_and_defaults(trials: pd.DataFrame) -> tuple[int, int] | None:
     return None if best == base else (best, base)
 
 
+def speedup_per_sample(
+    fast: Sequence[float],
+    slow: Sequence[float],
+    fast_batch: int,
+    slow_batch: int,
+    *,
+    paired: bool,
+    seed: int = 0,
+) -> Comparison:
+    """The slower setting's step time per sample over the faster's (>1: the faster is faster), with its 95%
+    CI: paired (compare_paired: one time of each per round, stepped in turn), else compare."""
+    comparing = compare_paired if paired else compare
+    per_sample = (np.asarray(t, dtype=float) / b for t, b in ((slow, slow_batch), (fast, fast_batch)))
+    return comparing(*per_sample, seed=seed)
+
+
 def versus_defaults(
     trials: pd.DataFrame,
     samples: dict[int, dict[str, list[float]] | None],
@@ -346,14 +363,14 @@ def versus_defaults(
     best, base = rows.iloc[0], rows.iloc[1]
     times = (in_turn or {}).get("in_turn")
     if times and (in_turn["fastest_trial"], in_turn["defaults_trial"]) == picked:
-        fast, slow = (np.asarray(times[k]["step"], dtype=float) for k in ("fastest", "defaults"))
-        rounds, comparing = len(fast), compare_paired
+        fast, slow = (times[k]["step"] for k in ("fastest", "defaults"))
+        rounds = len(fast)
     elif all(samples.get(t) for t in picked):
-        fast, slow = (np.asarray(samples[t]["step"], dtype=float) for t in picked)
-        rounds, comparing = 0, compare
+        fast, slow = (samples[t]["step"] for t in picked)
+        rounds = 0
     else:
         return None
-    c = comparing(slow / base["batch_size"], fast / best["batch_size"], seed=seed)
+    c = speedup_per_sample(fast, slow, best["batch_size"], base["batch_size"], paired=bool(rounds), seed=seed)
     return {
         "fastest": {k: _plain(best[k]) for k in OTHER_KNOBS},
         "defaults": {k: _plain(base[k]) for k in OTHER_KNOBS},
@@ -364,6 +381,7 @@ def versus_defaults(
         "ci_high": c.ci_high,
         "p_value": c.p_value,
         "rounds": rounds,
+        "core_share": (in_turn or {}).get("core_share") if rounds else None,  # of the rounds in turn
         "in_turn_error": (in_turn or {}).get("error"),
     }
 

@@ -132,7 +132,8 @@ def step_in_turn_with_defaults(params: Params, setup: Setup, study: optuna.Study
     if (picked := fastest_and_defaults(trials)) is None:
         return
     points = [WorkQueue.point(study.trials[number]) for number in picked]
-    record = Sweep(params, setup, parent_run_id, Progress(0)).versus_defaults(*points)
+    peaks = tuple(float(trials.set_index("trial").at[number, "peak_mem_mb"]) for number in picked)
+    record = Sweep(params, setup, parent_run_id, Progress(0)).versus_defaults(*points, peaks_mb=peaks)
     study.set_user_attr("versus_defaults", record | dict(zip(("fastest_trial", "defaults_trial"), picked)))
 
 

@@ -23,7 +23,7 @@ from pipeline.tracking import connect_tracking
 from rcnn.detector.data import Sample, read_coco
 from rcnn.detector.knobs import Skipped, applicable_space, knobs_for, model_space
 from rcnn.detector.model import DetectorConfig
-from rcnn.detector.schema import HEAD_NAMES, KNOB_NAMES
+from rcnn.detector.schema import DETECTOR, HEAD_NAMES, KNOB_NAMES
 from rcnn.detector.trial import check_spec, find_batch_size
 from rcnn.doctor.specs import is_factory
 from rcnn.factory import source_of
@@ -119,7 +119,9 @@ class Setup:
             samples = coco.samples
             config = DetectorConfig(**model.detector_config(), num_classes=coco.num_classes)
         env = read_env(env_path)
-        name = study_name(params, grid, env["fingerprint"], Path(data_dir))
+        # model_code: a timm or transformers upgrade changes what is measured, as torch's version does
+        measured_on = env["fingerprint"] | {"model_code": env.get("model_code", "")}
+        name = study_name(params, grid, measured_on, Path(data_dir))
         return cls(
             device=device,
             grid=grid,
@@ -138,7 +140,7 @@ class Setup:
                 "torchvision": env["fingerprint"]["torchvision"],
                 "git_commit": git_commit(),
                 "study": name,
-                "model": model.spec or "detector",
+                "model": model.spec or DETECTOR,
             },
         )
 
@@ -153,6 +155,9 @@ def with_batch_sizes_found(params: Params) -> tuple[Params, str | None]:
         return params, None
     with keyed("sweep."):
         device = resolve_device(params.sweep.device)
+    with keyed("model."):  # a spec naming nothing usable: its own line, before the search builds it
+        check_spec(params.model.spec, image_size=params.model.image_size, device=device)
+    with keyed("sweep."):
         search = find_batch_size(
             params.model.spec,
             replace(knobs_for(device), head=None),

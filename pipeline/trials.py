@@ -5,21 +5,22 @@ time went) inside an MLflow child run of the sweep's parent run; and the drift b
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 
 import mlflow
-import numpy as np
 import optuna
 import pandas as pd
 import torch
 
 from pipeline.params import Params
 from pipeline.progress import Progress
-from pipeline.results import COMPARED_PHASES
+from pipeline.results import COMPARED_PHASES, speedup_per_sample
 from pipeline.stopping import TrialTimeout, interrupts, time_limit
 from pipeline.study import WorkQueue, next_trial
 from pipeline.sweep_setup import Setup
@@ -29,6 +30,7 @@ from rcnn.detector.model import BACKBONE_CHANNELS, ROI_RESOLUTION, DetectorConfi
 from rcnn.detector.roofline import head_flops
 from rcnn.detector.schema import KNOB_NAMES, MEASURED_COLUMNS, TRIAL_WALL_PARTS
 from rcnn.detector.trial import TrialResult, isolated_head_ms, run_model_trial, run_trial, settings_in_turn
+from rcnn.measure.cores import CoreUse
 from rcnn.measure.machine import achieved
 from rcnn.measure.settings import peak_dtype
 from rcnn.measure.stats import compare_paired
@@ -90,6 +92,17 @@ def paired_metrics(
             f"paired_{phase}_ci_high": c.ci_high,
         }
     return {k: v for k, v in metrics.items() if v == v}  # NaN is not a metric
+
+
+@contextlib.contextmanager
+def threads(count: int) -> Iterator[None]:
+    """torch's CPU threads set to ``count`` inside, as they were after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class Sweep:
@@ -314,13 +327,15 @@ class Sweep:
             "wall_s": {part: row[f"wall_{part}_s"] for part in TRIAL_WALL_PARTS},
         }
 
-    def versus_defaults(self, fastest: dict, defaults: dict) -> dict:
+    def versus_defaults(self, fastest: dict, defaults: dict, peaks_mb: tuple[float, float]) -> dict:
         """A spec's model: its fastest setting per sample and PyTorch's defaults (two grid points) built side
-        by side and stepped in turn (rcnn.detector.trial.settings_in_turn), in an MLflow run of its own that
-        records the per-sample speed-up; then each profiled, for its by-module table, unless a profile_at
-        setting already was. Returns what the summary reads: the two points, the in-turn times (or the error
-        that stopped them) and each one's by-module rows profiled here."""
-        model = self.setup.model
+        by side and stepped in turn (rcnn.detector.trial.settings_in_turn) on the threads a trial had, in an
+        MLflow run of its own that records the per-sample speed-up; then each profiled, for its by-module
+        table, unless a profile_at setting already was. Not in turn on a CPU where the two trials' peaks
+        (``peaks_mb``) add up past sweep.memory_limit_mb: running out of memory there ends the process.
+        Returns what the summary reads: the two points, the in-turn times (or why there are none) and each
+        one's by-module rows profiled here."""
+        model, limit = self.setup.model, self.params.sweep.memory_limit_mb
         out: dict = {"fastest": fastest, "defaults": defaults}
         self.progress.line(f"fastest per sample {fastest} and the defaults {defaults}, stepped in turn")
         with (
@@ -334,7 +349,17 @@ class Sweep:
         ):
             mlflow.log_params({f"fastest.{k}": v for k, v in fastest.items()})
             try:
-                with time_limit(self.params.sweep.trial_timeout_s), interrupts.interruptible():
+                if limit and self.device.type == "cpu" and sum(peaks_mb) > limit:
+                    raise MemoryError(
+                        f"not built side by side: their trials' peaks ({peaks_mb[0]:.0f} + {peaks_mb[1]:.0f} "
+                        f"MiB) pass sweep.memory_limit_mb ({limit:.0f} MiB)"
+                    )
+                cores = CoreUse(self.device)
+                with (
+                    time_limit(self.params.sweep.trial_timeout_s),
+                    interrupts.interruptible(),
+                    threads(max(1, torch.get_num_threads() // self.params.sweep.workers)),
+                ):
                     out["in_turn"] = settings_in_turn(
                         model.spec,
                         {"fastest": Knobs(**fastest), "defaults": Knobs(**defaults)},
@@ -343,28 +368,26 @@ class Sweep:
                         policy=self.policy,
                         seed=self.params.sweep.seed,
                         frames=model.frames,
+                        cores=cores,
                     )
+                out["core_share"] = cores.share
             except Exception as err:  # the two trials' own steps still compare them
                 out["error"] = first_line(err)
                 mlflow.set_tag("error", out["error"])
                 self.progress.line(f"  stepped in turn: failed, {out['error']}")
             else:
-                fast, base = (
-                    np.asarray(out["in_turn"][k]["step"], dtype=float) / p["batch_size"]
-                    for k, p in (("fastest", fastest), ("defaults", defaults))
+                times = out["in_turn"]
+                c = speedup_per_sample(
+                    times["fastest"]["step"],
+                    times["defaults"]["step"],
+                    fastest["batch_size"],
+                    defaults["batch_size"],
+                    paired=True,
+                    seed=self.params.sweep.seed,
                 )
-                c = compare_paired(base, fast, seed=self.params.sweep.seed)
+                said = {"speedup": c.ratio, "ci_low": c.ci_low, "ci_high": c.ci_high}
                 mlflow.log_metrics(
-                    {
-                        k: v
-                        for k, v in (
-                            ("speedup", c.ratio),
-                            ("ci_low", c.ci_low),
-                            ("ci_high", c.ci_high),
-                            ("rounds", float(len(fast))),
-                        )
-                        if v == v
-                    }
+                    {k: v for k, v in said.items() if v == v} | {"rounds": len(times["fastest"]["step"])}
                 )
                 self.progress.line(
                     f"  per sample, the defaults over the fastest: {c.ratio:.2f}x "

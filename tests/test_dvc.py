@@ -4,6 +4,7 @@ DVC reruns a stage whenever code it runs changes."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -136,3 +137,34 @@ def test_the_readme_experiment_command_runs_one_that_dvc_exp_show_lists(tmp_path
     assert len(runs) == 1, shown.stdout
     assert runs[0]["params"]["params.yaml"]["data"]["sweep"]["space"]["batch_size"] == [1]
     assert summary and scalars(runs[0]["metrics"]["results/summary.json"]["data"]) == scalars(summary)
+
+
+@pytest.mark.slow  # dvc exp run of the pipeline on a scratch copy, then the env stage again
+def test_a_models_experiment_reports_in_its_own_folder_and_its_factory_is_a_dependency(tmp_path):
+    project = scratch_project(tmp_path / "project")
+    spec, heads = "tests.fixtures.models:pooled", "[linear, conv, conv_as_linear]"  # the head: left as it is
+    argv = [
+        "make",
+        "-o",
+        ".venv/bin/.installed",
+        "exp",
+        f"ARGS=-S model={spec} -S 'sweep.space.head={heads}'",
+    ]
+    result = subprocess.run(argv, cwd=project, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (project / "reports" / "tests.fixtures.models-pooled" / "report.md").exists()
+    unchanged = subprocess.run(["git", "status", "--porcelain", "reports"], cwd=project, capture_output=True)
+    assert unchanged.stdout.decode().splitlines() == ["?? reports/tests.fixtures.models-pooled/"]
+
+    # Editing the factory's module changes env.json's model_code, a params key of the sweep stage.
+    with open(project / "tests" / "fixtures" / "models.py", "a") as module:
+        module.write("\n# edited\n")
+    bin_ = project / ".venv" / "bin"  # first on PATH, as make puts it: the stages run `python`
+    env = os.environ | {"PATH": f"{bin_}{os.pathsep}{os.environ['PATH']}"}
+    subprocess.run(
+        [bin_ / "dvc", "repro", "env"], cwd=project, env=env, capture_output=True, check=True, timeout=300
+    )
+    status = subprocess.run(
+        [bin_ / "dvc", "status", "sweep"], cwd=project, env=env, capture_output=True, text=True, check=True
+    )
+    assert "model_code" in status.stdout, status.stdout

@@ -183,6 +183,7 @@ def setting_label(setting: Mapping[str, Any], skip: tuple[str, ...] = ()) -> str
 BACKBONE_NAMES = ("resnet50_fpn", "resnet18_fpn", "mobilenet_v3_fpn")
 BACKBONE = Rule(choices=BACKBONE_NAMES)
 IMAGE_SIZE = Rule(minimum=64, multiple_of=32)  # FPN strides need a multiple of 32
+DEFAULT_IMAGE_SIZE = 256  # the detector's unless given
 ROIS_PER_IMAGE = Rule(minimum=1)
 REPRESENTATION_SIZE = Rule(minimum=1)
 

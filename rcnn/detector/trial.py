@@ -39,6 +39,7 @@ from rcnn.detector.schema import (
     BACKBONE,
     COMPILE_COLUMNS,
     COMPILE_TARGETS,
+    DEFAULT_IMAGE_SIZE,
     IMAGE_SIZE,
     KNOB,
     KNOB_NAMES,
@@ -58,13 +59,14 @@ from rcnn.doctor.attribution import ModuleTimer
 from rcnn.doctor.diagnosis import diagnose
 from rcnn.doctor.workloads import Loss, ModelError, Workload, build_workload, detection_loss
 from rcnn.fix import linearize_with
-from rcnn.measure.batch import MEMORY_LIMIT_MB, BatchSearch, batches_below, largest_batch
+from rcnn.measure.batch import BatchSearch, batches_below, largest_batch
 from rcnn.measure.clock import BACKWARD_RANGE, Clock, ModuleSpanProbe, PeakMemory, Stopwatch
+from rcnn.measure.cores import CoreUse
 from rcnn.measure.device import autocast, compile_forward, grad_scaler, resolve_device
 from rcnn.measure.loop import in_turn, warm_up_then_measure
 from rcnn.measure.options import add_timing_options, check_timing_options, timing_policy
 from rcnn.measure.profiler import capture, range_table
-from rcnn.measure.settings import DEVICE
+from rcnn.measure.settings import AUTO, DEVICE, MEMORY_LIMIT_MB
 from rcnn.measure.stats import (
     Stats,
     TimingPolicy,
@@ -780,11 +782,13 @@ def settings_in_turn(
     policy: TimingPolicy,
     seed: int = 0,
     frames: int = 8,
+    cores: CoreUse | None = None,
 ) -> dict[K, dict[str, list[float]]]:
     """The model a spec names at each knob setting, built side by side and stepped in turn, a fresh order each
     round, each built and stepped under its own backend flags (oneDNN, cuDNN, TF32), until ``policy`` says
     stop: setting -> phase -> one time per round (ms). What two settings' ratio is read from: the machine's
-    load and drift hit both alike."""
+    load and drift hit both alike. ``cores``: entered around every measured round (its ``share`` then says
+    whether they had the CPU's cores)."""
     trainers: dict[K, ModelTrainer] = {}
 
     def under_flags(trainer: ModelTrainer) -> Callable[[], dict[str, float]]:
@@ -803,7 +807,7 @@ def settings_in_turn(
                     spec, knobs, image_size=image_size, device=device, seed=seed, frames=frames
                 )
         steps = {name: under_flags(trainer) for name, trainer in trainers.items()}
-        return in_turn(steps, policy, watched=MODEL_WATCHED, seed=seed)
+        return in_turn(steps, policy, watched=MODEL_WATCHED, seed=seed, cores=cores)
     finally:
         for trainer in trainers.values():
             trainer.close()
@@ -871,9 +875,6 @@ def add_knob_flags(parser: argparse.ArgumentParser) -> None:
 
 def _batch_size_or_auto(text: str) -> int | str:
     return AUTO if text == AUTO else KNOB["batch_size"].rule.arg(int)(text)
-
-
-AUTO = "auto"  # --batch-size auto
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -955,7 +956,7 @@ def _parser() -> argparse.ArgumentParser:
 DETECTOR_DEFAULTS = {
     "head": None,
     "backbone": "resnet18_fpn",
-    "image_size": 256,
+    "image_size": DEFAULT_IMAGE_SIZE,
     "rois_per_image": 128,
     "representation_size": 1024,
     "data": None,

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from rcnn.measure.settings import MEMORY_LIMIT_MB  # noqa: F401  (rcnn.bench's flag checks it here)
 from rcnn.rules import ValueNotAllowed, first_line
 
 MOST = 4096  # the search's largest batch: past it, a model's step is no longer what a batch size tunes
@@ -72,6 +71,12 @@ def largest_batch(
                 raise
             tried.append(Tried(batch_size, math.nan, False, f"out of memory: {first_line(err)}"))
             return False
+        if limit_mb is not None and math.isnan(peak):  # /proc unreadable: nothing to hold to the limit
+            raise ValueNotAllowed(
+                "memory_limit_mb",
+                "this machine does not report a process's peak memory; allowed: a list of "
+                "batch sizes instead of auto",
+            )
         over = limit_mb is not None and peak > limit_mb
         why = f"peak {peak:.0f} MiB" + (f" over the limit of {limit_mb:.0f} MiB" if over else "")
         tried.append(Tried(batch_size, peak, not over, why))

@@ -5,13 +5,16 @@ import json
 import sys
 
 import mlflow
+import numpy as np
+import pandas as pd
 import pytest
 import yaml
 
-from pipeline import compare, env, report, sweep
+from pipeline import compare, env, model_report, report, sweep
 from pipeline.env import model_code
 from pipeline.params import SpaceParams, parse_params
-from pipeline.results import read_trials
+from pipeline.results import at_defaults, fastest_and_defaults, read_trials, trial_row, versus_defaults
+from rcnn.detector.schema import MEASURED_COLUMNS
 from rcnn.doctor.specs import spec_slug
 from rcnn.measure.batch import batches_below
 from tests.conftest import ROOT, TINY_PARAMS
@@ -90,7 +93,11 @@ def test_a_factory_model_is_swept_and_reported_in_its_own_folder_and_experiment(
     assert text.startswith(f"# Which knob setting trains `{FACTORY}` fastest")
     assert "**Fastest per sample:" in text and "## Knob effects" in text and "channels_last" in text
     assert "compile=head: compiles the detector's box head" in text
-    assert "At oneDNN on, amp off, NCHW, bs 2: the top 8 modules" in text  # the profiled defaults
+    # The by-module tables: the profiled defaults, and where NHWC was the faster, it too, side by side
+    defaults = "At oneDNN on, amp off, NCHW, bs 2" + (" (PyTorch's defaults)" if against else "")
+    assert f"{defaults}: the top 8 modules" in text
+    assert (against is not None) == ("At oneDNN on, amp off, NHWC, bs 2 (the fastest per sample)" in text)
+    assert (against is not None) == ("defaults ms/sample" in text)
     assert (folder / "report.html").exists() and (folder / "figures" / "per_sample.png").exists()
     assert not (tmp_path / "reports" / "report.md").exists()  # the detector's report is not written
 
@@ -180,3 +187,69 @@ def test_bad_model_params_are_one_line(tmp_path, tiny_params, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and expected in err[0], (expected, err)
     assert not (tmp_path / "env.json").exists()
+
+
+def model_trials(step_ms: dict[tuple[bool, int], float]) -> pd.DataFrame:
+    """A model's trials table: one complete trial per (channels_last, batch size), with its step median."""
+    rows = [
+        trial_row(
+            dict.fromkeys(MEASURED_COLUMNS, float("nan")) | {"step_ms": ms},
+            trial=number,
+            status="complete",
+            device="cpu",
+            model=FACTORY,
+            backbone="n/a",
+            image_size=32,
+            rois_per_image=float("nan"),
+            head="n/a",
+            cudnn_benchmark="n/a",
+            onednn=True,
+            amp="off",
+            channels_last=layout,
+            batch_size=size,
+            linearize=False,
+            tf32="n/a",
+            compile="off",
+            mlflow_run_id=None,
+            worker=None,
+            error=None,
+        )  # fmt: skip
+        for number, ((layout, size), ms) in enumerate(step_ms.items())
+    ]
+    return pd.DataFrame(rows)
+
+
+def test_the_fastest_per_sample_against_the_defaults_reads_the_rounds_in_turn_where_there_are():
+    # NHWC at batch 4: 8 ms per sample; the defaults (NCHW, the smallest batch, 2): 10 ms per sample
+    trials = model_trials({(False, 2): 20.0, (True, 2): 19.0, (False, 4): 36.0, (True, 4): 32.0})
+    assert at_defaults(trials)["trial"].tolist() == [0]
+    assert fastest_and_defaults(trials) == (3, 0)
+    rng = np.random.default_rng(0)
+    own = {t: {"step": list(ms * rng.uniform(0.95, 1.05, 12))} for t, ms in zip(range(4), (20, 19, 36, 32))}
+    unpaired = versus_defaults(trials, own)
+    assert unpaired["rounds"] == 0 and unpaired["fastest"]["channels_last"] is True
+    assert unpaired["ci_low"] < 1.25 < unpaired["ci_high"] and unpaired["defaults"]["batch_size"] == 2
+    # Stepped in turn, the pair's rounds decide: here the fastest is 1.5x per sample
+    in_turn = {"fastest": {"step": [24.0] * 6 + [24.4] * 6}, "defaults": {"step": [18.0] * 6 + [18.4] * 6}}
+    record = {"fastest_trial": 3, "defaults_trial": 0, "in_turn": in_turn, "core_share": 0.5}
+    paired = versus_defaults(trials, own, in_turn=record)
+    assert paired["rounds"] == 12 and paired["speedup"] == pytest.approx(1.5, rel=0.01)
+    assert paired["core_share"] == 0.5
+    # The verdict in words, each case
+    said = "\n".join(model_report.verdict(trials, {"versus_defaults": paired}))
+    assert "**1.50x [" in said
+    assert "faster per sample than PyTorch's defaults" in said
+    assert (
+        "stepped in turn after the sweep (12 rounds" in said
+        and "**caution**: the rounds in turn had 50%" in said
+    )
+    slower = paired | {"speedup": 0.8, "ci_low": 0.75, "ci_high": 0.85, "core_share": None}
+    assert "**not faster than PyTorch's defaults" in "\n".join(
+        model_report.verdict(trials, {"versus_defaults": slower})
+    )
+    unsure = paired | {"ci_low": 0.9, "ci_high": 1.6}
+    assert "within the 95% CI" in "\n".join(model_report.verdict(trials, {"versus_defaults": unsure}))
+    fastest_default = model_trials({(False, 2): 10.0, (True, 2): 30.0})
+    assert fastest_and_defaults(fastest_default) is None and versus_defaults(fastest_default, own) is None
+    assert "the fastest setting swept" in "\n".join(model_report.verdict(fastest_default, {}))
+    assert "not compared" in "\n".join(model_report.verdict(trials, {}))
