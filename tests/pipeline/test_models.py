@@ -111,6 +111,20 @@ def test_a_factory_model_is_swept_and_reported_in_its_own_folder_and_experiment(
     assert (against is None) == (speedup_row.count("n/a") == 2)
 
 
+@pytest.mark.slow  # timm's resnet18 at 32 px: two trials, a report
+def test_a_timm_model_goes_through_env_data_sweep_and_report(tmp_path, tiny_params):
+    spec = "timm:resnet18"
+    args = prepare(tmp_path, with_model(tiny_params, None), model_params(spec))
+    env_json = json.loads((tmp_path / SWEEP_FILES["env"]).read_text())
+    assert env_json["model_code"].startswith("timm ")  # the sweep reruns on a timm upgrade
+    assert sweep.main(args) == 0
+    trials = read_trials(tmp_path / SWEEP_FILES["trials"])
+    assert trials["model"].eq(spec).all() and trials["status"].eq("complete").all() and len(trials) == 2
+    assert report.main(["--params", args[1], *report_args(tmp_path)]) == 0
+    text = (tmp_path / "reports" / "timm-resnet18" / "report.md").read_text()
+    assert text.startswith("# Which knob setting trains `timm:resnet18` fastest") and "conv1" in text
+
+
 def test_the_factory_module_is_what_the_sweep_depends_on(tmp_path, monkeypatch):
     """env.json's model_code (a params key of the sweep stage in dvc.yaml) changes with the factory's code."""
     package = tmp_path / "usermodels"
