@@ -6,6 +6,7 @@ model (``reports/timm-resnet18/``); the detector's report is pipeline.report's o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -21,6 +22,8 @@ from rcnn.outputs import CSV, PNG, Kind, text_start, write_atomic
 
 TITLE = "# Which knob setting trains"
 HTML_START = "<!doctype html><html><head><meta charset='utf-8'><title>Knob sweep"
+MODULES_PAGE = "modules.html"  # the by-module icicles of the profiled settings
+MODULES_START = "<!doctype html><html><head><meta charset='utf-8'><title>Backward by module"
 FIGURE = "per_sample"
 SHOWN = [
     "trial",
@@ -40,7 +43,16 @@ SHOWN = [
     "error",
 ]
 ROLES = {"defaults": "PyTorch's defaults", "fastest": "the fastest per sample"}
-MODULES_SHOWN = ["module", "type", "backward_ms", "backward_share", "backward_gflop", "peak_fraction", "flag"]
+MODULES_SHOWN = [
+    "module",
+    "type",
+    "backward_ms",
+    "backward_share",
+    "backward_gflop",
+    "peak_fraction",
+    "flag",
+    "saves_ms",
+]
 
 
 def model_of(trials: pd.DataFrame) -> str | None:
@@ -61,6 +73,7 @@ def written_files(tables: dict[str, Kind]) -> dict[str, Kind]:
     return {
         "report.md": text_start("the report", TITLE),
         "report.html": text_start("the report", HTML_START),
+        MODULES_PAGE: text_start("the by-module icicles", MODULES_START),
         f"figures/{FIGURE}.png": PNG,
         f"plots/{FIGURE}.csv": CSV,
         **{f"tables/{name}": kind for name, kind in tables.items()},
@@ -196,13 +209,15 @@ def module_lines(modules: pd.DataFrame, summary: dict, top: int = 8) -> list[str
         own = group[group["module"] != OUTSIDE]
         role = f" ({roles[label]})" if label in roles else ""
         out += [
-            f"At {label}{role}: the top {top} modules by backward time of their own, per step "
-            "(`python -m rcnn.doctor` gives the whole table and page).",
+            f"At {label}{role}: the top {top} modules by backward time of their own, per step; a flag is a "
+            "fix measured to save `saves_ms` per step. Every module, as an icicle: "
+            f"[{MODULES_PAGE}]({MODULES_PAGE}).",
             "",
             own.nlargest(top, "backward_ms")
             .reindex(columns=MODULES_SHOWN)
-            .assign(flag=lambda t: t["flag"].astype(object).fillna(""))
             .round(3)
+            .astype({"flag": object, "saves_ms": object})
+            .fillna({"flag": "", "saves_ms": ""})  # unflagged: no fix, nothing saved
             .to_markdown(index=False),
             "",
         ]
@@ -296,3 +311,10 @@ def write(out: Path, spec: str, text: str, trials: pd.DataFrame, device: str) ->
     write_atomic(out / "plots" / f"{FIGURE}.csv", data.to_csv(index=False))
     draw_per_sample(data, out / "figures" / f"{FIGURE}.png", f"{spec}: time per sample by setting ({device})")
     write_atomic(out / "report.md", text)
+
+
+def caption(summary: dict) -> Callable[[str, str], str]:
+    """An icicle's heading on the modules page: the setting, and whether it is the defaults or the fastest."""
+    against = summary.get("versus_defaults") or {}
+    roles = {setting_label(against[r]): words for r, words in ROLES.items() if r in against}
+    return lambda label, _head: f"{label} ({roles[label]})" if label in roles else label

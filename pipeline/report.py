@@ -635,6 +635,26 @@ def box_heads_page(modules: pd.DataFrame) -> str | None:
     """A page of icicles, one per profiled setting and head: the box head's modules by backward time
     (inclusive width, colour by fraction of the matmul peak, flags marked; rcnn.doctor.pictures), plotly.js
     embedded once. None without a by-module table."""
+    return icicles_page(
+        modules,
+        start=BOX_HEADS_START,
+        heading="Box-head backward by module, per head",
+        subtree=BOX_HEAD,
+        caption=lambda label, head: f"{head} head ({label})",
+    )
+
+
+def icicles_page(
+    modules: pd.DataFrame,
+    *,
+    start: str,
+    heading: str,
+    subtree: str | None,
+    caption: Callable[[str, str], str],
+) -> str | None:
+    """A page of icicles of the ``subtree`` (None: the whole model), one per profiled setting and head
+    (``caption(setting label, head)`` above each), plotly.js embedded once; ``start`` opens the page. None
+    without a by-module table."""
     if modules.empty:
         return None
     labels = modules.apply(setting_label, axis=1)
@@ -642,12 +662,12 @@ def box_heads_page(modules: pd.DataFrame) -> str | None:
     for i, ((label, head), group) in enumerate(modules.groupby([labels, "head"], sort=False)):
         table = group.drop(columns=[c for c in group.columns if c not in MODULE_COLUMNS])
         parts.append(
-            f"<h2>{html.escape(head)} head ({html.escape(label)})</h2>"
-            + icicle_html(table, subtree=BOX_HEAD, include_plotlyjs=i == 0, height=420)
+            f"<h2>{html.escape(caption(label, head))}</h2>"
+            + icicle_html(table, subtree=subtree, include_plotlyjs=i == 0, height=420)
         )
     return (
-        f"{BOX_HEADS_START} (rcnn sweep)</title></head><body style='font-family: sans-serif'>"
-        "<h1>Box-head backward by module, per head</h1><p>Width: each module's backward time with its "
+        f"{start} (rcnn sweep)</title></head><body style='font-family: sans-serif'>"
+        f"<h1>{html.escape(heading)}</h1><p>Width: each module's backward time with its "
         "children's (ms per step); colour: the fraction of the measured matmul peak its own backward "
         "reaches; flagged modules marked. Click a box to zoom in, hover for its row of the by-module "
         "table.</p>" + "".join(parts) + "</body></html>\n"
@@ -1018,13 +1038,17 @@ def keep_tables(args: argparse.Namespace, out: Path) -> None:
 
 
 def stage(args: argparse.Namespace, params: Params) -> None:
-    r = load_results(args.trials, args.comparisons, args.kernels, args.summary, args.env, args.modules)
-    if spec := model_report.model_of(r.trials):
+    root = project_root(Path(args.params).parent)
+    check_folder(args.out, {}, root=root, what="--out")  # inside the project, before reading anything
+    # A spec's model reports in a folder of its own under --out; the detector in --out itself
+    if Path(args.trials).is_file() and (spec := model_report.model_of(read_trials(args.trials))):
+        r = load_results(args.trials, args.comparisons, args.kernels, args.summary, args.env, args.modules)
         return model_stage(args, params, r, spec)
-    check_folder(args.out, written_files(), root=project_root(Path(args.params).parent), what="--out")
+    check_folder(args.out, written_files(), root=root, what="--out")
     check_writable(Path(args.out) / "report.md")
     if args.modules:
         require_plotly()  # the box heads' page: before anything is written
+    r = load_results(args.trials, args.comparisons, args.kernels, args.summary, args.env, args.modules)
     require_complete(r, args.trials)
     out = Path(args.out)
     for figure in FIGURES:
@@ -1053,6 +1077,8 @@ def model_stage(args: argparse.Namespace, params: Params, r: Results, spec: str)
         out, model_report.written_files(tables), root=project_root(Path(args.params).parent), what="--out"
     )
     check_writable(out / "report.md")
+    if args.modules:
+        require_plotly()  # the modules' page: before anything is written
     require_complete(r, args.trials)
     lock = Path(args.lock) if args.lock else None
     done = complete(r.trials)
@@ -1067,6 +1093,15 @@ def model_stage(args: argparse.Namespace, params: Params, r: Results, spec: str)
     text = model_report.render(spec, r.trials, r.modules, r.summary, context)
     model_report.write(out, spec, text, r.trials, r.device)
     write_atomic(out / "report.html", to_html(text, out, r.device, start=model_report.HTML_START))
+    page = icicles_page(
+        r.modules,
+        start=model_report.MODULES_START,
+        heading=f"{spec}: backward by module, per profiled setting",
+        subtree=None,
+        caption=model_report.caption(r.summary),
+    )
+    if page:
+        write_atomic(out / model_report.MODULES_PAGE, page)
     keep_tables(args, out)
     if args.mlflow:
         log_to_mlflow(r, out, params.tracking.mlflow_uri, args.trials)

@@ -1,6 +1,7 @@
 """The sweep for a model a spec names (params.yaml ``model:``): env -> data -> sweep -> report, its MLflow
 experiment and its report folder; the user's factory module as what the sweep depends on; batch size auto."""
 
+import html
 import json
 import sys
 
@@ -99,6 +100,9 @@ def test_a_factory_model_is_swept_and_reported_in_its_own_folder_and_experiment(
     assert (against is not None) == ("At oneDNN on, amp off, NHWC, bs 2 (the fastest per sample)" in text)
     assert (against is not None) == ("defaults ms/sample" in text)
     assert (folder / "report.html").exists() and (folder / "figures" / "per_sample.png").exists()
+    page = (folder / "modules.html").read_text()  # an icicle per profiled setting, the whole model
+    assert page.count("<h2>") == 1 + (against is not None)
+    assert (html.escape("(PyTorch's defaults)") in page) == (against is not None)
     assert not (tmp_path / "reports" / "report.md").exists()  # the detector's report is not written
 
     # Across models: this model's tables beside the detector's reference ones.
