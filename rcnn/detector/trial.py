@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import gc
 import itertools
 import sys
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
@@ -719,6 +721,7 @@ def model_peak_mb(
     """Peak memory (MiB) of building the model at ``knobs``' batch size and running ``steps`` training steps
     (rcnn.measure.clock.PeakMemory: CUDA's allocator peak; on a CPU the process's peak resident set, torch's
     own libraries included). Raises what they raise: an out-of-memory error among them."""
+    release_memory(device)  # what an earlier, larger try left cached is not this one's
     memory = PeakMemory(device)
     memory.reset()
     with backend_flags(knobs):
@@ -729,6 +732,17 @@ def model_peak_mb(
         finally:
             trainer.close()
     return memory.peak_mb()
+
+
+def release_memory(device: torch.device) -> None:
+    """Hand freed memory back: CUDA's cached blocks, and on Linux the C allocator's free pages (malloc_trim),
+    which a CPU process's resident set otherwise keeps after a large batch, inflating the next try's peak."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def find_batch_size(
