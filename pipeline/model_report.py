@@ -12,7 +12,6 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from pipeline.analysis import knob_effects
 from pipeline.results import at_defaults, complete, fastest_and_defaults, ms_per_image
 from rcnn.detector.schema import DETECTOR, OTHER_KNOBS, setting_label
 from rcnn.doctor.columns import OUTSIDE
@@ -166,27 +165,6 @@ def verdict(trials: pd.DataFrame, summary: dict) -> list[str]:
     return lines
 
 
-def effects_table(effects: pd.DataFrame) -> str:
-    if effects.empty:
-        return "No knob had two values."
-    table = pd.DataFrame(
-        {
-            "knob": effects["knob"],
-            "change": effects["from"].astype(str) + " -> " + effects["to"].astype(str),
-            "step time ratio [95% CI]": effects.apply(
-                lambda x: (
-                    f"{x.step_ratio:.2f} [{x.ci_low:.2f}, {x.ci_high:.2f}]"
-                    if x.ci_low == x.ci_low
-                    else f"{x.step_ratio:.2f}"
-                ),
-                axis=1,
-            ),
-            "paired settings": effects["pairs"],
-        }
-    )
-    return table.to_markdown(index=False)
-
-
 def failed_lines(trials: pd.DataFrame) -> list[str]:
     failed = trials[trials["status"] != "complete"]
     return [
@@ -196,13 +174,20 @@ def failed_lines(trials: pd.DataFrame) -> list[str]:
     ] or ["- none"]
 
 
+def setting_roles(summary: dict) -> dict[str, str]:
+    """The setting labels of PyTorch's defaults and of the fastest setting (the summary's versus_defaults),
+    each with its role in words."""
+    against = summary.get("versus_defaults") or {}
+    return {setting_label(against[r]): words for r, words in ROLES.items() if r in against}
+
+
 def module_lines(modules: pd.DataFrame, summary: dict, top: int = 8) -> list[str]:
     """Per profiled setting (PyTorch's defaults and the fastest among them): the modules with the most
     backward time of their own (rcnn.doctor)."""
     if modules.empty:
         return ["No by-module table (sweep.profile_steps: 0, or the profiled setting did not run).", ""]
     against = summary.get("versus_defaults") or {}
-    roles = {setting_label(against[r]): words for r, words in ROLES.items() if r in against}
+    roles = setting_roles(summary)
     out = []
     labels = modules.apply(setting_label, axis=1)
     for label, group in modules.groupby(labels, sort=False):
@@ -251,8 +236,7 @@ def module_change_lines(modules: pd.DataFrame, labels: pd.Series, against: dict,
 
 def render(spec: str, trials: pd.DataFrame, modules: pd.DataFrame, summary: dict, context: dict) -> str:
     """The model's report.md; ``context`` holds the sections it shares with the detector's report
-    (pipeline.report): 'header', 'cautions', 'skipped', 'drift', 'environment', 'wall'."""
-    effects = knob_effects(trials)
+    (pipeline.report): 'header', 'cautions', 'effects', 'skipped', 'drift', 'environment', 'wall'."""
     shown = trials.assign(ms_per_sample=ms_per_image(trials)).reindex(columns=SHOWN)
     return "\n".join(
         [
@@ -273,7 +257,7 @@ def render(spec: str, trials: pd.DataFrame, modules: pd.DataFrame, summary: dict
             "grid): the step-time ratio, geometric mean over the paired settings with a bootstrap 95% CI. "
             "Batch size changes the work per step: per sample, see the figure above.",
             "",
-            effects_table(effects),
+            context["effects"],
             "",
             "Knobs not swept on this device:",
             "",
@@ -315,6 +299,5 @@ def write(out: Path, spec: str, text: str, trials: pd.DataFrame, device: str) ->
 
 def caption(summary: dict) -> Callable[[str, str], str]:
     """An icicle's heading on the modules page: the setting, and whether it is the defaults or the fastest."""
-    against = summary.get("versus_defaults") or {}
-    roles = {setting_label(against[r]): words for r, words in ROLES.items() if r in against}
+    roles = setting_roles(summary)
     return lambda label, _head: f"{label} ({roles[label]})" if label in roles else label

@@ -524,6 +524,9 @@ def comparison_table(comparisons: pd.DataFrame) -> pd.DataFrame:
     return rows[[*OTHER_KNOBS, "pair", "ratio [95% CI]", "p", "in turn"]]
 
 
+GAP_COLUMNS = ["conv/linear gap", "gap settings"]  # effects_table's head x knob interaction
+
+
 def effects_table(effects: pd.DataFrame) -> pd.DataFrame:
     if effects.empty:
         return effects
@@ -1082,9 +1085,17 @@ def model_stage(args: argparse.Namespace, params: Params, r: Results, spec: str)
     require_complete(r, args.trials)
     lock = Path(args.lock) if args.lock else None
     done = complete(r.trials)
+    effects = knob_effects(r.trials)
+    # The detector's knob-effects table less its conv/linear gap: a model has no box heads
+    effects = (
+        effects_table(effects).drop(columns=GAP_COLUMNS).to_markdown(index=False)
+        if not effects.empty
+        else "No knob had two values."
+    )
     context = {
         "header": header(r),
         "cautions": [*contention_caution(done), *drift_caution(r.summary)],
+        "effects": effects,
         "skipped": skipped_lines(r.summary),
         "drift": drift_line(r.summary),
         "environment": environment_section(r, lock),

@@ -776,15 +776,10 @@ def batch_sizes_in_turn(
     seed: int = 0,
 ) -> dict[int, dict[str, list[float]]]:
     """The model at each batch size (the other knobs alike) built side by side and stepped in turn, a fresh
-    order each round, until ``policy`` says stop: batch size -> phase -> one time per round (ms)."""
-
-    def build(size: int) -> Callable[[], ModelTrainer]:
-        sized = replace(knobs, batch_size=size)
-        return lambda: model_trainer(spec, sized, image_size=image_size, device=device, seed=seed)
-
-    with built_side_by_side({size: build(size) for size in sizes}, knobs) as trainers:
-        steps = {size: trainer.stepper() for size, trainer in trainers.items()}
-        return in_turn(steps, policy, watched=MODEL_WATCHED, seed=seed)
+    order each round, until ``policy`` says stop (``settings_in_turn``): batch size -> phase -> one time per
+    round (ms)."""
+    settings = {size: replace(knobs, batch_size=size) for size in sizes}
+    return settings_in_turn(spec, settings, image_size=image_size, device=device, policy=policy, seed=seed)
 
 
 def settings_in_turn(
