@@ -851,6 +851,7 @@ def add_knob_flags(parser: argparse.ArgumentParser) -> None:
     """A flag for every knob but the head (rcnn.detector.schema.KNOBS): a bool knob's flag turns it away from
     its baseline; the others take a value, checked by the Rule params.yaml's key uses (same limits, words)."""
     for knob in KNOBS[1:]:
+        text = knob.help.replace("%", "%%")  # argparse formats help text with %
         if knob.kind is bool:
             parser.add_argument(
                 knob.flag,
@@ -858,7 +859,7 @@ def add_knob_flags(parser: argparse.ArgumentParser) -> None:
                 action="store_const",
                 const=not knob.baseline,
                 default=knob.bench_default,
-                help=knob.help,
+                help=text,
             )
         elif knob.name == "batch_size":  # or auto, with --model: the largest that fits and those below it
             parser.add_argument(
@@ -867,7 +868,7 @@ def add_knob_flags(parser: argparse.ArgumentParser) -> None:
                 type=_batch_size_or_auto,
                 metavar="N|auto",
                 default=knob.bench_default,
-                help=f"{knob.help}; with --model, auto: the largest batch that fits (--memory-limit-mb) and "
+                help=f"{text}; with --model, auto: the largest batch that fits (--memory-limit-mb) and "
                 "two below it, stepped in turn and ranked by time per sample (--max-seconds bounds that "
                 "timing, not the search)",
             )
@@ -878,7 +879,7 @@ def add_knob_flags(parser: argparse.ArgumentParser) -> None:
                 type=knob.rule.arg(knob.kind),
                 metavar=knob.rule.metavar,
                 default=knob.bench_default,
-                help=knob.help,
+                help=text,
             )
 
 

@@ -59,6 +59,15 @@ def test_the_declarations_are_consistent():
     assert TRIAL_COLUMNS[7 : 7 + len(KNOBS)] == tuple(KNOB)  # the setup columns, then the knobs in order
 
 
+def test_every_knobs_help_reads_in_the_bench_commands_help_as_written():
+    from rcnn.detector.trial import _parser
+
+    shown = " ".join(_parser().format_help().split())  # argparse wraps lines and formats %
+    assert "option_strings" not in shown  # a bare % in a help text prints the option's whole dict
+    for knob in KNOBS:
+        assert " ".join(knob.help.split()) in shown, knob.name
+
+
 def test_a_setting_label_says_each_applicable_knob():
     setting = {
         "cudnn_benchmark": "n/a",
