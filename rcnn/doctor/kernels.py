@@ -51,7 +51,7 @@ class Kernel:
 
     key: str
     nodes: tuple[str, ...]
-    bytes_by_module: dict[str, int]
+    bytes_by_module: dict[str, float]
 
     @property
     def name(self) -> str:
@@ -103,14 +103,17 @@ def _op_name(node: torch.fx.Node) -> str | None:
     return None
 
 
-def _charged(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The nodes whose modules a kernel computing ``node`` works for: a graph input's users (a layout copy of
-    a weight), none for a constant shared between modules, else the node."""
-    if node.op == "placeholder":
-        return list(node.users)
+def _charged(node: torch.fx.Node) -> dict[str, float]:
+    """The bytes of ``node`` by the modules a kernel computing it works for: a graph input's (a layout copy of
+    a weight or an activation) its users' modules, those inside a module first; none for a constant shared
+    between modules; else the node's own module."""
     if node.target is torch.ops.aten.full.default:
-        return []
-    return [node]
+        return {}
+    if node.op != "placeholder":
+        return {module_of(node): _nbytes(node)}
+    users = {module_of(user) for user in node.users}
+    owners = (users - {ROOT}) or users
+    return {owner: _nbytes(node) / len(owners) for owner in owners}
 
 
 def _kernel(key: str, names: Iterable[str], nodes: dict[str, torch.fx.Node]) -> Kernel:
@@ -121,8 +124,7 @@ def _kernel(key: str, names: Iterable[str], nodes: dict[str, torch.fx.Node]) -> 
         names = own or names
     sizes: Counter[str] = Counter()
     for name in names:
-        for node in _charged(nodes[name]):
-            sizes[module_of(node)] += _nbytes(node)
+        sizes.update(_charged(nodes[name]))
     return Kernel(key, tuple(names), dict(sizes))
 
 
