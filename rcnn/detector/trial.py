@@ -899,8 +899,9 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         type=head.rule.arg(),
         metavar=head.rule.metavar,
-        help=f"{head.help} (default: {head.default}); given twice or more, the heads' detectors are stepped "
-        "in turn, a fresh order each round, and each is set against the first with a paired ratio",
+        help=f"{head.help.replace('%', '%%')} (default: {head.default}); given twice or more, the heads' "
+        "detectors are stepped in turn, a fresh order each round, and each is set against the first with a "
+        "paired ratio",
     )
     p.add_argument(
         "--model",

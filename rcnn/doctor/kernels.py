@@ -8,7 +8,7 @@ FX nodes it computes, and each node with its module (``nn_module_stack``; in the
 ``fwd_nn_module_stack``, which AOTAutograd copies from the forward). ``KernelMap.times`` reads torch.profiler
 events of steps run after compiling: each kernel call inside a graph's wrapper call, forward or backward.
 ``by_module`` gives each module its kernels' time; a kernel fused across several modules is split between
-them by its nodes' output bytes (evenly where none has a size), and the split time is said.
+them by its nodes' output bytes (evenly where none has a size); the time so split is a total of its own.
 
 Private and version-bound: a cache hit, an older torch or another backend leaves a kernel without nodes,
 which ``by_module`` charges to nothing and counts as ``unattributed_ms``.
@@ -42,12 +42,14 @@ _PROVENANCE = "_inductor_triton_kernel_to_post_grad_node_info"  # torch._inducto
 _HANDLE = re.compile(r"# \[Provenance debug handles\] (\S+)")  # the wrapper's kernel calls, in order
 _WRAPPER = re.compile(r"graph_(\d+)_inductor_wrapper_call")
 FORWARD, BACKWARD = "forward", "backward"
+UNMATCHED = "(no kernel)"  # a wrapper call's child event that is none of its graph's kernels
 
 
 @dataclass(frozen=True)
 class Kernel:
     """One kernel call of a compiled graph: its provenance key (``name:handle``), the post-grad nodes it
-    computes, and the output bytes of those nodes by module."""
+    computes, and the output bytes of those nodes by module (a graph input's shared among its users'
+    modules, so fractional)."""
 
     key: str
     nodes: tuple[str, ...]
@@ -60,18 +62,25 @@ class Kernel:
     @property
     def op(self) -> str | None:
         """The profiler event name of an extern kernel (``aten::mm``), None for a generated one."""
-        if self.name.startswith(("cpp_", "triton_")):
-            return None
-        if m := re.match(r"torch\.ops\.(\w+)\.(\w+)", self.name):
-            return f"{m.group(1)}::{m.group(2)}"
-        if m := re.match(r"(?:extern_kernels|aten)\.(\w+)", self.name):
-            return f"aten::{m.group(1)}"
+        return extern_op(self.name)
+
+
+def extern_op(name: str) -> str | None:
+    """The profiler event name of the extern kernel ``name`` (``extern_kernels.mm`` -> ``aten::mm``), None for
+    a generated one (``cpp_fused_*``, ``triton_*``)."""
+    if name.startswith(("cpp_", "triton_")):
         return None
+    if m := re.match(r"torch\.ops\.(\w+)\.(\w+)", name):
+        return f"{m.group(1)}::{m.group(2)}"
+    if m := re.match(r"(?:extern_kernels|aten)\.(\w+)", name):
+        return f"aten::{m.group(1)}"
+    return None
 
 
 @dataclass
 class Graph:
-    """One compiled graph: its id, whether it is a backward, and its kernels in the wrapper's call order."""
+    """One compiled graph: its id, its phase (FORWARD or BACKWARD), and its kernels in the wrapper's call
+    order."""
 
     graph_id: int
     phase: str
@@ -93,7 +102,13 @@ def module_of(node: torch.fx.Node) -> str:
 def _nbytes(node: torch.fx.Node) -> int:
     value = node.meta.get("val")
     values = value if isinstance(value, (list, tuple)) else [value]
-    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+    total = 0
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            # a dynamic shape's size is symbolic: its hint; a size known only at run time counts 0
+            with contextlib.suppress(Exception):
+                total += int(v.numel()) * v.element_size()
+    return total
 
 
 def _op_name(node: torch.fx.Node) -> str | None:
@@ -105,8 +120,8 @@ def _op_name(node: torch.fx.Node) -> str | None:
 
 def _charged(node: torch.fx.Node) -> dict[str, float]:
     """The bytes of ``node`` by the modules a kernel computing it works for: a graph input's (a layout copy of
-    a weight or an activation) its users' modules, those inside a module first; none for a constant shared
-    between modules; else the node's own module."""
+    a weight or an activation) its users' modules, those inside a module first; none for a constant
+    (``aten.full``: Inductor shares one between modules); else the node's own module."""
     if node.target is torch.ops.aten.full.default:
         return {}
     if node.op != "placeholder":
@@ -118,10 +133,9 @@ def _charged(node: torch.fx.Node) -> dict[str, float]:
 
 def _kernel(key: str, names: Iterable[str], nodes: dict[str, torch.fx.Node]) -> Kernel:
     names = [n for n in names if n in nodes]
-    kernel = Kernel(key, tuple(names), {})
-    if kernel.op is not None:  # an extern kernel may list fused neighbours: keep the node(s) of its own op
-        own = [n for n in names if _op_name(nodes[n]) == kernel.op]
-        names = own or names
+    op = extern_op(key.rsplit(":", 1)[0])
+    if op is not None:  # an extern kernel may list fused neighbours: keep the node(s) of its own op
+        names = [n for n in names if _op_name(nodes[n]) == op] or names
     sizes: Counter[str] = Counter()
     for name in names:
         sizes.update(_charged(nodes[name]))
@@ -159,7 +173,10 @@ class KernelMap:
                 setattr(inductor_debug, _PROVENANCE, saved)
         nodes = {node.name: node for node in gm.graph.nodes}  # the post-grad graph: passes ran in place
         order = _HANDLE.findall(getattr(compiled, "source_code", "") or "") or list(provenance)
-        graph = Graph(kwargs.get("graph_id") or 0, BACKWARD if kwargs.get("is_backward") else FORWARD)
+        graph_id = kwargs.get("graph_id")
+        graph = Graph(
+            -1 if graph_id is None else graph_id, BACKWARD if kwargs.get("is_backward") else FORWARD
+        )
         graph.kernels = [_kernel(key, provenance.get(key, ()), nodes) for key in order]
         self.graphs.append(graph)
         return compiled
@@ -167,7 +184,8 @@ class KernelMap:
     def times(self, events: Iterable[Any]) -> pd.DataFrame:
         """Each kernel's time in profiled steps (torch.profiler's ``events()``): one row per kernel call
         kind, columns graph, phase, kernel, calls, ms (inclusive: an extern op's work runs in its children;
-        on CUDA the device's time), modules (their output bytes)."""
+        on CUDA the device's time), bytes_by_module (Kernel.bytes_by_module; empty for a child event of the
+        wrapper call that is no kernel of its graph, an allocation or a view: kernel ``UNMATCHED <name>``)."""
         graphs = {(g.graph_id, g.phase): g for g in self.graphs}
         rows: dict[tuple, dict] = {}
         for event in events:
@@ -184,8 +202,8 @@ class KernelMap:
                 continue
             for kernel, child in _matched(graph, event.cpu_children):
                 row = rows.setdefault(
-                    (graph_id, phase, kernel.key if kernel else child.name),
-                    {"modules": kernel.bytes_by_module if kernel else {}, "calls": 0, "ms": 0.0},
+                    (graph_id, phase, kernel.key if kernel else f"{UNMATCHED} {child.name}"),
+                    {"bytes_by_module": kernel.bytes_by_module if kernel else {}, "calls": 0, "ms": 0.0},
                 )
                 row["calls"] += 1
                 row["ms"] += _ms(child)
@@ -194,7 +212,7 @@ class KernelMap:
                 {"graph": g, "phase": p, "kernel": k, **row}
                 for (g, p, k), row in sorted(rows.items(), key=lambda kv: -kv[1]["ms"])
             ],
-            columns=["graph", "phase", "kernel", "calls", "ms", "modules"],
+            columns=["graph", "phase", "kernel", "calls", "ms", "bytes_by_module"],
         )
 
 
@@ -232,24 +250,28 @@ def _matched(graph: Graph, children: Iterable[Any]) -> Iterator[tuple[Kernel | N
 
 def by_module(times: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, float]]:
     """Forward and backward ms by module from ``KernelMap.times``: a kernel computing several modules' nodes
-    is split between them by those nodes' output bytes (evenly where none has a size). Also the ms so split
-    and the ms of kernels with no module (no provenance) per phase."""
+    is split between them by those nodes' output bytes (evenly where none has a size). Also their totals:
+    the ms so split, of kernels with no module (no provenance: ``unattributed_ms``) and of the wrapper calls'
+    other events (allocations, views: ``unmatched_ms``)."""
     spent: dict[str, Counter] = defaultdict(Counter)
-    said = {"split_ms": 0.0, "unattributed_ms": 0.0}
+    totals = {"split_ms": 0.0, "unattributed_ms": 0.0, "unmatched_ms": 0.0}
     for row in times.itertuples():
         column = f"{row.phase}_ms"
-        modules = row.modules
+        modules = row.bytes_by_module
+        if row.kernel.startswith(UNMATCHED):
+            totals["unmatched_ms"] += row.ms
+            continue
         if not modules:
-            said["unattributed_ms"] += row.ms
+            totals["unattributed_ms"] += row.ms
             continue
         total = sum(modules.values())
         if len(modules) > 1:
-            said["split_ms"] += row.ms
+            totals["split_ms"] += row.ms
         for module, nbytes in modules.items():
             share = nbytes / total if total else 1 / len(modules)
             spent[module][column] += row.ms * share
     table = pd.DataFrame.from_dict(spent, orient="index").reindex(columns=["forward_ms", "backward_ms"])
-    return table.fillna(0.0).rename_axis("module").sort_index(), said
+    return table.fillna(0.0).rename_axis("module").sort_index(), totals
 
 
 @contextlib.contextmanager

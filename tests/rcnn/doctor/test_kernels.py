@@ -2,17 +2,62 @@
 Inductor on the CPU: a conv, BatchNorm and ReLU (which Inductor fuses across the two modules) and a head of
 two linears."""
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
 
-from rcnn.doctor.kernels import BACKWARD, FORWARD, KernelMap, by_module, profiled
+from rcnn.doctor.kernels import (
+    BACKWARD,
+    FORWARD,
+    UNMATCHED,
+    KernelMap,
+    by_module,
+    extern_op,
+    module_of,
+    profiled,
+)
 from rcnn.measure.device import compile_unavailable
 
-pytestmark = [
-    pytest.mark.slow,  # compiling takes 20-30 s on 2 CPU cores
-    pytest.mark.skipif(bool(compile_unavailable(torch.device("cpu"))), reason="no torch.compile here"),
-]
+needs_compile = pytest.mark.skipif(
+    bool(compile_unavailable(torch.device("cpu"))), reason="no torch.compile here"
+)
+
+
+def test_an_extern_kernel_is_named_as_the_profiler_names_its_op():
+    assert extern_op("extern_kernels.mm") == "aten::mm"
+    assert extern_op("torch.ops.aten.convolution_backward.default") == "aten::convolution_backward"
+    assert extern_op("cpp_fused_relu_0") is None and extern_op("triton_poi_fused_relu_0") is None
+
+
+def test_a_nodes_module_is_the_innermost_of_its_stack_forward_or_backward():
+    graph = torch.fx.Graph()
+    forward, backward, root = (graph.placeholder(name) for name in ("a", "b", "c"))
+    forward.meta["nn_module_stack"] = {
+        "x": ("L['self'].body", nn.Sequential),
+        "y": ("L['self'].body._modules['0']", nn.Conv2d),
+    }
+    backward.meta["fwd_nn_module_stack"] = {"x": ("L['self'].head.fc6", nn.Linear)}
+    assert (module_of(forward), module_of(backward), module_of(root)) == ("body.0", "head.fc6", "(model)")
+
+
+def test_fused_time_is_split_by_bytes_else_evenly_and_the_rest_is_totalled_apart():
+    times = pd.DataFrame(
+        [
+            ("forward", "cpp_fused_a:1", 4.0, {"a": 3, "b": 1}),
+            ("backward", "cpp_fused_b:2", 2.0, {"a": 0, "b": 0}),
+            ("backward", "extern_kernels.mm:3", 1.5, {"b": 8}),
+            ("backward", "cpp_fused_c:4", 5.0, {}),
+            ("forward", f"{UNMATCHED} aten::empty", 7.0, {}),
+        ],
+        columns=["phase", "kernel", "ms", "bytes_by_module"],
+    )
+    table, totals = by_module(times)
+    assert table.to_dict() == {
+        "forward_ms": {"a": 3.0, "b": 1.0},
+        "backward_ms": {"a": 1.0, "b": 2.5},
+    }
+    assert totals == {"split_ms": 6.0, "unattributed_ms": 5.0, "unmatched_ms": 7.0}
 
 
 class Head(nn.Module):
@@ -55,26 +100,36 @@ def profiled_steps():
     return kernels, kernels.times(prof.events())
 
 
+@pytest.mark.slow  # compiling takes 20-30 s on 2 CPU cores
+@needs_compile
 def test_every_kernel_of_both_graphs_is_timed_and_given_its_modules(profiled_steps):
     kernels, times = profiled_steps
     assert {g.phase for g in kernels.graphs} == {FORWARD, BACKWARD}
     assert set(times["phase"]) == {FORWARD, BACKWARD}
-    assert (times["calls"] == 3).all() and (times["ms"] > 0).all()
+    kernels_only = times[~times["kernel"].str.startswith(UNMATCHED)]
+    assert (kernels_only["calls"] == 3).all() and (kernels_only["ms"] > 0).all()
     conv_backward = times[times["kernel"].str.startswith("torch.ops.aten.convolution_backward")]
-    assert len(conv_backward) == 1 and set(conv_backward["modules"].iloc[0]) == {"body.0"}
+    assert len(conv_backward) == 1 and set(conv_backward["bytes_by_module"].iloc[0]) == {"body.0"}
     weight_grads = times[(times["phase"] == BACKWARD) & times["kernel"].str.startswith("extern_kernels.mm")]
-    assert {m for row in weight_grads["modules"] for m in row} == {"head.fc6", "head.fc7"}
+    assert {m for row in weight_grads["bytes_by_module"] for m in row} == {"head.fc6", "head.fc7"}
 
 
+@pytest.mark.slow
+@needs_compile
 def test_a_kernel_fused_across_modules_is_split_by_output_bytes(profiled_steps):
     _, times = profiled_steps
-    fused = times[times["modules"].map(lambda m: {"body.1", "body.2"} <= set(m))]
-    assert len(fused), times[["kernel", "modules"]].to_string()
-    assert len(set(fused.iloc[0]["modules"].values())) > 1  # sizes differ: an even split would not pass
-    table, said = by_module(times)
-    assert said["split_ms"] >= fused["ms"].sum() > 0
-    assert table.to_numpy().sum() == pytest.approx(times["ms"].sum() - said["unattributed_ms"])
+    fused = times[times["bytes_by_module"].map(lambda m: {"body.1", "body.2"} <= set(m))]
+    assert len(fused), times[["kernel", "bytes_by_module"]].to_string()
+    assert (
+        len(set(fused.iloc[0]["bytes_by_module"].values())) > 1
+    )  # sizes differ: an even split would not pass
+    table, totals = by_module(times)
+    assert totals["split_ms"] >= fused["ms"].sum() > 0
+    unknown = totals["unattributed_ms"] + totals["unmatched_ms"]
+    assert table.to_numpy().sum() == pytest.approx(times["ms"].sum() - unknown)
     for phase in (FORWARD, BACKWARD):
-        rows = times[(times["phase"] == phase) & times["modules"].map(lambda m: "body.2" in m)]
-        expected = sum(r.ms * r.modules["body.2"] / sum(r.modules.values()) for r in rows.itertuples())
+        rows = times[(times["phase"] == phase) & times["bytes_by_module"].map(lambda m: "body.2" in m)]
+        expected = sum(
+            r.ms * r.bytes_by_module["body.2"] / sum(r.bytes_by_module.values()) for r in rows.itertuples()
+        )
         assert table.loc["body.2", f"{phase}_ms"] == pytest.approx(expected)
