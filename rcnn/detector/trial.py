@@ -847,11 +847,16 @@ def per_sample_table(times: Mapping[int, Mapping[str, Sequence[float]]], *, seed
     return pd.DataFrame(rows).sort_values("per_sample_ms", ignore_index=True)
 
 
+def _flag_help(text: str) -> str:
+    """A knob's help as argparse prints it as written: argparse formats help text with %."""
+    return text.replace("%", "%%")
+
+
 def add_knob_flags(parser: argparse.ArgumentParser) -> None:
     """A flag for every knob but the head (rcnn.detector.schema.KNOBS): a bool knob's flag turns it away from
     its baseline; the others take a value, checked by the Rule params.yaml's key uses (same limits, words)."""
     for knob in KNOBS[1:]:
-        text = knob.help.replace("%", "%%")  # argparse formats help text with %
+        text = _flag_help(knob.help)
         if knob.kind is bool:
             parser.add_argument(
                 knob.flag,
@@ -899,7 +904,7 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         type=head.rule.arg(),
         metavar=head.rule.metavar,
-        help=f"{head.help.replace('%', '%%')} (default: {head.default}); given twice or more, the heads' "
+        help=f"{_flag_help(head.help)} (default: {head.default}); given twice or more, the heads' "
         "detectors are stepped in turn, a fresh order each round, and each is set against the first with a "
         "paired ratio",
     )

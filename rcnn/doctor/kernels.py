@@ -5,10 +5,11 @@ piece of the doctor's by-module table for compiled models (Inductor, torch 2.14'
 backward) as it does, with its provenance tracking on and its caches off, so that every kernel it generates
 or calls (``cpp_fused_*``, ``triton_*``, extern kernels such as ``aten::mm``) is recorded with the post-grad
 FX nodes it computes, and each node with its module (``nn_module_stack``; in the backward graph
-``fwd_nn_module_stack``, which AOTAutograd copies from the forward). ``KernelMap.times`` reads torch.profiler
-events of steps run after compiling: each kernel call inside a graph's wrapper call, forward or backward.
-``by_module`` gives each module its kernels' time; a kernel fused across several modules is split between
-them by its nodes' output bytes (evenly where none has a size); the time so split is a total of its own.
+``fwd_nn_module_stack``, which AOTAutograd copies from the forward). ``KernelMap.times`` reads the
+torch.profiler events of steps run after compiling (rcnn.measure.profiler.capture): each kernel call inside
+a graph's wrapper call, forward or backward. ``by_module`` gives each module its kernels' time; a kernel
+fused across several modules is split between them by its nodes' output bytes (evenly where none has a
+size); the time so split is a total of its own.
 
 Private and version-bound: a cache hit, an older torch or another backend leaves a kernel without nodes,
 which ``by_module`` charges to nothing and counts as ``unattributed_ms``.
@@ -57,12 +58,17 @@ class Kernel:
 
     @property
     def name(self) -> str:
-        return self.key.rsplit(":", 1)[0]
+        return _name(self.key)
 
     @property
     def op(self) -> str | None:
         """The profiler event name of an extern kernel (``aten::mm``), None for a generated one."""
         return extern_op(self.name)
+
+
+def _name(key: str) -> str:
+    """A provenance key's kernel name: ``cpp_fused_relu_2:5`` -> ``cpp_fused_relu_2``."""
+    return key.rsplit(":", 1)[0]
 
 
 def extern_op(name: str) -> str | None:
@@ -133,7 +139,7 @@ def _charged(node: torch.fx.Node) -> dict[str, float]:
 
 def _kernel(key: str, names: Iterable[str], nodes: dict[str, torch.fx.Node]) -> Kernel:
     names = [n for n in names if n in nodes]
-    op = extern_op(key.rsplit(":", 1)[0])
+    op = extern_op(_name(key))
     if op is not None:  # an extern kernel may list fused neighbours: keep the node(s) of its own op
         names = [n for n in names if _op_name(nodes[n]) == op] or names
     sizes: Counter[str] = Counter()
@@ -272,14 +278,3 @@ def by_module(times: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, float]]:
             spent[module][column] += row.ms * share
     table = pd.DataFrame.from_dict(spent, orient="index").reindex(columns=["forward_ms", "backward_ms"])
     return table.fillna(0.0).rename_axis("module").sort_index(), totals
-
-
-@contextlib.contextmanager
-def profiled() -> Iterator[Any]:
-    """torch.profiler around steps of a model compiled through a KernelMap (CPU, and CUDA where there is
-    one): ``prof.events()`` is what ``KernelMap.times`` reads."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        yield prof

@@ -16,10 +16,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import profile
 
 from rcnn.doctor.attribution import ModuleTimer
-from rcnn.measure.profiler import Spent, by_range, quiet_profiler
+from rcnn.measure.profiler import Spent, activities, by_range, quiet_profiler
 
 FORWARD, BACKWARD, PHASE = "forward: ", "backward: ", "step: "  # the ranges' name prefixes
 
@@ -42,11 +42,8 @@ class StepProfile:
         return self._profiler is not None
 
     def start(self) -> None:
-        activities = [ProfilerActivity.CPU]
-        if self.timer.clock.cuda:
-            activities.append(ProfilerActivity.CUDA)
         self.timer.ranges = True
-        self._profiler = profile(activities=activities)
+        self._profiler = profile(activities=activities(self.timer.clock.device))
         with quiet_profiler():
             self._profiler.__enter__()
 

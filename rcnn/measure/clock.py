@@ -20,6 +20,7 @@ class Clock:
     """
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.cuda = device.type == "cuda"
 
     def mark(self) -> torch.cuda.Event | float:

@@ -50,12 +50,16 @@ def quiet_profiler() -> Iterator[None]:
             print(line, file=sys.stderr)
 
 
+def activities(device: torch.device) -> list[ProfilerActivity]:
+    """What torch.profiler records on ``device``: the host's ops, and on CUDA the device's kernels."""
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+
 def capture(
     step: Callable[[], None], device: torch.device, steps: int
 ) -> torch.autograd.profiler_util.EventList:
     """Profile ``steps`` calls of ``step`` (already warmed up) and return the profiler's events."""
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    prof = profile(activities=activities)
+    prof = profile(activities=activities(device))
     with quiet_profiler():
         prof.__enter__()
     try:

@@ -15,9 +15,9 @@ from rcnn.doctor.kernels import (
     by_module,
     extern_op,
     module_of,
-    profiled,
 )
 from rcnn.measure.device import compile_unavailable
+from rcnn.measure.profiler import capture
 
 needs_compile = pytest.mark.skipif(
     bool(compile_unavailable(torch.device("cpu"))), reason="no torch.compile here"
@@ -94,10 +94,7 @@ def profiled_steps():
 
     for _ in range(2):
         step()
-    with profiled() as prof:
-        for _ in range(3):
-            step()
-    return kernels, kernels.times(prof.events())
+    return kernels, kernels.times(capture(step, torch.device("cpu"), 3))
 
 
 @pytest.mark.slow  # compiling takes 20-30 s on 2 CPU cores
@@ -120,9 +117,8 @@ def test_a_kernel_fused_across_modules_is_split_by_output_bytes(profiled_steps):
     _, times = profiled_steps
     fused = times[times["bytes_by_module"].map(lambda m: {"body.1", "body.2"} <= set(m))]
     assert len(fused), times[["kernel", "bytes_by_module"]].to_string()
-    assert (
-        len(set(fused.iloc[0]["bytes_by_module"].values())) > 1
-    )  # sizes differ: an even split would not pass
+    # the sizes differ, so an even split would not pass
+    assert len(set(fused.iloc[0]["bytes_by_module"].values())) > 1
     table, totals = by_module(times)
     assert totals["split_ms"] >= fused["ms"].sum() > 0
     unknown = totals["unattributed_ms"] + totals["unmatched_ms"]
