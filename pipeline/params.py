@@ -173,6 +173,9 @@ class SweepParams:
     # Processes on this host sharing the study (and its CPU threads or GPUs).
     workers: int = _field(1, Rule(minimum=1))
     heartbeat_s: int = _field(60, Rule(minimum=1))  # RDB storage: a trial silent for 3x this is queued again
+    # A head's trial then steps in turn with the reference head until their box-head backward ratio's CI lies
+    # wholly within 1.05 or wholly over it, at most this many seconds (rcnn.detector.trial.run_trial)
+    pair_seconds: float = _field(60.0, Rule(minimum=1))
     cross_check: bool = True  # also time each head alone with torch.utils.benchmark, at profile_at
     profile_steps: int = _field(3, Rule(minimum=0))  # torch.profiler steps per head at profile_at; 0: none
     # These settings run first, so a time budget keeps them

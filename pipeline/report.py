@@ -61,6 +61,7 @@ from rcnn.detector.schema import (
     KNOBS,
     MODULE_TABLE_COLUMNS,
     OTHER_KNOBS,
+    PAIR_AIM,
     SWEEP_WALL_PARTS,
     ResultsError,
     setting_label,
@@ -69,6 +70,7 @@ from rcnn.doctor.columns import MODULE_COLUMNS, OUTSIDE
 from rcnn.doctor.pictures import icicle_html, require_plotly
 from rcnn.measure.cores import CONTENDED_BELOW
 from rcnn.measure.settings import machine_name, peak_dtype
+from rcnn.measure.stats import against
 from rcnn.outputs import CSV, PNG, Kind, check_folder, check_writable, project_root, text_start, write_atomic
 
 TITLE = "# Why the conv box head's backward is slow, and what fixes it"
@@ -371,15 +373,14 @@ def linearize_lines(trials: pd.DataFrame) -> list[str]:
     return [line + "."]
 
 
-FIX_AIM = 1.05  # the fixed conv head's box-head backward within 5% of the linear head's, in every setting
-
-
 def per_setting_lines(comparisons: pd.DataFrame, trials: pd.DataFrame) -> list[str]:
-    """Per setting, the box-head backward of conv with linearize and of conv_as_linear over linear's: in how
-    many settings each is at most FIX_AIM (faster is fine), in how many its CI lies wholly beyond, and those
-    beyond with their CIs. Beside them, how far two ratios to linear differ where their heads compute the
-    same thing: conv and conv_as_linear, both with linearize, once linearize swapped the conv head's 7x7 conv
-    (each ratio read in its own trial: what a ratio carries of the machine's moves)."""
+    """Per setting, the box-head backward of conv with linearize and of conv_as_linear over linear's, each
+    setting's paired 95% CI set against PAIR_AIM (rcnn.measure.stats.against): within it, beyond it, or
+    undecided (across it where the pairing's bound came first), those not within listed with their CIs, and
+    in how many the point estimate is at most PAIR_AIM. Beside them, how far two ratios to linear differ
+    where their heads compute the same thing: conv and conv_as_linear, both with linearize, once linearize
+    swapped the conv head's 7x7 conv (each ratio read in its own trial: what a ratio carries of the
+    machine's moves)."""
     rows = head_backward_per_setting(comparisons)
     rows = rows[rows["denominator"] == "linear"]
     on = rows["linearize"].astype(str) == "True"
@@ -391,17 +392,25 @@ def per_setting_lines(comparisons: pd.DataFrame, trials: pd.DataFrame) -> list[s
         chosen = scope[scope["numerator"] == numerator].dropna(subset=["ratio"])
         if chosen.empty:
             continue
-        beyond = chosen[chosen["ratio"] > FIX_AIM]
-        shown = int((chosen["ci_low"] > FIX_AIM).sum())  # beyond it with the CI wholly over it
-        words = "; ".join(
-            f"{setting_label(x, skip=('linearize',) if numerator == 'conv' else ())} {x.ratio:.3f}x "
-            f"[{x.ci_low:.2f}, {x.ci_high:.2f}]"
-            for _, x in beyond.iterrows()
-        )
+        verdict = [against(PAIR_AIM, x.ci_low, x.ci_high) for _, x in chosen.iterrows()]
+        counts = {v: verdict.count(v) for v in ("within", "beyond", "undecided")}
+        skip = ("linearize",) if numerator == "conv" else ()
+        listed = {
+            v: ", ".join(
+                f"{setting_label(x, skip=skip)} {x.ratio:.3f}x [{x.ci_low:.2f}, {x.ci_high:.2f}]"
+                + (f" ({x.rounds:.0f} rounds)" if x.rounds > 0 else "")
+                for (_, x), said in zip(chosen.iterrows(), verdict)
+                if said == v
+            )
+            for v in ("beyond", "undecided")
+        }
         lines.append(
-            f"- per setting, {what} / linear, box-head backward{_how_paired(chosen)}: at most {FIX_AIM}x in "
-            f"{len(chosen) - len(beyond)} of {len(chosen)} settings, shown beyond it (the CI over {FIX_AIM}) "
-            f"in {shown}" + (f"; beyond: {words}" if words else "")
+            f"- per setting, {what} / linear, box-head backward{_how_paired(chosen)}: within {PAIR_AIM}x "
+            f"(the CI wholly at or under it) in {counts['within']} of {len(chosen)} settings, beyond it "
+            f"(the CI wholly over it) in {counts['beyond']}, undecided (the CI across it) in "
+            f"{counts['undecided']}; "
+            f"the point estimate at most {PAIR_AIM}x in {int((chosen['ratio'] <= PAIR_AIM).sum())}"
+            + "".join(f"; {v}: {words}" for v, words in listed.items() if words)
         )
     same = _same_head_spread(rows[on], trials)
     if lines and same:

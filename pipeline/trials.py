@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import os
 import socket
 import time
@@ -28,12 +29,12 @@ from pipeline.tracking import killed_on_interrupt
 from rcnn.detector.knobs import Knobs
 from rcnn.detector.model import BACKBONE_CHANNELS, ROI_RESOLUTION, DetectorConfig
 from rcnn.detector.roofline import head_flops
-from rcnn.detector.schema import KNOB_NAMES, MEASURED_COLUMNS, TRIAL_WALL_PARTS
+from rcnn.detector.schema import KNOB_NAMES, MEASURED_COLUMNS, PAIR_AIM, TRIAL_WALL_PARTS
 from rcnn.detector.trial import TrialResult, isolated_head_ms, run_model_trial, run_trial, settings_in_turn
 from rcnn.measure.cores import CoreUse
 from rcnn.measure.machine import achieved
 from rcnn.measure.settings import peak_dtype
-from rcnn.measure.stats import compare_paired
+from rcnn.measure.stats import against, compare_paired
 from rcnn.rules import first_line
 
 
@@ -92,6 +93,18 @@ def paired_metrics(
             f"paired_{phase}_ci_high": c.ci_high,
         }
     return {k: v for k, v in metrics.items() if v == v}  # NaN is not a metric
+
+
+def pair_words(metrics: dict[str, float]) -> str:
+    """A pair's box-head backward ratio in words, against PAIR_AIM: '1.02x [0.91, 1.10] over 14 rounds,
+    undecided against 1.05x' (``paired_metrics``' values)."""
+    ratio = metrics.get("paired_head_backward_ratio", math.nan)
+    low = metrics.get("paired_head_backward_ci_low", math.nan)
+    high = metrics.get("paired_head_backward_ci_high", math.nan)
+    return (
+        f"box-head backward {ratio:.2f}x [{low:.2f}, {high:.2f}] over {metrics['paired_rounds']:.0f} rounds, "
+        f"{against(PAIR_AIM, low, high)} against {PAIR_AIM}x"
+    )
 
 
 @contextlib.contextmanager
@@ -171,9 +184,9 @@ class Sweep:
                 mlflow.set_tag("swapped", row["swapped"])
             if result.paired:
                 mlflow.set_tag("paired_with", self.reference)
-                mlflow.log_metrics(
-                    paired_metrics(result.paired, knobs.head, self.reference, seed=self.params.sweep.seed)
-                )
+                pair = paired_metrics(result.paired, knobs.head, self.reference, seed=self.params.sweep.seed)
+                mlflow.log_metrics(pair)
+                self.progress.line(f"  stepped in turn with {self.reference}: {pair_words(pair)}")
             if result.paired_error:
                 mlflow.set_tag("paired_error", result.paired_error)
                 self.progress.line(f"  stepped in turn with {self.reference}: failed, {result.paired_error}")
@@ -221,6 +234,7 @@ class Sweep:
                 profile_steps=self.params.sweep.profile_steps if profile else 0,
                 peak_tflops=matmul_peak(self.ceilings, knobs),
                 paired_with=self.reference if pair and knobs.head != self.reference else None,
+                pair_seconds=self.params.sweep.pair_seconds,
             )
             started = time.perf_counter()
             isolated = (

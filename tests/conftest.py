@@ -29,6 +29,7 @@ TINY_PARAMS = {
     "sweep": {
         "device": "cpu",
         "profile_steps": 1,
+        "pair_seconds": 1,  # the heads in turn: the least rounds, then a second at most
         "space": {
             "head": ["linear", "conv"],
             "onednn": [True],

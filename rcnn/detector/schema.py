@@ -195,6 +195,10 @@ SEED = Rule(minimum=0)  # numpy's generators refuse negative seeds
 
 # --- What one trial measures: per training step, in ms.
 PHASES = ("forward", "backward", "optimizer", "step", "head_forward", "head_backward")
+# A head's box-head backward against the reference head's: within this aim (its 95% CI wholly at or under it)
+# or beyond it (wholly over); a sweep's pair steps until one holds (rcnn.detector.trial.run_trial's
+# ``pair_seconds``), and its report sets every setting against it (the fixed conv head's aim).
+PAIR_AIM = 1.05
 WATCHED = ("backward", "head_backward")  # measuring stops once these medians are known to the set precision
 # rcnn.measure.stats.Stats field -> column pattern, per phase
 STAT_COLUMNS = {

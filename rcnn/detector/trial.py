@@ -49,6 +49,7 @@ from rcnn.detector.schema import (
     MODEL_COMPILE_TARGETS,
     NUM_IMAGES,
     OTHER_KNOBS,
+    PAIR_AIM,
     PHASES,
     REPRESENTATION_SIZE,
     ROIS_PER_IMAGE,
@@ -72,6 +73,7 @@ from rcnn.measure.settings import AUTO, DEVICE, MEMORY_LIMIT_MB
 from rcnn.measure.stats import (
     Stats,
     TimingPolicy,
+    against,
     median_precision,
     median_ratio,
     summarize,
@@ -361,21 +363,33 @@ def run_trial(
     probe: bool = True,
     peak_tflops: float | None = None,
     paired_with: str | None = None,
+    pair_seconds: float | None = None,
 ) -> TrialResult:
     """One trial of the detector (``measure_trial``), its box head's spans among the phases; with
     ``paired_with`` (another head), then build that head's detector beside this one, the other knobs alike,
     and step the two in turn until ``policy`` says stop (``paired``: what a ratio of the two heads is read
     from, as the machine's load and drift hit both alike; two trials run one after the other differ by that
-    drift). Not with knob compile: a second compiled detector would reset dynamo's cache of the first
-    (compile_forward) and share its recompile limit. With ``profile_steps``, the kernel table is the box
-    head's backward's."""
+    drift). With ``pair_seconds`` as well, the two step in turn until their box-head backward ratio's 95% CI
+    lies wholly at or under PAIR_AIM or wholly over it (``decided_against``), at least ``policy.iterations``
+    rounds and at most that many seconds, not until ``policy``'s precision. Not with knob compile: a second
+    compiled detector would reset dynamo's cache of the first (compile_forward) and share its recompile
+    limit. With ``profile_steps``, the kernel table is the box head's backward's."""
     if paired_with == knobs.head:
         raise ValueError(f"paired_with: {paired_with} is the trial's own head; a pair needs another")
     watched = WATCHED if probe else ("backward",)
 
     def pair(trainer: ModelTrainer) -> dict[str, dict[str, list[float]]]:
+        deciding = pair_seconds is not None and "head_backward" in watched
         return _in_turn_with(
-            trainer, paired_with, config, samples, device=device, policy=policy, watched=watched, seed=seed
+            trainer,
+            paired_with,
+            config,
+            samples,
+            device=device,
+            policy=policy.until_decided(pair_seconds) if deciding else policy,
+            watched=watched,
+            seed=seed,
+            decided=decided_against(PAIR_AIM, knobs.head, paired_with, seed=seed) if deciding else None,
         )
 
     return measure_trial(
@@ -574,17 +588,33 @@ def _in_turn_with(
     policy: TimingPolicy,
     watched: tuple[str, ...],
     seed: int,
+    decided: Callable[[Mapping[str, Mapping[str, Sequence[float]]]], bool] | None = None,
 ) -> dict[str, dict[str, list[float]]]:
     """``trainer`` (warm) and a new Trainer of ``head``, its other knobs ``trainer``'s, stepped in turn
-    (rcnn.measure.loop.in_turn, which warms the new one up): head -> phase -> one time per round."""
+    (rcnn.measure.loop.in_turn, which warms the new one up, and stops early once ``decided``): head -> phase
+    -> one time per round."""
     other = Trainer(
         config, replace(trainer.knobs, head=head), samples, device=device, seed=seed, probe=trainer.probe
     )
     try:
         steps = {trainer.knobs.head: trainer.stepper(), head: other.stepper()}
-        return in_turn(steps, policy, watched=watched, seed=seed)
+        return in_turn(steps, policy, watched=watched, seed=seed, decided=decided)
     finally:
         other.close()
+
+
+def decided_against(
+    aim: float, head: str, reference: str, phase: str = "head_backward", seed: int = 0
+) -> Callable[[Mapping[str, Mapping[str, Sequence[float]]]], bool]:
+    """A test for rcnn.measure.loop.in_turn's ``decided``: whether ``head`` / ``reference``'s ``phase``,
+    paired over the rounds so far (median_ratio's 95% CI), lies within ``aim`` or beyond it
+    (rcnn.measure.stats.against), not across it."""
+
+    def decided(samples: Mapping[str, Mapping[str, Sequence[float]]]) -> bool:
+        _, low, high = median_ratio(samples[head][phase], samples[reference][phase], seed=seed)
+        return against(aim, low, high) != "undecided"
+
+    return decided
 
 
 def isolated_head_ms(

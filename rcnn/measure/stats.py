@@ -90,6 +90,16 @@ def compare(a: Sequence[float], b: Sequence[float], seed: int = 0) -> Comparison
     return Comparison(ratio=float(np.median(x) / np.median(y)), ci_low=low, ci_high=high, p_value=p_value)
 
 
+def against(bound: float, ci_low: float, ci_high: float) -> str:
+    """Where a ratio's 95% CI lies against ``bound``: 'within' (wholly at or under it), 'beyond' (wholly over
+    it) or 'undecided' (across it, or no CI)."""
+    if ci_high <= bound:
+        return "within"
+    if ci_low > bound:
+        return "beyond"
+    return "undecided"  # NaN compares false either way: no CI, no claim
+
+
 def compare_paired(a: Sequence[float], b: Sequence[float], seed: int = 0) -> Comparison:
     """``compare`` for paired values (variants stepped in turn): ``median_ratio`` and the Wilcoxon
     signed-rank test's two-sided p-value of the per-round log ratios (NaN where every round ties; rounds
@@ -165,6 +175,7 @@ FLOORS = {"max_warmup": "warmup", "max_iterations": "iterations"}  # a bound bel
 # Past its deadline a measurement still takes this many measured steps (fewer where ``iterations`` asks
 # fewer): a median, and a bootstrap CI (rcnn.measure.stats.bootstrap_ci), need three.
 LEAST_AT_DEADLINE = 3
+UNBOUNDED_ROUNDS = 10**9  # TimingPolicy.until_decided: the seconds bound stops it, never the count
 
 
 @dataclass(frozen=True)
@@ -239,6 +250,17 @@ class TimingPolicy:
 
     def least_at_deadline(self) -> int:
         return min(self.iterations, LEAST_AT_DEADLINE)
+
+    def until_decided(self, max_seconds: float) -> TimingPolicy:
+        """This policy for variants stepped in turn until a comparison of them is decided (rcnn.measure.loop.
+        in_turn's ``decided``), not until their medians are precise: at least ``iterations`` rounds, then
+        until decided or ``max_seconds`` (no bound on the count of rounds)."""
+        return dataclasses.replace(
+            self,
+            max_iterations=UNBOUNDED_ROUNDS,
+            max_seconds=max_seconds,
+            rel_precision=-math.inf,  # never met
+        )
 
     def until(self, deadline: float | None) -> TimingPolicy:
         """This policy bounded by ``deadline`` (``time.monotonic()`` seconds; None: unbounded)."""

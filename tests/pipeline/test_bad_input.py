@@ -180,6 +180,12 @@ CASES = [  # id, params override, what is done to the files, what the one line m
         "sweep.profile_steps: -1 is too small; allowed: >= 0",
     ),
     (
+        "zero-pair-seconds",
+        {"sweep": {"pair_seconds": 0}},
+        None,
+        "sweep.pair_seconds: 0.0 is too small; allowed: >= 1",
+    ),
+    (
         "unknown-profile-amp",
         {"sweep": {"profile_at": [{"amp": "fp8"}]}},
         None,

@@ -505,19 +505,20 @@ def test_per_setting_the_fixed_head_against_linear_how_it_was_paired_and_the_tri
     fixed, hand = per_setting_lines(comparisons, trials)
     assert fixed.startswith(
         "- per setting, conv with `linearize: true` / linear, box-head backward (the two heads stepped in "
-        "turn, 9-10 rounds): at most 1.05x"
+        "turn, 9-10 rounds): within 1.05x (the CI wholly at or under it) in 1 of 2 settings, beyond it (the "
+        "CI wholly over it) in 1, undecided (the CI across it) in 0; the point estimate at most 1.05x in 1; "
+        "beyond: oneDNN on, amp off, NCHW, bs 2 1.100x [1.09, 1.11] (10 rounds)"
     )
+    # conv_as_linear: 1.08 beyond, 1.04 [1.03, 1.05] within (at the aim), 1.01 and 1.00 within
+    assert "within 1.05x (the CI wholly at or under it) in 3 of 4 settings, beyond it" in hand
+    assert "beyond: oneDNN on, amp off, NCHW, bs 1 1.080x [1.07, 1.09] (9 rounds)" in hand
+    comparisons["ci_low"] = comparisons["ratio"] - 0.1  # CIs across the aim: undecided, not beyond
+    fixed = per_setting_lines(comparisons, trials)[0]
     assert (
-        "in 1 of 2 settings, shown beyond it (the CI over 1.05) in 1; "
-        "beyond: oneDNN on, amp off, NCHW, bs 2 1.100x [1.09, 1.11]"
+        "within 1.05x (the CI wholly at or under it) in 1 of 2 settings, beyond it (the CI wholly over it) "
+        "in 0, undecided (the CI across it) in 1; the point estimate at most 1.05x in 1; "
+        "undecided: oneDNN on, amp off, NCHW, bs 2 1.100x [1.00, 1.11] (10 rounds)"
     ) in fixed
-    assert (
-        "conv_as_linear / linear, box-head backward (the two heads stepped in turn, 9-10 rounds): at most "
-        "1.05x in 3 of 4 settings, shown beyond it" in hand
-    )
-    assert "bs 1 1.080x [1.07, 1.09]" in hand
-    comparisons["ci_low"] = comparisons["ratio"] - 0.1  # no CI wholly over 1.05
-    assert "shown beyond it (the CI over 1.05) in 0; beyond:" in per_setting_lines(comparisons, trials)[0]
     # conv / conv_as_linear, linearize on: 1.02 and 1.10 / 1.04 = 1.06, where the 7x7 conv was swapped
     assert "each read in its own trial, differ 1.02-1.06x over 2 settings here." in hand
     assert "one after the other" not in hand

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import math
+import re
 import sys
 
 import mlflow
@@ -19,6 +20,7 @@ from rcnn.detector.roofline import head_flops
 from rcnn.detector.schema import SWEEP_WALL_PARTS
 from rcnn.measure.device import amp_unavailable
 from rcnn.measure.settings import AMP_DTYPES
+from rcnn.measure.stats import against
 from tests import launcher
 from tests.conftest import ROOT, TINY_PARAMS
 from tests.pipeline.helpers import SWEEP_FILES
@@ -126,7 +128,7 @@ def test_missing_data_folder_and_source(tmp_path, tiny_params):
     assert result.returncode == 2 and "coco: data folder does not exist" in result.stderr
 
 
-def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
+def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params, capsys):
     params = tiny_params({"tracking": {"system_metrics_s": 1}})
     paths = {k: tmp_path / v for k, v in SWEEP_FILES.items()}
     assert data.main(["--params", str(params), "--out", str(paths["data"])]) == 0
@@ -191,6 +193,20 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params):
     assert (per_setting["rounds"] >= timing["iterations"]).all()
     walls = trials.set_index("head")["wall_paired_s"]
     assert walls["conv"] > 0 and walls["linear"] == 0  # the reference head's trial steps no pair
+    # The progress says where the pair's box-head ratio lies against the fix's aim, as the comparisons do
+    said = re.search(
+        r"stepped in turn with linear: box-head backward (\S+)x \[(\S+), (\S+)\] over (\d+) rounds, "
+        r"(within|beyond|undecided) against 1.05x",
+        capsys.readouterr().out,
+    )
+    head_row = per_setting.loc["head_backward"]
+    assert said and said.groups() == (
+        f"{head_row['ratio']:.2f}",
+        f"{head_row['ci_low']:.2f}",
+        f"{head_row['ci_high']:.2f}",
+        f"{head_row['rounds']:.0f}",
+        against(1.05, head_row["ci_low"], head_row["ci_high"]),
+    )
 
     summary = json.loads(paths["summary"].read_text())
     statuses = trials["status"].value_counts()

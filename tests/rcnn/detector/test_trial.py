@@ -16,6 +16,7 @@ from rcnn.detector.schema import PHASES
 from rcnn.detector.trial import (
     Trainer,
     batch_sizes_in_turn,
+    decided_against,
     find_batch_size,
     isolated_head_ms,
     main,
@@ -475,6 +476,44 @@ def test_a_paired_trial_steps_its_head_in_turn_with_the_other_after_measuring_it
     assert run_trial(TINY_CONFIG, Knobs(head="conv"), SAMPLES, device=CPU, policy=QUICK).paired == {}
     with pytest.raises(ValueError, match="paired_with: conv is the trial's own head"):
         run_trial(TINY_CONFIG, Knobs(head="conv"), SAMPLES, device=CPU, policy=QUICK, paired_with="conv")
+
+
+def test_a_pair_is_decided_once_its_ratios_ci_lies_within_the_aim_or_beyond_it():
+    decided = decided_against(1.05, "conv", "linear")
+    linear = [10.0, 10.4, 9.8, 10.1, 10.2, 9.9, 10.0, 10.3]
+
+    def rounds(conv: list[float]) -> dict:
+        return {"conv": {"head_backward": conv}, "linear": {"head_backward": linear}}
+
+    assert decided(rounds([3 * x for x in linear]))  # conv 3x: beyond at once
+    assert decided(rounds([x * 0.99 for x in linear]))  # 0.99x every round: within
+    assert not decided(rounds([x * f for x, f in zip(linear, (0.9, 1.2, 0.95, 1.15, 1.0, 1.1, 0.92, 1.18))]))
+    two = {"conv": {"head_backward": [30.0, 31.0]}, "linear": {"head_backward": [10.0, 10.2]}}
+    assert not decided(two)  # two rounds: no CI, no claim
+
+
+@pytest.mark.slow  # two detectors stepped: seconds
+def test_a_sweeps_pair_steps_until_decided_against_the_aim_bounded_by_its_seconds(monkeypatch):
+    seen = []  # (policy, decided) of each in-turn stepping
+
+    def recording(steps, policy, **kwargs):
+        seen.append((policy, kwargs["decided"]))
+        return in_turn(steps, policy, **kwargs)
+
+    in_turn = bench.in_turn
+    monkeypatch.setattr(bench, "in_turn", recording)
+    knobs = Knobs(head="conv", batch_size=1)
+    result = run_trial(
+        TINY_CONFIG, knobs, SAMPLES, device=CPU, policy=QUICK, paired_with="linear", pair_seconds=1.0
+    )
+    (policy, decided), *_ = seen
+    assert policy == QUICK.until_decided(1.0) and decided is not None
+    rounds = len(result.paired["conv"]["head_backward"])
+    assert rounds >= QUICK.iterations  # its least rounds, then until decided or the second is up
+    assert decided(result.paired) or result.wall_s["paired"] >= 1.0
+    seen.clear()
+    run_trial(TINY_CONFIG, knobs, SAMPLES, device=CPU, policy=QUICK, paired_with="linear")
+    assert seen == [(QUICK, None)]  # without pair_seconds: the trial's own policy, as before
 
 
 @pytest.mark.slow  # whole trials: seconds

@@ -3,6 +3,7 @@ import pytest
 
 from rcnn.measure.stats import (
     TimingPolicy,
+    against,
     bootstrap_ci,
     compare,
     compare_paired,
@@ -141,3 +142,21 @@ def test_compare_paired_reads_the_rounds_together():
     same = compare_paired(load * noise, load)
     assert same.ci_low < 1 < same.ci_high and same.p_value > 0.05
     assert np.isnan(compare_paired(load, load).p_value)  # every round ties: no test to run
+
+
+def test_a_ci_against_a_bound_is_within_beyond_or_undecided():
+    assert against(1.05, 0.98, 1.05) == "within"  # at the bound counts as within
+    assert against(1.05, 1.051, 1.2) == "beyond"
+    assert against(1.05, 1.0, 1.06) == "undecided"
+    assert against(1.05, float("nan"), float("nan")) == "undecided"  # no CI, no claim
+
+
+def test_a_policy_until_decided_stops_on_its_seconds_never_on_precision_or_count():
+    policy = TimingPolicy(iterations=4, max_iterations=6, max_seconds=5, rel_precision=0.5)
+    deciding = policy.until_decided(30.0)
+    steady = [[100.0] * 50]  # every median exactly known: precise enough for any policy that reads it
+    assert policy.done(steady, elapsed_s=1.0)
+    assert not deciding.done(steady, elapsed_s=29.0)  # neither precision nor 50 rounds stop it
+    assert deciding.done(steady, elapsed_s=30.0)
+    assert not deciding.done([[100.0] * 3], elapsed_s=99.0)  # its least rounds first
+    assert (deciding.warmup, deciding.iterations) == (policy.warmup, policy.iterations)
