@@ -113,11 +113,17 @@ class ModuleTimer:
         starting: Callable[[nn.Module, tuple, dict], None] | None = None,
         ending: Callable[[nn.Module], None] | None = None,
         capture: Callable[[nn.Module], bool] | None = None,
+        root_only: bool = False,
     ) -> None:
         self.clock = clock
         self.model = model
-        self.modules = {module: name or ROOT for name, module in model.named_modules()}
-        self.types = {name: type(module).__name__ for module, name in self.modules.items()}
+        # root_only: the model's own calls alone (a compiled model, whose modules' hooks would be traced)
+        self.root_only = root_only  # and no saved-tensor hooks: under them dynamo would not compile the call
+        named = [("", model)] if root_only else model.named_modules()
+        self.modules = {module: name or ROOT for name, module in named}
+        self.types = {
+            name: type(getattr(module, "_orig_mod", module)).__name__ for module, name in self.modules.items()
+        }
         self.seen: dict[str, Seen] = {}
         self.flops: Counter[tuple[str, str]] = Counter()  # (module, column) -> FLOPs, in the counted step
         self.unknown_flops: set[tuple[str, str]] = set()  # cells where an op without a FLOP formula ran
@@ -240,6 +246,8 @@ class ModuleTimer:
             todo.extend(next_node for next_node, _ in node.next_functions)
 
     def _start_saving(self) -> None:
+        if self.root_only:
+            return
         user = _user_saved_hooks()
         pack_next, unpack_next = user if user else (torch.Tensor.detach, lambda packed: packed)
 

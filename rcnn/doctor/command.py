@@ -31,12 +31,14 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 from rcnn.cli import Parser, run_command
 from rcnn.doctor.diagnosis import Diagnosis, Fixed, diagnose, fix
 from rcnn.doctor.files import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
 from rcnn.doctor.specs import DEFAULT_IMAGE_SIZE, IMAGE_SIZE
 from rcnn.doctor.workloads import build_workload
-from rcnn.measure.device import DTYPES, amp_unavailable, resolve_device, set_tf32
+from rcnn.measure.device import DTYPES, amp_unavailable, compile_unavailable, resolve_device, set_tf32
 from rcnn.measure.machine import copy_peak, fingerprint, matmul_paths
 from rcnn.measure.options import add_timing_options, check_timing_options, timing_policy
 from rcnn.measure.settings import AMP, AMP_DTYPES, DEVICE, machine_name
@@ -47,6 +49,7 @@ from rcnn.rules import Rule, ValueNotAllowed, first_line
 TOP = Rule(minimum=1)
 FRAMES = Rule(minimum=1)
 BATCH_SIZE = Rule(minimum=1)
+COMPILE = Rule(choices=("off", "model"))
 # --max-seconds' default: a detector's steps, its why rows and the fix's timings fit on 2 CPU cores
 RUN_SECONDS = 120.0
 POLICY = TimingPolicy(max_seconds=RUN_SECONDS)  # the timing flags' defaults
@@ -81,6 +84,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar=DEVICE.metavar,
         default="auto",
         help="auto picks CUDA when there is a GPU",
+    )
+    p.add_argument(
+        "--compile",
+        type=COMPILE.arg(),
+        metavar=COMPILE.metavar,
+        default="off",
+        help="model: torch.compile(model) with Inductor, each module timed by the compiled kernels that "
+        "compute it (FLOPs and flags from one eager step, compile time apart); off: eager",
     )
     p.add_argument("--backbone", help="the detector's backbone (detector:<head> only; default resnet18_fpn)")
     p.add_argument(
@@ -208,6 +219,12 @@ def _run(args: argparse.Namespace) -> None:
         set_tf32(args.allow_tf32)
     if reason := amp_unavailable(args.amp, device):
         raise ValueNotAllowed("--amp", f"{args.amp} does not apply on {device.type}: {reason}")
+    if args.compile != "off" and (reason := compile_unavailable(device)):
+        raise ValueNotAllowed("--compile", f"{args.compile} does not apply on {device.type}: {reason}")
+    if args.compile != "off" and args.fix:
+        raise ValueNotAllowed(
+            "--compile", f"{args.compile} with --fix: the fix times the eager model; allowed: one of the two"
+        )
     zoo_options = {"backbone": args.backbone} if args.backbone else {}
     workload = build_workload(
         args.model,
@@ -218,6 +235,8 @@ def _run(args: argparse.Namespace) -> None:
         channels_last=args.channels_last,
         **zoo_options,
     )
+    if args.compile == "model":  # watched as a user's torch.compile(model) is (rcnn.doctor.compiled)
+        workload.model = torch.compile(workload.model)
     dtype = AMP_DTYPES[args.amp]
     paths = matmul_paths(device, DTYPES[dtype])
     copy_peak(device)  # measured once per process: the diagnosis's why rows then read it, outside the bound
@@ -249,6 +268,7 @@ def _run(args: argparse.Namespace) -> None:
         "options": {"batch_size": args.batch_size, "image_size": args.image_size, "frames": args.frames},
         "amp": args.amp,
         "channels_last": args.channels_last,
+        "compile": args.compile,
         "summary": diagnosis.summary,
         **({"fix": fixed.summary} if fixed else {}),
     }
@@ -256,6 +276,7 @@ def _run(args: argparse.Namespace) -> None:
     title = (
         f"{args.model} on {device.type} ({where}), batch {workload.batch_description}, "
         f"{dtype}{', channels_last' if args.channels_last else ''}"
+        f"{', torch.compile (Inductor)' if args.compile != 'off' else ''}"
     )
     texts = doctor_files(diagnosis, env, title=title, fixed=fixed)
     written = write_run(Path(args.out), texts, earlier) if args.out else []

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,16 +93,51 @@ class Graph:
     kernels: list[Kernel] = field(default_factory=list)
 
 
-def module_of(node: torch.fx.Node) -> str:
-    """The innermost module whose forward made ``node`` (its qualified name), ROOT where none did."""
+_LOCAL = re.compile(r"^(L\['[^']+'\])\.?(.*)$")  # a frame's local (``L['self']``) and the path from it
+
+
+def _dotted(path: str) -> str:
+    """``_modules['body']._modules['0']`` or ``body[0]`` -> ``body.0``."""
+    path = re.sub(r"\._modules\['([^']+)'\]", r".\1", f".{path}" if path.startswith("_modules") else path)
+    return re.sub(r"\[(\d+)\]", r".\1", path).strip(".")
+
+
+def module_of(node: torch.fx.Node, bases: dict[str, str] | None = None) -> str:
+    """The innermost module whose forward made ``node`` (its qualified name), ROOT where none did. Dynamo
+    names it from a local of the frame it compiled (``L['self'].body``): ``bases`` gives each local's
+    qualified name in the watched model (a frame of a submodule's forward, after a graph break, or a module
+    held over one; ``frame_bases``), else the local is the model."""
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
     if not stack:
         return ROOT
     path = list(stack.values())[-1][0]
-    path = re.sub(r"^L\['[^']+'\]\.?", "", path)
-    path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
-    path = re.sub(r"\[(\d+)\]", r".\1", path)
-    return path or ROOT
+    local, rest = m.groups() if (m := _LOCAL.match(path)) else ("", path)
+    return ".".join(p for p in ((bases or {}).get(local, ""), _dotted(rest)) if p) or ROOT
+
+
+_STATE = re.compile(r"^(L\['[^']+'\])\.?(.*?)\.?_(?:parameters|buffers)\['[^']+'\]$")
+
+
+def frame_bases(gm: torch.fx.GraphModule, owners: dict[int, str]) -> dict[str, str]:
+    """Each local of the frame dynamo compiled into ``gm`` that holds a module of the watched model, with
+    that module's qualified name: read off the graph's inputs that are its parameters or buffers (their
+    dynamo source, ``L['self']._modules['conv']._parameters['weight']``, against ``owners``: a tensor's id
+    -> the qualified name of the module holding it)."""
+    bases: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or (arg := node.meta.get("grapharg")) is None:
+            continue
+        source = getattr(arg, "source", None)
+        name = getattr(source, "name", None)
+        name = name() if callable(name) else name  # a method in older torch
+        owner = owners.get(id(getattr(arg, "example", None)))
+        if not isinstance(name, str) or owner is None or not (m := _STATE.match(name)):
+            continue
+        local, within = m.group(1), _dotted(m.group(2))
+        if within and not (owner == within or owner.endswith(f".{within}")):
+            continue
+        bases.setdefault(local, owner[: len(owner) - len(within)].rstrip("."))
+    return bases
 
 
 def _nbytes(node: torch.fx.Node) -> int:
@@ -124,45 +159,54 @@ def _op_name(node: torch.fx.Node) -> str | None:
     return None
 
 
-def _charged(node: torch.fx.Node) -> dict[str, float]:
+def _charged(node: torch.fx.Node, bases: dict[str, str]) -> dict[str, float]:
     """The bytes of ``node`` by the modules a kernel computing it works for: a graph input's (a layout copy of
     a weight or an activation) its users' modules, those inside a module first; none for a constant
     (``aten.full``: Inductor shares one between modules); else the node's own module."""
     if node.target is torch.ops.aten.full.default:
         return {}
     if node.op != "placeholder":
-        return {module_of(node): _nbytes(node)}
-    users = {module_of(user) for user in node.users}
+        return {module_of(node, bases): _nbytes(node)}
+    users = {module_of(user, bases) for user in node.users}
     owners = (users - {ROOT}) or users
     return {owner: _nbytes(node) / len(owners) for owner in owners}
 
 
-def _kernel(key: str, names: Iterable[str], nodes: dict[str, torch.fx.Node]) -> Kernel:
+def _kernel(key: str, names: Iterable[str], nodes: dict[str, torch.fx.Node], bases: dict[str, str]) -> Kernel:
     names = [n for n in names if n in nodes]
     op = extern_op(_name(key))
     if op is not None:  # an extern kernel may list fused neighbours: keep the node(s) of its own op
         names = [n for n in names if _op_name(nodes[n]) == op] or names
     sizes: Counter[str] = Counter()
     for name in names:
-        sizes.update(_charged(nodes[name]))
+        sizes.update(_charged(nodes[name], bases))
     return Kernel(key, tuple(names), dict(sizes))
 
 
 class KernelMap:
-    """The kernels of every graph compiled through ``backend``, with the modules each computes."""
+    """The kernels of every graph compiled through ``backend``, with the modules each computes. ``options``:
+    Inductor settings the user's torch.compile asked for (its ``mode`` and ``options``), applied under
+    SETTINGS. ``owners``: each parameter's and buffer's id -> the qualified name of the module holding it in
+    the watched model, so that a graph of a submodule's frame names modules as the model does
+    (``frame_bases``); without, names are from each frame's own module."""
 
-    def __init__(self) -> None:
+    def __init__(self, options: dict[str, Any] | None = None, owners: dict[int, str] | None = None) -> None:
         self.graphs: list[Graph] = []
+        self.options = dict(options or {})
+        self.owners = dict(owners or {})
 
     def backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
         """A torch.compile backend: Inductor under SETTINGS, each graph's kernels recorded."""
         from torch._inductor import config
         from torch._inductor.compile_fx import compile_fx
 
+        inner = functools.partial(self._inner, bases=frame_bases(gm, self.owners))  # the backward's too
         with config.patch(_known(config)):
-            return compile_fx(gm, example_inputs, inner_compile=self._inner)
+            return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=self.options or None)
 
-    def _inner(self, gm: torch.fx.GraphModule, example_inputs: list, *args: Any, **kwargs: Any) -> Any:
+    def _inner(
+        self, gm: torch.fx.GraphModule, example_inputs: list, *args: Any, bases: dict[str, str], **kwargs: Any
+    ) -> Any:
         from torch._inductor import config
         from torch._inductor import debug as inductor_debug
         from torch._inductor.compile_fx import compile_fx_inner
@@ -183,7 +227,7 @@ class KernelMap:
         graph = Graph(
             -1 if graph_id is None else graph_id, BACKWARD if kwargs.get("is_backward") else FORWARD
         )
-        graph.kernels = [_kernel(key, provenance.get(key, ()), nodes) for key in order]
+        graph.kernels = [_kernel(key, provenance.get(key, ()), nodes, bases) for key in order]
         self.graphs.append(graph)
         return compiled
 
@@ -254,15 +298,17 @@ def _matched(graph: Graph, children: Iterable[Any]) -> Iterator[tuple[Kernel | N
         yield found, child
 
 
-def by_module(times: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, float]]:
-    """Forward and backward ms by module from ``KernelMap.times``: a kernel computing several modules' nodes
-    is split between them by those nodes' output bytes (evenly where none has a size). Also their totals:
-    the ms so split, of kernels with no module (no provenance: ``unattributed_ms``) and of the wrapper calls'
-    other events (allocations, views: ``unmatched_ms``)."""
-    spent: dict[str, Counter] = defaultdict(Counter)
+SPLIT_COLUMNS = ["module", "phase", "kernel", "calls", "ms"]
+
+
+def split(times: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, float]]:
+    """``KernelMap.times`` by module: each kernel's time given to the modules whose nodes it computes, split
+    between several by those nodes' output bytes (evenly where none has a size), one row per module, phase
+    and kernel (SPLIT_COLUMNS). Also the totals: the ms so split, of kernels with no module (no provenance:
+    ``unattributed_ms``) and of the wrapper calls' other events (allocations, views: ``unmatched_ms``)."""
+    rows = []
     totals = {"split_ms": 0.0, "unattributed_ms": 0.0, "unmatched_ms": 0.0}
     for row in times.itertuples():
-        column = f"{row.phase}_ms"
         modules = row.bytes_by_module
         if row.kernel.startswith(UNMATCHED):
             totals["unmatched_ms"] += row.ms
@@ -275,6 +321,13 @@ def by_module(times: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, float]]:
             totals["split_ms"] += row.ms
         for module, nbytes in modules.items():
             share = nbytes / total if total else 1 / len(modules)
-            spent[module][column] += row.ms * share
-    table = pd.DataFrame.from_dict(spent, orient="index").reindex(columns=["forward_ms", "backward_ms"])
-    return table.fillna(0.0).rename_axis("module").sort_index(), totals
+            rows.append((module, row.phase, _name(row.kernel), row.calls, row.ms * share))
+    return pd.DataFrame(rows, columns=SPLIT_COLUMNS), totals
+
+
+def by_module(times: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, float]]:
+    """Forward and backward ms by module from ``KernelMap.times`` (``split``), with ``split``'s totals."""
+    parts, totals = split(times)
+    table = parts.pivot_table(index="module", columns="phase", values="ms", aggfunc="sum")
+    table = table.rename(columns=lambda phase: f"{phase}_ms").reindex(columns=["forward_ms", "backward_ms"])
+    return table.fillna(0.0).rename_axis(index="module", columns=None).sort_index(), totals

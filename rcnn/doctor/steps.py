@@ -131,6 +131,16 @@ class StepFinder:
             self._mode = None
 
     @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """The function mode off inside, where it is innermost: a compiled model's call (dynamo guards on the
+        mode stack, and would recompile the model under it)."""
+        if self._mode is None or top_function_mode() is not self._mode:
+            yield
+            return
+        with torch.overrides._pop_mode_temporarily():
+            yield
+
+    @contextlib.contextmanager
     def mark(self) -> Iterator[None]:
         """One step by hand: every forward and backward inside is the step's, whatever the detection would
         have found."""

@@ -54,6 +54,10 @@ NOTES = {  # under the table, for the rows that are no module of the model's own
     ROOT: "work in the model's own forward, outside its submodules, e.g. functional calls like roi_align",
     OUTSIDE: "work no module's forward created: the loss, the optimizer, autograd's own",
 }
+COMPILED_ROOT_NOTE = (
+    "the compiled call's time beyond its modules' kernels: dynamo's guards, the graphs' own calls, code run "
+    "eagerly between graphs, kernels no module's nodes account for"
+)
 WRAP = 110  # the printout's width for the why rows
 AUTOGRAD_EVENTS = ("torch::autograd::", "autograd::")
 
@@ -77,6 +81,8 @@ class Diagnosis:
             f"{s['precision']:.1%}); times are means of the middle half of the steps: forward "
             f"{s['forward_ms']:.1f} ms, backward {s['backward_ms']:.1f} ms; " + _ceilings_said(s)
         )
+        if s.get("compiled"):
+            lines.append(_compiled_said(s))
         if s.get("warmup_cut"):
             lines.append("Warm-up ended at the --max-seconds bound before the step times settled.")
         if contended(share := s.get("core_share")):
@@ -96,7 +102,8 @@ class Diagnosis:
             "saved_mb: what autograd saved for their backward):"
         )
         lines.append(shown[columns].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
-        lines += [f"{name}: {note}" for name, note in NOTES.items() if name in set(shown["module"])]
+        notes = NOTES | ({ROOT: COMPILED_ROOT_NOTE} if s.get("compiled") else {})
+        lines += [f"{name}: {note}" for name, note in notes.items() if name in set(shown["module"])]
         files = f"{Path(out)}/" if out else "the files (--out)"
         flagged, small = self.shown_flags()
         if len(flagged) or small:
@@ -147,6 +154,30 @@ def _ceilings_said(s: dict[str, Any]) -> str:
     return f"matmul peak {peak:.3g} TFLOP/s ({s['dtype']}, the fastest of torch's product paths, measured)"
 
 
+def _compiled_said(s: dict[str, Any]) -> str:
+    """The compiled run in one paragraph: graphs and breaks, compile time, how the kernels' time was given."""
+    breaks, steps = s["graph_breaks"], s["compile_steps"]
+    said = (
+        f"Compiled with Inductor: {s['forward_graphs']} forward and {s['backward_graphs']} backward graphs, "
+        f"graph breaks: {sum(breaks.values())}"
+        + (" (" + "; ".join(f"{n} x {reason}" for reason, n in breaks.items()) + ")" if breaks else "")
+        + f"; compiling took {s['compile_s']:.1f} s over {steps} step{'s' if steps != 1 else ''}, not timed. "
+        "Each module's time is its kernels' in the timed steps (torch.profiler): "
+        f"{s['split_ms']:.2f} ms a step of kernels fused across modules split by their nodes' output bytes"
+    )
+    if s["unattributed_ms"] or s["unmatched_ms"]:
+        said += (
+            f"; {s['unattributed_ms']:.2f} ms of kernels with no provenance and {s['unmatched_ms']:.2f} ms "
+            "of the graphs' other events (allocations, views) stay in (model)"
+        )
+    return said + ". FLOPs are the eager step's; flags time each module alone, eagerly."
+
+
+def _touched(moved_mb: Any) -> str:
+    moved = _number(moved_mb)
+    return "bytes touched not counted" if math.isnan(moved) else f"{moved:.3g} MiB touched"
+
+
 def _number(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) and value == value else math.nan
 
@@ -161,8 +192,7 @@ def _why_lines(row: dict[str, Any]) -> list[str]:
     )
     body = [
         f"ran: {row['ran']}",
-        f"{_number(row['backward_gflop']):.3g} GFLOP, {_number(row['backward_moved_mb']):.3g} MiB touched: "
-        f"{row['bound']}",
+        f"{_number(row['backward_gflop']):.3g} GFLOP, {_touched(row['backward_moved_mb'])}: {row['bound']}",
     ]
     if not math.isnan(_number(row.get("input_grad_ms"))):
         body.append(
@@ -180,13 +210,17 @@ def _why_lines(row: dict[str, Any]) -> list[str]:
     return wrapped
 
 
+def middle_half(values: list[float]) -> list[int]:
+    """The indices of the middle half of ``values``, by value: the steps ``typical`` averages."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    cut = len(order) // 4
+    return order[cut : len(order) - cut]
+
+
 def typical(tables: list[pd.DataFrame], totals: dict[str, list[float]]) -> tuple[pd.DataFrame, dict]:
     """The middle half of the measured steps (by backward time), averaged row by row: as robust to an outlying
     step as a median, and unlike per-row medians the rows, the OUTSIDE row included, add up to the steps'."""
-    backward = totals["backward_ms"]
-    order = sorted(range(len(backward)), key=lambda i: backward[i])
-    cut = len(order) // 4
-    kept = order[cut : len(order) - cut]
+    kept = middle_half(totals["backward_ms"])
     table = pd.concat([tables[i] for i in kept]).groupby(level=0, sort=False).mean()
     total = {phase: sum(values[i] for i in kept) / len(kept) for phase, values in totals.items()}
     return table, total

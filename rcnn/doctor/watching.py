@@ -15,6 +15,7 @@ backward through ``torch.autograd.grad``, or run in another thread).
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -27,11 +28,12 @@ from torch import nn
 
 from rcnn.doctor.attribution import ModuleTimer
 from rcnn.doctor.columns import ROOT
+from rcnn.doctor.compiled import CompiledModel, compiled_tables, kernel_tables, optimized
 from rcnn.doctor.files import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
 from rcnn.doctor.remedies import remedy_for
 from rcnn.doctor.steps import StepFinder
 from rcnn.doctor.trace import StepProfile
-from rcnn.doctor.verdict import Diagnosis, tabulate
+from rcnn.doctor.verdict import Diagnosis, middle_half, tabulate
 from rcnn.measure.clock import Clock
 from rcnn.measure.cores import CoreUse
 from rcnn.measure.device import DTYPES
@@ -99,12 +101,15 @@ class Watch:
         explain: bool,
         timings: dict | None = None,
     ) -> None:
-        if what := compiled(model):
+        # torch.compile(model): timed by its compiled kernels (rcnn.doctor.compiled), its FLOPs eagerly
+        self._compiled = CompiledModel(model) if optimized(model) else None
+        self._eager = model._orig_mod if self._compiled else model  # the modules as the user wrote them
+        if what := compiled(self._eager):
             raise ValueNotAllowed(
                 "watch",
-                f"{what} is compiled (torch.compile): its hooks would not run as written, so nothing "
-                "could be timed; allowed: the module as it was before torch.compile (an OptimizedModule's "
-                "_orig_mod), watched in an eager run",
+                f"{what} is compiled (torch.compile) inside a model that is not: its hooks would be traced "
+                "into its graph, or not run at all, so nothing could be timed; allowed: torch.compile(model) "
+                "of the whole model, or the model uncompiled",
             )
         if steps is not None and steps < 1:
             raise ValueNotAllowed("steps", f"{steps!r} is too small; allowed: >= 1, or None for the policy's")
@@ -138,6 +143,11 @@ class Watch:
         self._last_s = 0.0  # the last step's forward and backward, in seconds: what the next should take
         self._profile: StepProfile | None = None  # the step after warm-up, profiled (``explain``)
         self._profiled = False
+        # A compiled model: the FLOP step's timer (its hooks off after it) and calls by module, and the graphs
+        # compiled before the step now running (a step that adds some compiled: not warm-up, not timed)
+        self._flop_timer: ModuleTimer | None = None
+        self._calls: pd.Series | None = None
+        self._graphs_before = 0
 
     # -- the block
 
@@ -147,13 +157,16 @@ class Watch:
         self._entered = True
         self._steps_policy = self.policy.within(STEPS_SHARE)
         self._timer = ModuleTimer(
-            self.model,
+            self._eager,
             self.clock,
             starting=self._steps.call_began,
             ending=self._steps.call_ended,
             capture=lambda module: remedy_for(module) is not None,  # what a remedy runs again alone
         )
-        self._profile = StepProfile(self._timer) if self.explain else None
+        if self._compiled is not None:
+            self._compiled.eagerly()  # the FLOP step; the compiled steps' profile is their own
+        elif self.explain:
+            self._profile = StepProfile(self._timer)
         self._steps.attach()
         return self
 
@@ -163,6 +176,8 @@ class Watch:
                 self._steps.end()  # the last step, if it ran its backward
             self._detach()
         self._steps.close()
+        if self._compiled is not None:
+            self._compiled.restore()
         if exc_type is None and (problem := self._nothing()):
             warnings.warn(problem, NothingWatchedWarning, stacklevel=2)
 
@@ -196,6 +211,10 @@ class Watch:
     def _step_began(self) -> None:
         self._timer.begin_step()
         self._forward_start = None
+        if self._compiled is not None:
+            self._graphs_before = self._compiled.graphs
+            if self._measuring and self._done_steps > 0:
+                self._compiled.start_profile()  # each timed step's own: its kernels' times
         if self._done_steps == 0:  # the first step counts FLOPs by module: it is neither warm-up nor timed
             self._counting = self._timer.flop_counter()
             self._timer.count_forwards(self._counting)
@@ -209,7 +228,7 @@ class Watch:
         if self._forward_start is None:
             self._forward_start = self.clock.mark()
         if first and self._done_steps > 0:
-            self._seen_call(module, args, kwargs)
+            self._seen_call(self._eager if module is self.model else module, args, kwargs)
         self._timer.active = True
 
     def _forward_ended(self) -> None:
@@ -254,6 +273,8 @@ class Watch:
             self._profile.stop(keep=backwards > 0)
             self._profiled = backwards > 0
             return
+        if self._compiled is not None:  # a timed step's kernels kept with its table, below
+            self._compiled.stop_profile(keep=backwards > 0 and self._measuring and self._done_steps > 0)
         if backwards == 0:  # forwards alone: no step
             return
         self.clock.sync()
@@ -264,6 +285,19 @@ class Watch:
             self._flops = timer.flop_table()
             self._counting = None
             timer.count_forwards(None)
+            if self._compiled is not None:
+                self._compile(table)
+        elif self._compiled is not None and self._compiled.graphs > self._graphs_before:
+            if self._measuring:  # a recompile while timing: its kernels' times are no timed step's
+                self._compiled.step_times.pop()
+            compiling_ms = totals["forward_ms"] + totals["backward_ms"]
+            self._compiled.compile_ms.append(compiling_ms)
+            # Compiling is apart from the steps: the policy's deadline moves by it
+            if self.policy.deadline is not None:
+                self.policy = self.policy.until(self.policy.deadline + compiling_ms / 1e3)
+                self._steps_policy = self._steps_policy.until(
+                    self._steps_policy.deadline + compiling_ms / 1e3
+                )
         elif not self._measuring:
             self._warm.append(totals["forward_ms"] + totals["backward_ms"])
             if self._steps_policy.warmed_up(self._warm):  # settled, or its deadline keeps time for the rest
@@ -280,6 +314,20 @@ class Watch:
                 self._totals[phase_name].append(value)
             if self._done():
                 self._detach()
+
+    def _compile(self, flop_step: pd.DataFrame) -> None:
+        """After a compiled model's FLOP step: its modules' hooks off, the model's own calls timed from now
+        on, and the model compiled through its kernel map."""
+        self._flop_timer, self._calls = self._timer, flop_step["calls"]
+        self._timer.remove()
+        self._timer = ModuleTimer(
+            self.model,
+            self.clock,
+            starting=self._steps.call_began,
+            ending=self._steps.call_ended,
+            root_only=True,
+        )
+        self._compiled.mapped(self._steps.suspended)
 
     def _seen_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """What the step's first forward took (by the forward's own argument names), and the autocast it ran
@@ -313,6 +361,8 @@ class Watch:
         self.detached = True
         if self._profile is not None:
             self._profile.stop(keep=False)  # a profile still open: its step never ended
+        if self._compiled is not None:
+            self._compiled.stop_profile(keep=False)  # a profile still open: its step never ended
         self._timer.remove()
         self._steps.detach()
 
@@ -348,7 +398,7 @@ class Watch:
     def _dtype(self) -> str:
         if self._amp and self._amp != "off":
             return self._amp
-        weight = next((p for p in self.model.parameters() if p.is_floating_point()), None)
+        weight = next((p for p in self._eager.parameters() if p.is_floating_point()), None)
         names = {dtype: name for name, dtype in DTYPES.items()}
         return names.get(weight.dtype, "fp32") if weight is not None else "fp32"
 
@@ -359,12 +409,24 @@ class Watch:
             paths = matmul_paths(self.device, DTYPES[dtype])
             peak = max(paths.values())
         copy_gbps = copy_peak(self.device) if self.explain else None  # what the why rows set bytes against
+        timer, tables, flop_table = self._timer, self._tables, self._flops
+        ran = self._profile.ran if self._profiled else None
+        trace = self._profile.trace if self._profiled else None
+        compiled_said, words = {}, {}
+        if self._compiled is not None:  # each module's row its kernels', the FLOPs the eager step's
+            timer, names = self._flop_timer, list(self._flop_timer.types)
+            kept = middle_half(self._totals["backward_ms"])  # the steps the table averages
+            _, ran, words = kernel_tables(self._compiled.times(kept), len(kept), names)
+            own = [kernel_tables(times, 1, names)[0] for times in self._compiled.step_times]
+            tables = compiled_tables(self._tables, own, names, self._calls)
+            flop_table = flop_table.assign(backward_moved_mb=math.nan)  # eager ops' bytes, not its kernels'
+            trace, compiled_said = self._compiled.trace, self._compiled.summary(kept, names)
         diagnosis = tabulate(
-            self.model,
-            self._timer,
-            self._tables,
+            self._eager,
+            timer,
+            tables,
             self._totals,
-            self._flops,
+            flop_table,
             peak_tflops=peak,
             copy_gbps=copy_gbps,
             explain=self.explain,
@@ -372,10 +434,11 @@ class Watch:
             precision_met=self.policy.precision_met([self._totals["backward_ms"]]),
             core_share=self._cores.share,
             deadline=self.policy.deadline,
-            ran=self._profile.ran if self._profiled else None,
+            ran=ran,
             timings=self.timings,
-            trace=self._profile.trace if self._profiled else None,
-            extra={
+            trace=trace,
+            extra=compiled_said
+            | {
                 "warmup_cut": self._warmup_cut,
                 "warmup_steps": len(self._warm),
                 "dtype": dtype,
@@ -384,6 +447,8 @@ class Watch:
                 "backwards_per_step": max(b for _, b in self._per_step),
             },
         )
+        if self._compiled is not None:
+            diagnosis.modules["compiled"] = diagnosis.modules["module"].map(words).fillna("")
         env = {
             "fingerprint": fingerprint(self.device),
             "ceilings": {
@@ -391,7 +456,7 @@ class Watch:
                 "matmul_paths": {dtype: paths},
                 "copy_gbps": copy_gbps,
             },
-            "model": f"{type(self.model).__module__}.{type(self.model).__qualname__}",
+            "model": f"{type(self._eager).__module__}.{type(self._eager).__qualname__}",
             "inputs": self._inputs,
             "amp": self._amp or "off",
             "dtype": dtype,
@@ -444,9 +509,10 @@ class Watch:
             more = f"{len(self._inputs) - 1}{'+' if len(self._inputs) >= MOST_INPUTS else ''}"
             inputs += f" (and {more} other shapes of call, in env.json)"
         layout = ", channels_last" if self._layout else ""
+        compiled = " (torch.compile, Inductor)" if self._compiled is not None else ""
         return (
-            f"{type(self.model).__name__} on {self.device.type} ({where}), in its own loop: {inputs}, "
-            f"{env['dtype']}{layout}"
+            f"{type(self._eager).__name__}{compiled} on {self.device.type} ({where}), in its own loop: "
+            f"{inputs}, {env['dtype']}{layout}"
         )
 
     def __str__(self) -> str:
@@ -482,7 +548,8 @@ def watch(
     ``python -m rcnn.doctor`` does.
 
     Args:
-        model: the module the loop trains, uncompiled (torch.compile'd code would hide the hooks).
+        model: the module the loop trains, eager or ``torch.compile(model)`` with Inductor (each module then
+            timed by its compiled kernels: rcnn.doctor.compiled).
         steps: the steps to time after warm-up; then every hook comes off and the loop runs at full speed.
             None: as many as ``policy`` asks (until the backward's median is precise enough).
         policy: when warm-up ends (``TimingPolicy.warmed_up``) and, with ``steps`` None, when timing stops;
@@ -501,7 +568,8 @@ def watch(
         ``w.step()`` marks a step by hand where the detection cannot follow the loop.
 
     Raises:
-        ValueNotAllowed: for a compiled model, or ``steps`` under 1.
+        ValueNotAllowed: for a model compiled in part or with another backend than Inductor, or ``steps``
+            under 1.
 
     Example:
         >>> with watch(model, steps=20) as w:

@@ -1,13 +1,16 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 from rcnn import fix
 from rcnn.doctor import command as doctor
 from rcnn.doctor.columns import MODULE_COLUMNS, OUTSIDE, ROOT, WHY_COLUMNS
+from rcnn.measure.device import compile_unavailable
 from tests import launcher
 from tests.conftest import ROOT as REPO
 
@@ -140,6 +143,14 @@ def test_out_is_rewritten_but_never_a_foreign_folder(project, capsys):
             "error: --amp: fp16 does not apply on cpu",
         ),
         (["tests.fixtures.models:sleepy", "--top", "0"], "error: --top: 0 is too small; allowed: >= 1"),
+        (
+            ["tests.fixtures.models:sleepy", "--compile", "head"],
+            "error: --compile: 'head' is not allowed; allowed: off, model",
+        ),
+        (
+            ["tests.fixtures.models:sleepy", "--compile", "model", "--fix"],
+            "error: --compile: model with --fix: the fix times the eager model; allowed: one of the two",
+        ),
         (["tests.fixtures.models:sleepy", "--out", "/"], "error: --out: / holds files this command did not"),
         ([":sleepy"], "error: MODEL: ':sleepy' is not a model spec"),
         (["broken_module:make"], "error: MODEL: cannot import 'broken_module' (SyntaxError: "),
@@ -413,3 +424,20 @@ def test_a_closed_pipe_loses_none_of_the_files(tmp_path):
     assert done.returncode in (0, 141) and "Traceback" not in done.stderr and "Exception" not in done.stderr
     assert len(done.stdout.splitlines()) == 3
     assert {p.name for p in (tmp_path / "d").iterdir()} == OUT_FILES
+
+
+@pytest.mark.slow  # one compile: 20-30 s on 2 CPU cores
+@pytest.mark.skipif(bool(compile_unavailable(torch.device("cpu"))), reason="no torch.compile here")
+def test_compile_model_gives_the_compiled_models_table_with_its_kernels(project, capsys):
+    assert (
+        doctor.main(["tests.fixtures.models:box_head_like", *QUICK, "--compile", "model", "--out", "out"])
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert ", torch.compile (Inductor)" in printed.splitlines()[0]
+    assert (
+        "Compiled with Inductor: 1 forward and 1 backward graphs, graph breaks: 0; compiling took" in printed
+    )
+    modules = pd.read_csv("out/modules.csv").set_index("module")
+    assert "convolution_backward" in modules.loc["fc6", "compiled"] and modules.loc["fc6", "backward_ms"] > 0
+    assert json.loads(Path("out/env.json").read_text())["compile"] == "model"

@@ -15,6 +15,7 @@ from rcnn.doctor.kernels import (
     by_module,
     extern_op,
     module_of,
+    split,
 )
 from rcnn.measure.device import compile_unavailable
 from rcnn.measure.profiler import capture
@@ -44,13 +45,13 @@ def test_a_nodes_module_is_the_innermost_of_its_stack_forward_or_backward():
 def test_fused_time_is_split_by_bytes_else_evenly_and_the_rest_is_totalled_apart():
     times = pd.DataFrame(
         [
-            ("forward", "cpp_fused_a:1", 4.0, {"a": 3, "b": 1}),
-            ("backward", "cpp_fused_b:2", 2.0, {"a": 0, "b": 0}),
-            ("backward", "extern_kernels.mm:3", 1.5, {"b": 8}),
-            ("backward", "cpp_fused_c:4", 5.0, {}),
-            ("forward", f"{UNMATCHED} aten::empty", 7.0, {}),
+            ("forward", "cpp_fused_a:1", 2, 4.0, {"a": 3, "b": 1}),
+            ("backward", "cpp_fused_b:2", 2, 2.0, {"a": 0, "b": 0}),
+            ("backward", "extern_kernels.mm:3", 2, 1.5, {"b": 8}),
+            ("backward", "cpp_fused_c:4", 2, 5.0, {}),
+            ("forward", f"{UNMATCHED} aten::empty", 2, 7.0, {}),
         ],
-        columns=["phase", "kernel", "ms", "bytes_by_module"],
+        columns=["phase", "kernel", "calls", "ms", "bytes_by_module"],
     )
     table, totals = by_module(times)
     assert table.to_dict() == {
@@ -58,6 +59,12 @@ def test_fused_time_is_split_by_bytes_else_evenly_and_the_rest_is_totalled_apart
         "backward_ms": {"a": 1.0, "b": 2.5},
     }
     assert totals == {"split_ms": 6.0, "unattributed_ms": 5.0, "unmatched_ms": 7.0}
+    parts, _ = split(times)  # each module's share of each kernel, by its name without the handle
+    assert parts[parts["module"] == "b"][["phase", "kernel", "ms"]].values.tolist() == [
+        ["forward", "cpp_fused_a", 1.0],
+        ["backward", "cpp_fused_b", 1.0],
+        ["backward", "extern_kernels.mm", 1.5],
+    ]
 
 
 class Head(nn.Module):

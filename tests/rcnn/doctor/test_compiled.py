@@ -1,0 +1,158 @@
+import re
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rcnn.doctor.columns import OUTSIDE, ROOT
+from rcnn.doctor.compiled import compiled_tables, kernel_tables
+from rcnn.doctor.watching import watch
+from rcnn.measure.device import compile_unavailable
+from rcnn.measure.stats import TimingPolicy
+
+needs_compile = pytest.mark.skipif(
+    bool(compile_unavailable(torch.device("cpu"))), reason="no torch.compile here"
+)
+
+
+def test_each_modules_row_is_its_kernels_per_step_and_the_model_keeps_the_rest_of_its_call():
+    times = pd.DataFrame(  # over 2 steps: KernelMap.times
+        [
+            (0, "forward", "cpp_fused_a:1", 2, 4.0, {"a": 3, "a.b": 1}),
+            (1, "backward", "torch.ops.aten.convolution_backward.default:2", 2, 6.0, {"a.b": 8}),
+            (1, "backward", "cpp_fused_c:3", 2, 2.0, {"c": 1}),
+            (1, "backward", "cpp_fused_x:4", 2, 1.0, {ROOT: 1}),
+        ],
+        columns=["graph", "phase", "kernel", "calls", "ms", "bytes_by_module"],
+    )
+    names = [ROOT, "a", "a.b", "c"]
+    own, ran, words = kernel_tables(times, 2, names)
+    assert own["forward_ms"].to_dict() == {ROOT: 0.0, "a": 1.5, "a.b": 0.5, "c": 0.0}
+    assert own["backward_ms"].to_dict() == {ROOT: 0.5, "a": 0.0, "a.b": 3.0, "c": 1.0}
+    assert own.loc["a", "backward_inclusive_ms"] == 3.0  # a.b's is a's too
+    assert ran["a.b"] == {"kernel: torch.ops.aten.convolution_backward.default": (3.0, 1)}
+    assert words["a.b"] == (
+        "forward: cpp_fused_a 0.50 ms; backward: torch.ops.aten.convolution_backward.default 3.00 ms"
+    )
+
+    def step(forward: float, backward: float) -> pd.DataFrame:  # the model's call and the rest, as timed
+        columns = ["calls", "forward_ms", "forward_inclusive_ms", "backward_ms", "backward_inclusive_ms"]
+        table = pd.DataFrame(
+            [[1, forward, forward, backward, backward], [0, 1.0, 1.0, 2.0, 2.0]],
+            index=[ROOT, OUTSIDE],
+            columns=columns,
+        )
+        return table.assign(saved_mb=0.0, backward_peak_mb=float("nan"))
+
+    calls = pd.Series({ROOT: 1, "a": 1, "a.b": 1, "c": 2})
+    first, second = compiled_tables([step(3.0, 5.0), step(4.0, 6.0)], [own, own], names, calls)
+    assert first.loc[ROOT, ["forward_ms", "backward_ms"]].tolist() == [1.0, 1.0]  # 3 - 2 and 5 - 4
+    assert second.loc[ROOT, ["forward_ms", "backward_ms"]].tolist() == [2.0, 2.0]
+    assert second.loc[ROOT, "backward_inclusive_ms"] == 6.0
+    assert first["backward_ms"].sum() == 5.0 + 2.0  # the rows add up to the step's backward
+    assert first.loc["c", "calls"] == 2 and first.loc[OUTSIDE, "forward_ms"] == 1.0
+    assert first["saved_mb"].isna().all()  # AOTAutograd's saves are not the eager forward's
+
+
+class ConvHead(nn.Module):
+    """The question's box head in small: a 7x7 convolution over a 7x7 input, then a linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc6 = nn.Conv2d(8, 32, 7)
+        self.fc7 = nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.fc7(F.relu(self.fc6(x).flatten(1)))
+
+
+class Body(nn.Sequential):
+    """A convolution, BatchNorm and ReLU (Inductor fuses the last two across their modules), with a graph
+    break inside: dynamo compiles this forward as a frame of its own, its module then ``L['self']``."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+
+    def forward(self, x):
+        x = self[0](x)
+        torch._dynamo.graph_break()
+        return self[2](self[1](x))
+
+
+class Detectorish(nn.Module):
+    """The body, then the conv head and a classifier, both held on the stack over the body's graph break."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = Body()
+        self.box_head = ConvHead()
+        self.cls = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.cls(self.box_head(F.adaptive_avg_pool2d(self.body(x), 7)))
+
+
+@pytest.fixture(scope="module")
+def watched():
+    torch.manual_seed(0)
+    model = Detectorish()
+    compiled = torch.compile(model)
+    own_forward = compiled.__dict__["forward"]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(16, 3, 14, 14), torch.randint(0, 4, (16,))
+    with watch(compiled, steps=4, policy=TimingPolicy(warmup=1, max_warmup=1)) as w:
+        for _ in range(8):
+            loss = F.cross_entropy(compiled(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return w, compiled, own_forward
+
+
+@pytest.mark.slow  # compiling takes 30-40 s on 2 CPU cores
+@needs_compile
+def test_a_compiled_models_modules_get_their_kernels_time_and_the_rows_add_up_to_the_step(watched):
+    w, compiled, own_forward = watched
+    table, summary = w.table().set_index("module"), w.diagnosis.summary
+    # The body's graph break splits the forward (and so the backward) into three graphs
+    assert summary["backward_graphs"] == summary["forward_graphs"] == 3 and summary["graph_breaks"]
+    # Named as in the model whichever frame compiled them: the body's own (its module L['self']), the
+    # head's and the classifier's (held on the stack over the break)
+    assert table.loc[["body.0", "box_head.fc7", "cls"], "backward_ms"].gt(0).all()
+    head = table.loc["box_head.fc6"]  # the 7x7 conv: its own row, its backward the conv's
+    assert head["backward_ms"] > 0 and "convolution_backward" in head["compiled"]
+    assert head["backward_gflop"] > 0 and head["flag"].startswith("gemm-in-disguise")
+    # BatchNorm's and ReLU's kernel, fused: split between the two by its nodes' output bytes
+    shared = set(table.loc["body.1", "compiled"].split()) & set(table.loc["body.2", "compiled"].split())
+    assert any(k.startswith("cpp_fused") for k in shared) and summary["split_ms"] > 0
+    for phase in ("forward", "backward"):  # every row together: the step's phase
+        assert table[f"{phase}_ms"].sum() == pytest.approx(summary[f"{phase}_ms"], rel=1e-6)
+    for phase in ("forward", "backward"):
+        # The modules' rows hold their kernels' time, once each: none lost or doubled on the way to the table
+        modules = table.drop(index=[ROOT, OUTSIDE])[f"{phase}_ms"].sum()
+        assert modules == pytest.approx(summary[f"{phase}_module_kernels_ms"], rel=1e-6)
+        # Nearly every kernel computes a module's nodes (the model's own: the functional pooling); they ran
+        # inside the compiled call, whose rest is the model's row
+        assert 0.8 * summary[f"{phase}_kernels_ms"] <= modules <= summary[f"{phase}_kernels_ms"]
+        assert summary[f"{phase}_kernels_ms"] <= table.loc[ROOT, f"{phase}_inclusive_ms"]
+        assert table.loc[ROOT, f"{phase}_ms"] >= 0
+    assert compiled.__dict__["forward"] is own_forward and w.hooks == 0  # the model as the user made it
+
+
+@pytest.mark.slow
+@needs_compile
+def test_the_printout_says_what_compiled_and_how_the_kernels_time_was_given(watched, tmp_path):
+    w, _, _ = watched
+    text = str(w)
+    assert text.startswith("Detectorish (torch.compile, Inductor) on cpu")
+    assert re.search(
+        r"Compiled with Inductor: 3 forward and 3 backward graphs, graph breaks: \d+ \(\d+ x ", text
+    )
+    assert "fused across modules split by their nodes' output bytes" in text
+    assert "(model): the compiled call's time beyond its modules' kernels" in text
+    names = {p.name for p in w.save(tmp_path / "run")}
+    assert {"modules.csv", "env.json", "trace.json"} <= names
+    saved = pd.read_csv(tmp_path / "run" / "modules.csv")
+    assert "compiled" in saved.columns
