@@ -130,14 +130,15 @@ class StepFinder:
             self._mode.__exit__(None, None, None)
             self._mode = None
 
+    @staticmethod
     @contextlib.contextmanager
-    def suspended(self) -> Iterator[None]:
-        """The function mode off inside, where it is innermost: a compiled model's call (dynamo guards on the
-        mode stack, and would recompile the model under it)."""
-        if self._mode is None or top_function_mode() is not self._mode:
-            yield
-            return
-        with torch.overrides._pop_mode_temporarily():
+    def suspended() -> Iterator[None]:
+        """Every step finder's function mode off inside, those innermost on the stack (this watch's, and
+        another watch's in the same loop): a compiled model's call, which dynamo would otherwise trace under
+        them and recompile as they come and go."""
+        with contextlib.ExitStack() as popped:
+            while isinstance(top_function_mode(), _Following):
+                popped.enter_context(torch.overrides._pop_mode_temporarily())
             yield
 
     @contextlib.contextmanager

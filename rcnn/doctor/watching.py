@@ -28,7 +28,7 @@ from torch import nn
 
 from rcnn.doctor.attribution import ModuleTimer
 from rcnn.doctor.columns import ROOT
-from rcnn.doctor.compiled import CompiledModel, compiled_tables, kernel_tables, optimized
+from rcnn.doctor.compiled import CompiledModel, compiled_tables, kernel_tables, optimized, side_by_side
 from rcnn.doctor.files import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
 from rcnn.doctor.remedies import remedy_for
 from rcnn.doctor.steps import StepFinder
@@ -491,6 +491,19 @@ class Watch:
     def table(self) -> pd.DataFrame:
         """The by-module table (modules.csv): rcnn.doctor.columns.MODULE_COLUMNS."""
         return self.diagnosis.modules
+
+    def compare(self, other: Watch) -> pd.DataFrame:
+        """This watch's table beside ``other``'s, one of them of the model compiled and the other eager (the
+        same model, watched in the same loop): each module's forward and backward ms per step either way and
+        compiled / eager (rcnn.doctor.compiled.side_by_side)."""
+        if (self._compiled is None) == (other._compiled is None):
+            kind = "compiled" if self._compiled is not None else "eager"
+            raise ValueNotAllowed(
+                "compare",
+                f"both watches are of {kind} models; allowed: one of torch.compile(model), one eager",
+            )
+        eager, compiled = (other, self) if self._compiled is not None else (self, other)
+        return side_by_side(eager.table(), compiled.table())
 
     def report(self, top: int = 15) -> str:
         """What ``print(w)`` prints: the command's printout of this diagnosis."""

@@ -1,5 +1,7 @@
+import copy
 import re
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -7,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rcnn.doctor.columns import OUTSIDE, ROOT
-from rcnn.doctor.compiled import compiled_tables, kernel_tables
+from rcnn.doctor.compiled import compiled_tables, kernel_tables, side_by_side
 from rcnn.doctor.watching import watch
 from rcnn.measure.device import compile_unavailable
 from rcnn.measure.stats import TimingPolicy
@@ -96,25 +98,29 @@ class Detectorish(nn.Module):
 
 @pytest.fixture(scope="module")
 def watched():
+    """The model compiled and a copy eager, each under its watch, stepped in turn in one loop."""
     torch.manual_seed(0)
     model = Detectorish()
+    eager = copy.deepcopy(model)
     compiled = torch.compile(model)
     own_forward = compiled.__dict__["forward"]
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, eager)]
     x, y = torch.randn(16, 3, 14, 14), torch.randint(0, 4, (16,))
-    with watch(compiled, steps=4, policy=TimingPolicy(warmup=1, max_warmup=1)) as w:
+    policy = TimingPolicy(warmup=1, max_warmup=1)
+    with watch(compiled, steps=4, policy=policy) as w, watch(eager, steps=4, policy=policy) as e:
         for _ in range(8):
-            loss = F.cross_entropy(compiled(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-    return w, compiled, own_forward
+            for run, optimizer in zip((compiled, eager), optimizers):
+                loss = F.cross_entropy(run(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+    return w, compiled, own_forward, e
 
 
 @pytest.mark.slow  # compiling takes 30-40 s on 2 CPU cores
 @needs_compile
 def test_a_compiled_models_modules_get_their_kernels_time_and_the_rows_add_up_to_the_step(watched):
-    w, compiled, own_forward = watched
+    w, compiled, own_forward, _ = watched
     table, summary = w.table().set_index("module"), w.diagnosis.summary
     # The body's graph break splits the forward (and so the backward) into three graphs
     assert summary["backward_graphs"] == summary["forward_graphs"] == 3 and summary["graph_breaks"]
@@ -144,7 +150,7 @@ def test_a_compiled_models_modules_get_their_kernels_time_and_the_rows_add_up_to
 @pytest.mark.slow
 @needs_compile
 def test_the_printout_says_what_compiled_and_how_the_kernels_time_was_given(watched, tmp_path):
-    w, _, _ = watched
+    w, _, _, _ = watched
     text = str(w)
     assert text.startswith("Detectorish (torch.compile, Inductor) on cpu")
     assert re.search(
@@ -156,3 +162,33 @@ def test_the_printout_says_what_compiled_and_how_the_kernels_time_was_given(watc
     assert {"modules.csv", "env.json", "trace.json"} <= names
     saved = pd.read_csv(tmp_path / "run" / "modules.csv")
     assert "compiled" in saved.columns
+
+
+def test_side_by_side_sets_each_modules_compiled_time_against_its_eager_time():
+    eager = pd.DataFrame(
+        {"module": ["a", "b", ROOT], "forward_ms": [2.0, 1.0, 0.0], "backward_ms": [4.0, 1.0, 0.0]}
+    )
+    compiled = pd.DataFrame(
+        {"module": ["a", "b", ROOT], "forward_ms": [1.0, 1.0, 3.0], "backward_ms": [4.0, 0.5, 1.0]}
+    )
+    both = side_by_side(eager, compiled).set_index("module")
+    assert list(both.index) == ["a", "b", ROOT]  # the longest eager backward first
+    assert both.loc["a", ["eager_forward_ms", "compiled_forward_ms", "forward_ratio"]].tolist() == [
+        2.0,
+        1.0,
+        0.5,
+    ]
+    assert both.loc["b", "backward_ratio"] == 0.5 and np.isnan(both.loc[ROOT, "backward_ratio"])
+
+
+@pytest.mark.slow
+@needs_compile
+def test_compare_gives_each_module_eager_and_compiled_side_by_side(watched):
+    w, _, _, e = watched
+    both = w.compare(e).set_index("module")
+    assert both.equals(e.compare(w).set_index("module"))  # either way round
+    head = both.loc["box_head.fc6"]
+    assert head["eager_backward_ms"] > 0 and head["compiled_backward_ms"] > 0
+    assert head["backward_ratio"] == pytest.approx(head["compiled_backward_ms"] / head["eager_backward_ms"])
+    with pytest.raises(ValueError, match="compare: both watches are of eager models"):
+        e.compare(e)

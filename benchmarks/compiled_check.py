@@ -1,0 +1,144 @@
+"""Does the doctor's by-module table of a torch.compile'd model hold, and what does watching it cost? Three
+checks on the project's detector (detector:conv; --model: any spec the doctor takes), each against its
+target.
+
+1. Eager against compiled by module: the detector eager and compiled (torch.compile, Inductor), each under
+   its watch, stepped in turn in one loop (rcnn.doctor.watching.Watch.compare): each of the top modules'
+   backward ms per step either way and compiled / eager, and the compiled table's rows against its step.
+2. Overhead while watching: the step time of a compiled detector whose watch times every step (each under
+   torch.profiler, the kernels of the kernel map marked) against the same detector compiled and never
+   watched (target: <= 1.10).
+3. Overhead after detaching: a compiled detector whose watch detached (still compiled through the kernel
+   map until its block ends) against one never watched (target: <= 1.01).
+The overhead checks step the three in turn (rcnn.measure.loop.in_turn, a fresh order each round), each
+ratio the paired median ratio with its bootstrap 95% CI (rcnn.measure.stats.median_ratio). Each compiled
+detector compiles on its own: four compiles, minutes each on a CPU.
+
+Run by hand, from the project folder: .venv/bin/python -m benchmarks.compiled_check [--image-size 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from rcnn.cli import Parser, run_command
+from rcnn.doctor.columns import OUTSIDE, ROOT
+from rcnn.doctor.watching import watch
+from rcnn.doctor.workloads import Workload, build_workload
+from rcnn.measure.device import compile_unavailable, resolve_device
+from rcnn.measure.loop import in_turn
+from rcnn.measure.options import add_rounds_options, rounds_policy
+from rcnn.measure.settings import DEVICE
+from rcnn.measure.stats import TimingPolicy, median_ratio
+from rcnn.rules import Rule, ValueNotAllowed
+
+TOP = 10
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = Parser(
+        prog="python -m benchmarks.compiled_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--device", type=DEVICE.arg(), metavar=DEVICE.metavar, default="cpu")
+    parser.add_argument("--model", default="detector:conv", help="any spec the doctor takes")
+    parser.add_argument("--image-size", type=Rule(minimum=32, multiple_of=32).arg(int), default=256)
+    add_rounds_options(parser, rounds=15, warmup=2)
+    parser.add_argument("--steps", type=Rule(minimum=3).arg(int), default=8, help="steps each watch times")
+    args = parser.parse_args(argv)
+    return run_command(lambda: _run(args))
+
+
+def loop_step(workload: Workload, model: nn.Module, device: torch.device) -> Callable[[], dict[str, float]]:
+    """One step of a hand-written loop on ``model`` (a copy of the workload's, compiled or not): forward and
+    its loss, backward, SGD at rate 0, gradients to None; its wall ms, after the device's sync."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
+
+    def step() -> dict[str, float]:
+        start = time.perf_counter()
+        workload.loss(model, workload.batch).backward()
+        opt.step()
+        opt.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return {"step": (time.perf_counter() - start) * 1e3}
+
+    return step
+
+
+def _run(args: argparse.Namespace) -> int:
+    device = resolve_device(args.device)
+    if reason := compile_unavailable(device):
+        raise ValueNotAllowed("--device", f"{device.type}: {reason}")
+    workload = build_workload(args.model, batch_size=2, image_size=args.image_size, device=device)
+    print(f"{args.model} on {device}, batch 2, {args.image_size} px, {args.rounds} rounds")
+
+    # 1. Eager against compiled, each under its watch, in turn in one loop.
+    eager, compiled = copy.deepcopy(workload.model), torch.compile(copy.deepcopy(workload.model))
+    steps = [loop_step(workload, m, device) for m in (eager, compiled)]
+    policy = TimingPolicy(warmup=2, max_warmup=4)
+    with (
+        watch(eager, steps=args.steps, policy=policy, peak_tflops=None, explain=False) as by_eager,
+        watch(compiled, steps=args.steps, policy=policy, peak_tflops=None, explain=False) as by_compiled,
+    ):
+        while not (by_eager.detached and by_compiled.detached):
+            for step in steps:
+                step()
+    summary, eager_summary = by_compiled.diagnosis.summary, by_eager.diagnosis.summary
+    breaks = sum(summary["graph_breaks"].values())
+    print(
+        f"\n1 compiled: {summary['forward_graphs']} forward and {summary['backward_graphs']} backward "
+        f"graphs, {breaks} graph breaks, compiling {summary['compile_s']:.0f} s over "
+        f"{summary['compile_steps']} steps; the step's backward eager {eager_summary['backward_ms']:.1f} ms, "
+        f"compiled {summary['backward_ms']:.1f} ms"
+    )
+    both = by_compiled.compare(by_eager)
+    top = both[~both["module"].isin([ROOT, OUTSIDE])].head(TOP)
+    shown = ["module", "eager_backward_ms", "compiled_backward_ms", "backward_ratio"]
+    print(top[shown].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    model = both.set_index("module").loc[ROOT]
+    print(
+        f"(model): eager {model['eager_backward_ms']:.1f} ms, compiled "
+        f"{model['compiled_backward_ms']:.1f} ms (the compiled call's own cost, and code run eagerly "
+        "between graphs); the kernels given to modules "
+        f"{summary['backward_module_kernels_ms']:.1f} of {summary['backward_kernels_ms']:.1f} ms a step; the "
+        f"compiled rows add up to {by_compiled.table()['backward_ms'].sum():.1f} ms, the step's backward "
+        f"{summary['backward_ms']:.1f} ms"
+    )
+
+    # 2 and 3. Overhead: compiled and never watched, watched (every step timed), detached; in turn.
+    variants = {
+        name: torch.compile(copy.deepcopy(workload.model)) for name in ("plain", "watched", "detached")
+    }
+    steps = {name: loop_step(workload, m, device) for name, m in variants.items()}
+    for _ in range(3):  # compiled, and past the first steps, before any watch
+        steps["plain"]()
+    rounds = rounds_policy(args)
+    quick = TimingPolicy(warmup=1, max_warmup=2)
+    with watch(variants["detached"], steps=2, policy=quick, peak_tflops=None, explain=False) as gone:
+        while not gone.detached:
+            steps["detached"]()
+        with watch(variants["watched"], steps=10**6, policy=quick, peak_tflops=None, explain=False) as w:
+            while w.measured < 2:  # compiled, warmed up, and timing every step from here on
+                steps["watched"]()
+            times = in_turn(steps, rounds)
+    print(f"\n{'check':<40}{'ratio':>8}  95% CI          target")
+    for number, (name, target) in enumerate((("watched", 1.10), ("detached", 1.01)), start=2):
+        ratio, low, high = median_ratio(times[name]["step"], times["plain"]["step"])
+        label = f"{number} step time, {name} / never watched"
+        print(f"{label:<40}{ratio:>8.3f}  [{low:.3f}, {high:.3f}]  <= {target}")
+    plain = sorted(times["plain"]["step"])[len(times["plain"]["step"]) // 2]
+    print(f"  (never watched compiled step median {plain:.1f} ms)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
