@@ -20,6 +20,7 @@ Run by hand, from the project folder: .venv/bin/python -m benchmarks.compiled_ch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import sys
 import time
@@ -30,6 +31,7 @@ from torch import nn
 
 from rcnn.cli import Parser, run_command
 from rcnn.doctor.columns import OUTSIDE, ROOT
+from rcnn.doctor.steps import StepFinder
 from rcnn.doctor.watching import watch
 from rcnn.doctor.workloads import Workload, build_workload
 from rcnn.measure.device import compile_unavailable, resolve_device
@@ -57,19 +59,23 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(lambda: _run(args))
 
 
-def loop_step(workload: Workload, model: nn.Module, device: torch.device) -> Callable[[], dict[str, float]]:
+def loop_step(
+    workload: Workload, model: nn.Module, device: torch.device, unwatched: bool = False
+) -> Callable[[], dict[str, float]]:
     """One step of a hand-written loop on ``model`` (a copy of the workload's, compiled or not): forward and
-    its loss, backward, SGD at rate 0, gradients to None; its wall ms, after the device's sync."""
+    its loss, backward, SGD at rate 0, gradients to None; its wall ms, after the device's sync. ``unwatched``:
+    outside every watch's function mode (another model's watch in the loop would see its ops)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
 
     def step() -> dict[str, float]:
-        start = time.perf_counter()
-        workload.loss(model, workload.batch).backward()
-        opt.step()
-        opt.zero_grad()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return {"step": (time.perf_counter() - start) * 1e3}
+        with StepFinder.suspended() if unwatched else contextlib.nullcontext():
+            start = time.perf_counter()
+            workload.loss(model, workload.batch).backward()
+            opt.step()
+            opt.zero_grad()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            return {"step": (time.perf_counter() - start) * 1e3}
 
     return step
 
@@ -118,7 +124,10 @@ def _run(args: argparse.Namespace) -> int:
     variants = {
         name: torch.compile(copy.deepcopy(workload.model)) for name in ("plain", "watched", "detached")
     }
-    steps = {name: loop_step(workload, m, device) for name, m in variants.items()}
+    # The watched one's watch stays on while all three step: the others step outside its function mode
+    steps = {
+        name: loop_step(workload, m, device, unwatched=name != "watched") for name, m in variants.items()
+    }
     for _ in range(3):  # compiled, and past the first steps, before any watch
         steps["plain"]()
     rounds = rounds_policy(args)

@@ -375,8 +375,8 @@ def linearize_lines(trials: pd.DataFrame) -> list[str]:
 
 def per_setting_lines(comparisons: pd.DataFrame, trials: pd.DataFrame) -> list[str]:
     """Per setting, the box-head backward of conv with linearize and of conv_as_linear over linear's, each
-    setting's paired 95% CI set against PAIR_AIM (rcnn.measure.stats.against): within it, beyond it, or
-    undecided (across it where the pairing's bound came first), those not within listed with their CIs, and
+    setting's 95% CI set against PAIR_AIM (rcnn.measure.stats.against): within it, beyond it, or undecided
+    (across it), those not within listed with their CIs and rounds (none: two trials, not paired), and
     in how many the point estimate is at most PAIR_AIM. Beside them, how far two ratios to linear differ
     where their heads compute the same thing: conv and conv_as_linear, both with linearize, once linearize
     swapped the conv head's 7x7 conv (each ratio read in its own trial: what a ratio carries of the

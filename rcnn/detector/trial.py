@@ -371,7 +371,8 @@ def run_trial(
     from, as the machine's load and drift hit both alike; two trials run one after the other differ by that
     drift). With ``pair_seconds`` as well, the two step in turn until their box-head backward ratio's 95% CI
     lies wholly at or under PAIR_AIM or wholly over it (``decided_against``), at least ``policy.iterations``
-    rounds and at most that many seconds, not until ``policy``'s precision. Not with knob compile: a second
+    rounds and then for about that many seconds at most (its clock starts after the new head's warm-up, and
+    the last round may end past it), not until ``policy``'s precision. Not with knob compile: a second
     compiled detector would reset dynamo's cache of the first (compile_forward) and share its recompile
     limit. With ``profile_steps``, the kernel table is the box head's backward's."""
     if paired_with == knobs.head:

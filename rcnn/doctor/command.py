@@ -31,10 +31,11 @@ import os
 import sys
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from rcnn.cli import Parser, run_command
-from rcnn.doctor.diagnosis import Diagnosis, Fixed, diagnose, fix
+from rcnn.doctor.diagnosis import Diagnosis, Fixed, diagnose, diagnose_beside_eager, fix
 from rcnn.doctor.files import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
 from rcnn.doctor.specs import DEFAULT_IMAGE_SIZE, IMAGE_SIZE
 from rcnn.doctor.workloads import build_workload
@@ -93,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
         help="model: torch.compile(model) with Inductor, each module timed by the compiled kernels that "
         "compute it (FLOPs and flags from one eager step, compile time apart); off: eager",
     )
+    p.add_argument(
+        "--eager-too",
+        action="store_true",
+        help="with --compile model: also watch the model eager, the two stepped in turn, and show each "
+        "module's forward and backward either way (compare.csv)",
+    )
     p.add_argument("--backbone", help="the detector's backbone (detector:<head> only; default resnet18_fpn)")
     p.add_argument(
         "--allow-tf32",
@@ -130,6 +137,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def _print(diagnosis: Diagnosis, top: int, title: str, out: str | None = None) -> None:
     print(diagnosis.report(top, title, out))
+
+
+def _print_compared(compared: pd.DataFrame, top: int) -> None:
+    print(
+        f"\nEager against compiled, the {top} longest eager backwards (the eager model and the compiled one "
+        "stepped in turn; ms per step, compiled / eager):"
+    )
+    print(compared.head(top).to_string(index=False, float_format=lambda v: f"{v:.3g}"))
 
 
 def _print_fix(fixed: Fixed, top: int) -> None:
@@ -221,6 +236,10 @@ def _run(args: argparse.Namespace) -> None:
         raise ValueNotAllowed("--amp", f"{args.amp} does not apply on {device.type}: {reason}")
     if args.compile != "off" and (reason := compile_unavailable(device)):
         raise ValueNotAllowed("--compile", f"{args.compile} does not apply on {device.type}: {reason}")
+    if args.eager_too and args.compile == "off":
+        raise ValueNotAllowed(
+            "--eager-too", "sets the compiled model beside the eager; allowed: with --compile model"
+        )
     if args.compile != "off" and args.fix:
         raise ValueNotAllowed(
             "--compile", f"{args.compile} with --fix: the fix times the eager model; allowed: one of the two"
@@ -242,14 +261,25 @@ def _run(args: argparse.Namespace) -> None:
     copy_peak(device)  # measured once per process: the diagnosis's why rows then read it, outside the bound
     policy = timing_policy(args, defaults=POLICY)  # its deadline, --max-seconds from now, bounds the rest
     timings: dict = {}  # the flags' GEMM timings, which the fix's swaps then read: one decision each
-    diagnosis = diagnose(
-        workload,
-        device=device,
-        amp=args.amp,
-        policy=policy.within(DIAGNOSE_SHARE) if args.fix else policy,
-        peak_tflops=max(paths.values()),
-        timings=timings,
-    )
+    compared = None
+    if args.eager_too:  # --fix is refused with --compile: the whole bound is the diagnosis's
+        diagnosis, compared = diagnose_beside_eager(
+            workload,
+            device=device,
+            amp=args.amp,
+            policy=policy,
+            peak_tflops=max(paths.values()),
+            timings=timings,
+        )
+    else:
+        diagnosis = diagnose(
+            workload,
+            device=device,
+            amp=args.amp,
+            policy=policy.within(DIAGNOSE_SHARE) if args.fix else policy,
+            peak_tflops=max(paths.values()),
+            timings=timings,
+        )
     peak = diagnosis.summary["peak_tflops"]  # raised where a module ran faster than the paths measured
     fixed = (
         fix(workload, device=device, amp=args.amp, policy=policy, peak_tflops=peak, timings=timings)
@@ -278,7 +308,7 @@ def _run(args: argparse.Namespace) -> None:
         f"{dtype}{', channels_last' if args.channels_last else ''}"
         f"{', torch.compile (Inductor)' if args.compile != 'off' else ''}"
     )
-    texts = doctor_files(diagnosis, env, title=title, fixed=fixed)
+    texts = doctor_files(diagnosis, env, title=title, fixed=fixed, compared=compared)
     written = write_run(Path(args.out), texts, earlier) if args.out else []
     # Logged before printing too (a reader closing the pipe stops nothing); a server that refuses is told
     # after the tables are printed, and loses none of them.
@@ -286,6 +316,8 @@ def _run(args: argparse.Namespace) -> None:
     _print(diagnosis, args.top, title, out=args.out)
     if fixed:
         _print_fix(fixed, args.top)
+    if compared is not None:
+        _print_compared(compared, args.top)
     if written:
         print(f"\nwrote {', '.join(map(str, written))}")
     if (written or run) and "report.html" not in texts:

@@ -16,9 +16,8 @@ Triton's and their times the device's (that path is not verified on a GPU here).
 from __future__ import annotations
 
 import contextlib
-import tempfile
+from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -28,7 +27,8 @@ from torch.profiler import profile
 
 from rcnn.doctor.columns import OUTSIDE, ROOT
 from rcnn.doctor.kernels import BACKWARD, FORWARD, KernelMap, split
-from rcnn.measure.profiler import KERNEL, Spent, activities, quiet_profiler
+from rcnn.measure.device import device_of
+from rcnn.measure.profiler import KERNEL, Session, Spent, chrome_trace
 from rcnn.rules import ValueNotAllowed
 
 SHOWN_KERNELS = 3  # per module and phase in the ``compiled`` column
@@ -63,7 +63,9 @@ class CompiledModel:
 
     def __init__(self, model: nn.Module) -> None:
         options, dynamic = _inductor_options(model)
-        self.model = model
+        # CUDA graphs (mode reduce-overhead) replay every kernel inside one launch: none would be seen
+        self.cudagraphs_off = bool(options.pop("triton.cudagraphs", False))
+        self.model, self.device = model, device_of(model)
         holders = [*model._orig_mod.named_parameters(), *model._orig_mod.named_buffers()]
         self.kernels = KernelMap(options, owners={id(t): name.rpartition(".")[0] for name, t in holders})
         # Its own forward (and a lazy module's check), put back by ``restore``
@@ -73,9 +75,10 @@ class CompiledModel:
             model._orig_mod, backend=self.kernels.backend, dynamic=dynamic, fullgraph=fullgraph
         ).forward
         self._breaks = _graph_breaks()
-        self._profiler: profile | None = None
-        self.step_times: list[pd.DataFrame] = []  # KernelMap.times of each profiled step kept
-        self.trace: str | None = None  # the first kept step's
+        self._session: Session | None = None
+        self._last: profile | None = None  # the last profiled step's, until it is kept or the next starts
+        self.step_times: list[pd.DataFrame] = []  # KernelMap.times of each timed step
+        self.trace: str | None = None  # the first timed step's
         self.compile_ms: list[float] = []  # the steps that compiled: their forward + backward ms each
 
     @property
@@ -106,41 +109,37 @@ class CompiledModel:
         self.model.__dict__.update(self._own)
 
     def start_profile(self) -> None:
-        self._profiler = profile(activities=activities(_device_of(self.model)))
-        with quiet_profiler():
-            self._profiler.__enter__()
+        """Profile the step beginning (``stop_profile`` where it ends, ``keep_step`` if it is a timed one)."""
+        self._last = None
+        self._session = Session(self.device)
 
-    @property
-    def profiling(self) -> bool:
-        return self._profiler is not None
+    def stop_profile(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            self._last = session.stop()
 
-    def stop_profile(self, keep: bool) -> None:
-        """End the step's profile; ``keep``: add its kernels' times (KernelMap.times) to ``step_times``, and
-        the first kept step's trace."""
-        profiler, self._profiler = self._profiler, None
+    def keep_step(self) -> None:
+        """The step just profiled is a timed one: its kernels' times (KernelMap.times) to ``step_times``, and
+        the first one's trace."""
+        profiler, self._last = self._last, None
         if profiler is None:
-            return
-        if _device_of(self.model).type == "cuda":
-            torch.cuda.synchronize()
-        with quiet_profiler():
-            profiler.__exit__(None, None, None)
-        if not keep:
-            return
+            raise RuntimeError("a timed step of a compiled model ran without its profile")
         self.step_times.append(self.kernels.times(profiler.events()))
         if self.trace is None:
-            with tempfile.TemporaryDirectory() as scratch:  # the profiler writes a file: read back whole
-                profiler.export_chrome_trace(f"{scratch}/trace.json")
-                self.trace = Path(scratch, "trace.json").read_text()
+            self.trace = chrome_trace(profiler)
 
     def times(self, kept: list[int]) -> pd.DataFrame:
         """KernelMap.times of the ``kept`` timed steps together."""
         return pd.concat([self.step_times[i] for i in kept], ignore_index=True)
 
     def graph_breaks(self) -> dict[str, int]:
-        """Dynamo's graph breaks since the watch began: reason (its first line) -> count."""
-        now = _graph_breaks()
-        breaks = {reason: n - self._breaks.get(reason, 0) for reason, n in now.items()}
-        return {(r.splitlines() or [""])[0]: n for r, n in sorted(breaks.items(), key=lambda i: -i[1]) if n}
+        """Dynamo's graph breaks since the watch began (its counters are the process's: any other code
+        compiled meanwhile counts too): reason (its first line) -> count, most first."""
+        breaks: Counter[str] = Counter()
+        for reason, n in _graph_breaks().items():
+            if n > self._breaks.get(reason, 0):
+                breaks[(reason.splitlines() or [""])[0]] += n - self._breaks.get(reason, 0)
+        return dict(breaks.most_common())
 
     def summary(self, kept: list[int], names: list[str]) -> dict[str, Any]:
         """What the printout and env.json say of the compiled run: graphs, breaks, compile time, and per step
@@ -160,6 +159,7 @@ class CompiledModel:
             kernels[f"{phase}_module_kernels_ms"] = of_phase.loc[given, "ms"].sum() / steps
         return {
             "compiled": "inductor",
+            "cudagraphs_off": self.cudagraphs_off,
             "forward_graphs": phases.count(FORWARD),
             "backward_graphs": phases.count(BACKWARD),
             "graph_breaks": self.graph_breaks(),
@@ -176,11 +176,6 @@ def _graph_breaks() -> dict[str, int]:
     return dict(counters["graph_break"])
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    tensor = next(iter([*model.parameters(), *model.buffers()]), None)
-    return tensor.device if tensor is not None else torch.device("cpu")
-
-
 def kernel_tables(
     times: pd.DataFrame, steps: int, names: list[str]
 ) -> tuple[pd.DataFrame, dict[str, Spent], dict[str, str]]:
@@ -189,6 +184,7 @@ def kernel_tables(
     names under KERNEL, for the why rows), and the ``compiled`` column: each module's longest kernels per
     phase, ms per step."""
     parts, _ = split(times)
+    parts["module"] = [named(module, names) for module in parts["module"]]
     parts["ms"] /= steps
     parts["calls"] /= steps
     own = parts.pivot_table(index="module", columns="phase", values="ms", aggfunc="sum")
@@ -219,6 +215,16 @@ def kernel_tables(
                 said.append(f"{phase}: " + ", ".join(f"{k} {ms:.2f} ms" for k, ms in top.items()))
         words[module] = "; ".join(said)
     return own, ran, words
+
+
+def named(module: str, names: list[str]) -> str:
+    """``module`` as the model names it: itself, else the one module of ``names`` whose name ends with it (a
+    frame whose module had no weights in its graph, so its local could not be placed: ``frame_bases``),
+    else itself (its time then stays in the model's row)."""
+    if module in names:
+        return module
+    ends = [name for name in names if name.endswith(f".{module}")]
+    return ends[0] if len(ends) == 1 else module
 
 
 def compiled_tables(

@@ -6,6 +6,7 @@ statistic are the measurement core's (rcnn.measure.step, .loop, .stats)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
@@ -18,7 +19,7 @@ from torch import nn
 
 from rcnn.doctor.attribution import ModuleTimer
 from rcnn.doctor.verdict import Diagnosis
-from rcnn.doctor.watching import watch
+from rcnn.doctor.watching import Watch, watch
 from rcnn.doctor.workloads import Workload
 from rcnn.fix import Swap, linearize_with
 from rcnn.measure.clock import Clock
@@ -100,18 +101,82 @@ def diagnose(
         ValueNotAllowed: keyed MODEL, when the first step fails (the model cannot take its batch).
         FloatingPointError: on a non-finite loss.
     """
-    step = training_step(workload, workload.model, device=device, amp=amp)
-    # The same watch a user's own loop runs under: the steps are found as in theirs.
-    with watch(
-        workload.model,
-        steps=None,
+    (watched,) = _watched(
+        workload,
+        [workload.model],
+        device=device,
+        amp=amp,
         policy=policy,
         peak_tflops=peak_tflops,
         explain=explain,
         timings=timings,
-    ) as w:
+    )
+    return watched.diagnosis
+
+
+def diagnose_beside_eager(
+    workload: Workload,
+    *,
+    device: torch.device,
+    amp: str = "off",
+    policy: TimingPolicy = TimingPolicy(),
+    peak_tflops: float | None = None,
+    explain: bool = True,
+    timings: dict | None = None,
+) -> tuple[Diagnosis, pd.DataFrame]:
+    """``diagnose`` of a workload whose model is compiled (``torch.compile(model)``), with an eager copy of
+    the model watched beside it, the two stepped in turn in one loop: the compiled model's diagnosis, and
+    each module's forward and backward ms eager and compiled (rcnn.doctor.watching.Watch.compare)."""
+    eager = copy.deepcopy(workload.model._orig_mod)
+    compiled, beside = _watched(
+        workload,
+        [workload.model, eager],
+        device=device,
+        amp=amp,
+        policy=policy,
+        peak_tflops=peak_tflops,
+        explain=explain,
+        timings=timings,
+    )
+    return compiled.diagnosis, compiled.compare(beside)
+
+
+# Steps a compiled model takes to compile (and recompile) beyond warm-up and timing: the loop's allowance.
+COMPILING_STEPS = 8
+
+
+def _watched(
+    workload: Workload,
+    models: list[nn.Module],
+    *,
+    device: torch.device,
+    amp: str,
+    policy: TimingPolicy,
+    peak_tflops: float | None,
+    explain: bool,
+    timings: dict | None,
+) -> list[Watch]:
+    """Each of ``models`` (the workload's model, or copies of it) under its own watch, their training steps
+    on the workload's batch stepped in turn until every watch detached: the watches."""
+    steps = [training_step(workload, model, device=device, amp=amp) for model in models]
+    with contextlib.ExitStack() as watching:
+        # The same watch a user's own loop runs under: the steps are found as in theirs.
+        watches = [
+            watching.enter_context(
+                watch(
+                    model,
+                    steps=None,
+                    policy=policy,
+                    peak_tflops=peak_tflops,
+                    explain=explain,
+                    timings=timings,
+                )
+            )
+            for model in models
+        ]
         try:  # a model that cannot take its batch fails here, on the first step
-            step()
+            for step in steps:
+                step()
         except (
             RuntimeError,
             ValueError,
@@ -127,12 +192,15 @@ def diagnose(
                 "allowed: a model of the kind its spec names, or a factory returning (model, "
                 "make_batch); if it ran out of memory, a smaller --batch-size or --image-size",
             ) from err
-        # The FLOP-counting step, warm-up and timing: the policy bounds them, this loop only in case of a bug.
-        for _ in range(1 + policy.max_warmup + policy.max_iterations):
-            if w.detached:
+        # The FLOP-counting step, compiling, warm-up and timing: the policy bounds them, this loop only in
+        # case of a bug.
+        for _ in range(1 + COMPILING_STEPS + policy.max_warmup + policy.max_iterations):
+            if all(w.detached for w in watches):
                 break
-            step()
-    return w.diagnosis
+            for step, w in zip(steps, watches):
+                if not w.detached:
+                    step()
+    return watches
 
 
 # -- the fix, measured

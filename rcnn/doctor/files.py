@@ -7,13 +7,17 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 from rcnn.doctor import pictures
 from rcnn.doctor.verdict import Diagnosis
 from rcnn.outputs import write_atomic
 
 NO_REPORT = f"the page draws with plotly: {pictures.INSTALL}"
 # What a folder the doctor writes may hold (the command's --out, with --fix; ``save``): the rest is foreign.
-DOCTOR_FILES = re.compile(r"modules(_fixed)?\.csv|why\.csv|fix\.csv|env\.json|trace\.json|report\.html")
+DOCTOR_FILES = re.compile(
+    r"modules(_fixed)?\.csv|why\.csv|fix\.csv|compare\.csv|env\.json|trace\.json|report\.html"
+)
 
 
 def write_run(folder: Path, texts: dict[str, str], earlier: list[Path]) -> list[Path]:
@@ -29,10 +33,18 @@ def write_run(folder: Path, texts: dict[str, str], earlier: list[Path]) -> list[
     return [folder / name for name in texts]
 
 
-def doctor_files(diagnosis: Diagnosis, env: dict, *, title: str, fixed: Any = None) -> dict[str, str]:
+def doctor_files(
+    diagnosis: Diagnosis,
+    env: dict,
+    *,
+    title: str,
+    fixed: Any = None,
+    compared: pd.DataFrame | None = None,
+) -> dict[str, str]:
     """The texts of the files a doctor run writes: modules.csv, why.csv, env.json, trace.json (the profiled
     step's, where one was taken), with ``fixed`` (rcnn.doctor.diagnosis.Fixed) modules_fixed.csv and fix.csv,
-    and report.html (rcnn.doctor.pictures) where plotly is installed."""
+    with ``compared`` (a compiled model's modules eager and compiled: Watch.compare) compare.csv, and
+    report.html (rcnn.doctor.pictures) where plotly is installed."""
     texts = {
         "modules.csv": diagnosis.modules.to_csv(index=False),
         "why.csv": diagnosis.why.to_csv(index=False),
@@ -40,6 +52,8 @@ def doctor_files(diagnosis: Diagnosis, env: dict, *, title: str, fixed: Any = No
     after = fixed.after if fixed else None
     if fixed:
         texts["fix.csv"] = fixed.swaps.to_csv(index=False)
+    if compared is not None:
+        texts["compare.csv"] = compared.to_csv(index=False)
     if after:
         texts["modules_fixed.csv"] = after.modules.to_csv(index=False)
     texts["env.json"] = json.dumps(env, indent=2, sort_keys=True, default=str) + "\n"

@@ -97,9 +97,9 @@ _LOCAL = re.compile(r"^(L\['[^']+'\])\.?(.*)$")  # a frame's local (``L['self']`
 
 
 def _dotted(path: str) -> str:
-    """``_modules['body']._modules['0']`` or ``body[0]`` -> ``body.0``."""
+    """``_modules['body']._modules['0']``, ``body[0]`` or ``heads['cls']`` -> ``body.0``, ``heads.cls``."""
     path = re.sub(r"\._modules\['([^']+)'\]", r".\1", f".{path}" if path.startswith("_modules") else path)
-    return re.sub(r"\[(\d+)\]", r".\1", path).strip(".")
+    return re.sub(r"\[(?:'([^']+)'|(\d+))\]", lambda m: f".{m.group(1) or m.group(2)}", path).strip(".")
 
 
 def module_of(node: torch.fx.Node, bases: dict[str, str] | None = None) -> str:

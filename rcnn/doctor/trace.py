@@ -12,14 +12,8 @@ https://ui.perfetto.dev and chrome://tracing.
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
-import torch
-from torch.profiler import profile
-
 from rcnn.doctor.attribution import ModuleTimer
-from rcnn.measure.profiler import Spent, activities, by_range, quiet_profiler
+from rcnn.measure.profiler import Session, Spent, by_range, chrome_trace
 
 FORWARD, BACKWARD, PHASE = "forward: ", "backward: ", "step: "  # the ranges' name prefixes
 
@@ -35,31 +29,23 @@ class StepProfile:
         self.timer = timer
         self.ran: dict[str, Spent] = {}
         self.trace: str | None = None
-        self._profiler: profile | None = None
+        self._session: Session | None = None
 
     @property
     def running(self) -> bool:
-        return self._profiler is not None
+        return self._session is not None
 
     def start(self) -> None:
         self.timer.ranges = True
-        self._profiler = profile(activities=activities(self.timer.clock.device))
-        with quiet_profiler():
-            self._profiler.__enter__()
+        self._session = Session(self.timer.clock.device)
 
     def stop(self, keep: bool = True) -> None:
         """End the profile; ``keep``: read what it holds (else the step was cut short: nothing kept)."""
-        profiler, self._profiler = self._profiler, None
-        if profiler is None:
+        session, self._session = self._session, None
+        if session is None:
             return
         self.timer.ranges = False
-        if self.timer.clock.cuda:
-            torch.cuda.synchronize()
-        with quiet_profiler():
-            profiler.__exit__(None, None, None)
-        if not keep:
-            return
-        self.ran = by_range(profiler.events(), BACKWARD)
-        with tempfile.TemporaryDirectory() as scratch:  # the profiler writes a file: read back whole
-            profiler.export_chrome_trace(f"{scratch}/trace.json")
-            self.trace = Path(scratch, "trace.json").read_text()
+        profiler = session.stop()
+        if keep:
+            self.ran = by_range(profiler.events(), BACKWARD)
+            self.trace = chrome_trace(profiler)

@@ -170,6 +170,8 @@ def _compiled_said(s: dict[str, Any]) -> str:
             f"; {s['unattributed_ms']:.2f} ms of kernels with no provenance and {s['unmatched_ms']:.2f} ms "
             "of the graphs' other events (allocations, views) stay in (model)"
         )
+    if s.get("cudagraphs_off"):
+        said += "; CUDA graphs were off while watched (a graph's replay hides each kernel in it)"
     return said + ". FLOPs are the eager step's; flags time each module alone, eagerly."
 
 

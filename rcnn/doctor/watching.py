@@ -36,7 +36,7 @@ from rcnn.doctor.trace import StepProfile
 from rcnn.doctor.verdict import Diagnosis, middle_half, tabulate
 from rcnn.measure.clock import Clock
 from rcnn.measure.cores import CoreUse
-from rcnn.measure.device import DTYPES
+from rcnn.measure.device import DTYPES, device_of
 from rcnn.measure.flops import FlopCount
 from rcnn.measure.inputs import channels_last, describe_call, tensors
 from rcnn.measure.machine import copy_peak, fingerprint, matmul_paths
@@ -73,11 +73,6 @@ def compiled(model: nn.Module) -> str | None:
     return None
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    tensor = next(iter([*model.parameters(), *model.buffers()]), None)
-    return tensor.device if tensor is not None else torch.device("cpu")
-
-
 class _Listener:
     """What rcnn.doctor.steps tells (StepEvents), passed to a watch's own private methods: they stay off its
     public face."""
@@ -107,9 +102,9 @@ class Watch:
         if what := compiled(self._eager):
             raise ValueNotAllowed(
                 "watch",
-                f"{what} is compiled (torch.compile) inside a model that is not: its hooks would be traced "
-                "into its graph, or not run at all, so nothing could be timed; allowed: torch.compile(model) "
-                "of the whole model, or the model uncompiled",
+                f"{what} is compiled (torch.compile) on its own: its hooks would be traced into its graph, "
+                "or not run at all, so nothing could be timed; allowed: torch.compile(model) of the whole "
+                "model alone, or the model uncompiled",
             )
         if steps is not None and steps < 1:
             raise ValueNotAllowed("steps", f"{steps!r} is too small; allowed: >= 1, or None for the policy's")
@@ -118,7 +113,7 @@ class Watch:
         self._steps_policy = policy
         self.peak_tflops, self.explain = peak_tflops, explain
         self.timings = {} if timings is None else timings  # the flags' GEMM timings (rcnn.fix.gemm_timing)
-        self.device = _device_of(model)
+        self.device = device_of(model)
         self.clock = Clock(self.device)
         self.detached = False
         self._entered = False
@@ -148,6 +143,10 @@ class Watch:
         self._flop_timer: ModuleTimer | None = None
         self._calls: pd.Series | None = None
         self._graphs_before = 0
+        # The step after the FLOP step began inside a call into the model that had chosen its eager forward
+        # (the FLOP step ended at that call, not at an optimizer step): run eagerly, it is neither warm-up nor
+        # timed
+        self._eager_step = False
 
     # -- the block
 
@@ -211,6 +210,7 @@ class Watch:
     def _step_began(self) -> None:
         self._timer.begin_step()
         self._forward_start = None
+        self._eager_step = False
         if self._compiled is not None:
             self._graphs_before = self._compiled.graphs
             if self._measuring and self._done_steps > 0:
@@ -227,6 +227,8 @@ class Watch:
     def _forward_began(self, module: nn.Module, args: tuple, kwargs: dict, first: bool) -> None:
         if self._forward_start is None:
             self._forward_start = self.clock.mark()
+        if self._compiled is not None and self._done_steps > 0 and module is not self.model:
+            self._eager_step = True  # the FLOP timer's hooks saw this call: it runs the eager forward
         if first and self._done_steps > 0:
             self._seen_call(self._eager if module is self.model else module, args, kwargs)
         self._timer.active = True
@@ -273,9 +275,9 @@ class Watch:
             self._profile.stop(keep=backwards > 0)
             self._profiled = backwards > 0
             return
-        if self._compiled is not None:  # a timed step's kernels kept with its table, below
-            self._compiled.stop_profile(keep=backwards > 0 and self._measuring and self._done_steps > 0)
-        if backwards == 0:  # forwards alone: no step
+        if self._compiled is not None:  # a timed step's kernels are kept with its table, below
+            self._compiled.stop_profile()
+        if backwards == 0 or self._eager_step:  # forwards alone: no step; or a compiled model's eager one
             return
         self.clock.sync()
         table, totals = timer.step_table()
@@ -288,8 +290,6 @@ class Watch:
             if self._compiled is not None:
                 self._compile(table)
         elif self._compiled is not None and self._compiled.graphs > self._graphs_before:
-            if self._measuring:  # a recompile while timing: its kernels' times are no timed step's
-                self._compiled.step_times.pop()
             compiling_ms = totals["forward_ms"] + totals["backward_ms"]
             self._compiled.compile_ms.append(compiling_ms)
             # Compiling is apart from the steps: the policy's deadline moves by it
@@ -308,6 +308,8 @@ class Watch:
         else:
             if not self._tables:
                 self._measure_started = time.perf_counter()
+            if self._compiled is not None:
+                self._compiled.keep_step()
             self._tables.append(table)
             self._per_step.append((forwards, backwards))
             for phase_name, value in totals.items():
@@ -362,7 +364,7 @@ class Watch:
         if self._profile is not None:
             self._profile.stop(keep=False)  # a profile still open: its step never ended
         if self._compiled is not None:
-            self._compiled.stop_profile(keep=False)  # a profile still open: its step never ended
+            self._compiled.stop_profile()  # a profile still open: its step never ended
         self._timer.remove()
         self._steps.detach()
 
@@ -372,7 +374,7 @@ class Watch:
         """Why nothing was measured, or None."""
         if self._tables:
             return None
-        name = type(self.model).__name__
+        name = type(self._eager).__name__
         seen = self._steps
         if not seen.grad_forwards and seen.no_grad_forwards:
             return (
@@ -563,7 +565,9 @@ def watch(
     Args:
         model: the module the loop trains, eager or ``torch.compile(model)`` with Inductor (each module then
             timed by its compiled kernels: rcnn.doctor.compiled).
-        steps: the steps to time after warm-up; then every hook comes off and the loop runs at full speed.
+        steps: the steps to time after warm-up; then every hook comes off and the loop runs at full speed
+            (a compiled model keeps the watch's compile, its kernels marked for the profiler, until the
+            block ends: compiling it again as it was would take as long as the first time).
             None: as many as ``policy`` asks (until the backward's median is precise enough).
         policy: when warm-up ends (``TimingPolicy.warmed_up``) and, with ``steps`` None, when timing stops;
             default ``TimingPolicy()``, the project's timing defaults.

@@ -48,6 +48,12 @@ def cxx_compiler() -> str | None:
     return next((path for c in candidates if c and (path := shutil.which(c))), None)
 
 
+def device_of(model: torch.nn.Module) -> torch.device:
+    """Where ``model``'s parameters (else buffers) are: the CPU for a model with neither."""
+    tensor = next(iter([*model.parameters(), *model.buffers()]), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
 def compile_unavailable(device: torch.device) -> str | None:
     """Why torch.compile (Inductor) cannot run on ``device`` here, or None when it can."""
     if not torch._dynamo.is_dynamo_supported():

@@ -11,6 +11,7 @@ import sys
 import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -53,6 +54,31 @@ def quiet_profiler() -> Iterator[None]:
 def activities(device: torch.device) -> list[ProfilerActivity]:
     """What torch.profiler records on ``device``: the host's ops, and on CUDA the device's kernels."""
     return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+
+class Session:
+    """torch.profiler started and stopped by hand (around a step a user's loop runs), without Kineto's
+    chatter; on CUDA the device synced before stopping, so its kernels are in."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.profiler = profile(activities=activities(device))
+        with quiet_profiler():
+            self.profiler.__enter__()
+
+    def stop(self) -> profile:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        with quiet_profiler():
+            self.profiler.__exit__(None, None, None)
+        return self.profiler
+
+
+def chrome_trace(profiler: profile) -> str:
+    """A stopped profile's Chrome trace-event JSON (torch.profiler writes a file: read back whole)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        profiler.export_chrome_trace(f"{scratch}/trace.json")
+        return Path(scratch, "trace.json").read_text()
 
 
 def capture(

@@ -428,16 +428,26 @@ def test_a_closed_pipe_loses_none_of_the_files(tmp_path):
 
 @pytest.mark.slow  # one compile: 20-30 s on 2 CPU cores
 @pytest.mark.skipif(bool(compile_unavailable(torch.device("cpu"))), reason="no torch.compile here")
-def test_compile_model_gives_the_compiled_models_table_with_its_kernels(project, capsys):
-    assert (
-        doctor.main(["tests.fixtures.models:box_head_like", *QUICK, "--compile", "model", "--out", "out"])
-        == 0
-    )
+def test_compile_model_gives_the_compiled_table_with_its_kernels_and_eager_too_beside(project, capsys):
+    argv = [
+        "tests.fixtures.models:box_head_like",
+        *QUICK,
+        "--compile",
+        "model",
+        "--eager-too",
+        "--out",
+        "out",
+    ]
+    assert doctor.main(argv) == 0
     printed = capsys.readouterr().out
     assert ", torch.compile (Inductor)" in printed.splitlines()[0]
-    assert (
-        "Compiled with Inductor: 1 forward and 1 backward graphs, graph breaks: 0; compiling took" in printed
-    )
+    said = "Compiled with Inductor: 1 forward and 1 backward graphs, graph breaks: 0; compiling took"
+    assert said in printed
     modules = pd.read_csv("out/modules.csv").set_index("module")
     assert "convolution_backward" in modules.loc["fc6", "compiled"] and modules.loc["fc6", "backward_ms"] > 0
     assert json.loads(Path("out/env.json").read_text())["compile"] == "model"
+    # --eager-too: the eager model stepped in turn beside it, each module either way
+    assert "Eager against compiled, the 15 longest eager backwards" in printed
+    compared = pd.read_csv("out/compare.csv").set_index("module")
+    assert compared.loc["fc6", "eager_backward_ms"] > 0
+    assert compared.loc["fc6", "compiled_backward_ms"] == pytest.approx(modules.loc["fc6", "backward_ms"])

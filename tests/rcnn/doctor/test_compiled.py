@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rcnn.doctor.columns import OUTSIDE, ROOT
-from rcnn.doctor.compiled import compiled_tables, kernel_tables, side_by_side
+from rcnn.doctor.compiled import compiled_tables, kernel_tables, named, side_by_side
 from rcnn.doctor.watching import watch
 from rcnn.measure.device import compile_unavailable
 from rcnn.measure.stats import TimingPolicy
@@ -98,22 +98,31 @@ class Detectorish(nn.Module):
 
 @pytest.fixture(scope="module")
 def watched():
-    """The model compiled and a copy eager, each under its watch, stepped in turn in one loop."""
+    """The model compiled and a copy eager, each under its watch, stepped in turn in one loop. The compiled
+    one's update is by hand (no optimizer: its steps end at the next forward, so its FLOP step ends inside a
+    call into the model) and its watch has no warm-up (its first compiled step is a compile while timing)."""
     torch.manual_seed(0)
     model = Detectorish()
     eager = copy.deepcopy(model)
     compiled = torch.compile(model)
     own_forward = compiled.__dict__["forward"]
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, eager)]
+    optimizer = torch.optim.SGD(eager.parameters(), lr=0.01)
     x, y = torch.randn(16, 3, 14, 14), torch.randint(0, 4, (16,))
-    policy = TimingPolicy(warmup=1, max_warmup=1)
-    with watch(compiled, steps=4, policy=policy) as w, watch(eager, steps=4, policy=policy) as e:
-        for _ in range(8):
-            for run, optimizer in zip((compiled, eager), optimizers):
-                loss = F.cross_entropy(run(x), y)
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
+    cold = TimingPolicy(warmup=0, max_warmup=0)
+    with (
+        watch(compiled, steps=4, policy=cold) as w,
+        watch(eager, steps=4, policy=TimingPolicy(warmup=1, max_warmup=1)) as e,
+    ):
+        for _ in range(10):
+            F.cross_entropy(compiled(x), y).backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+                    p.grad = None
+            loss = F.cross_entropy(eager(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
     return w, compiled, own_forward, e
 
 
@@ -122,6 +131,9 @@ def watched():
 def test_a_compiled_models_modules_get_their_kernels_time_and_the_rows_add_up_to_the_step(watched):
     w, compiled, own_forward, _ = watched
     table, summary = w.table().set_index("module"), w.diagnosis.summary
+    # Timed: 4 compiled steps, none of them one that compiled, nor the step run eagerly after the FLOP step
+    assert summary["steps"] == 4 and summary["compile_steps"] >= 1
+    assert "graph_0_inductor_wrapper_call" in w.diagnosis.trace and "compile_fx" not in w.diagnosis.trace
     # The body's graph break splits the forward (and so the backward) into three graphs
     assert summary["backward_graphs"] == summary["forward_graphs"] == 3 and summary["graph_breaks"]
     # Named as in the model whichever frame compiled them: the body's own (its module L['self']), the
@@ -192,3 +204,11 @@ def test_compare_gives_each_module_eager_and_compiled_side_by_side(watched):
     assert head["backward_ratio"] == pytest.approx(head["compiled_backward_ms"] / head["eager_backward_ms"])
     with pytest.raises(ValueError, match="compare: both watches are of eager models"):
         e.compare(e)
+
+
+def test_a_kernels_module_is_named_as_the_model_names_it():
+    names = [ROOT, "backbone", "backbone.body", "backbone.body.conv1", "head", "heads.cls"]
+    assert named("backbone.body.conv1", names) == "backbone.body.conv1"
+    assert named("body.conv1", names) == "backbone.body.conv1"  # a frame of backbone, placed by its suffix
+    assert named("conv1", names) == "backbone.body.conv1"
+    assert named("nowhere", names) == "nowhere" and named(ROOT, names) == ROOT

@@ -2,6 +2,8 @@
 Inductor on the CPU: a conv, BatchNorm and ReLU (which Inductor fuses across the two modules) and a head of
 two linears."""
 
+from types import SimpleNamespace
+
 import pandas as pd
 import pytest
 import torch
@@ -14,6 +16,7 @@ from rcnn.doctor.kernels import (
     KernelMap,
     by_module,
     extern_op,
+    frame_bases,
     module_of,
     split,
 )
@@ -40,6 +43,30 @@ def test_a_nodes_module_is_the_innermost_of_its_stack_forward_or_backward():
     }
     backward.meta["fwd_nn_module_stack"] = {"x": ("L['self'].head.fc6", nn.Linear)}
     assert (module_of(forward), module_of(backward), module_of(root)) == ("body.0", "head.fc6", "(model)")
+    held = graph.placeholder(
+        "d"
+    )  # a frame of the backbone's forward, and a ModuleDict's key held on the stack
+    held.meta["nn_module_stack"] = {"x": ("L['___stack0']['cls']", nn.Linear)}
+    bases = {"L['self']": "backbone", "L['___stack0']": "heads"}
+    assert (module_of(forward, bases), module_of(held, bases)) == ("backbone.body.0", "heads.cls")
+
+
+def test_a_frames_locals_are_placed_in_the_model_by_the_weights_its_graph_reads():
+    model = nn.Sequential(nn.Sequential(nn.Conv2d(1, 1, 1)), nn.Linear(1, 1))
+    owners = {id(t): name.rpartition(".")[0] for name, t in model.named_parameters()}
+    graph = torch.fx.Graph()
+    for name, source, tensor in (
+        ("w", "L['self']._modules['0']._parameters['weight']", model[0][0].weight),  # self: model[0]
+        ("v", "L['___stack0']._parameters['weight']", model[1].weight),  # model[1], held on the stack
+        ("x", "L['x']", torch.zeros(1)),
+    ):
+        node = graph.placeholder(name)
+        node.meta["grapharg"] = SimpleNamespace(source=SimpleNamespace(name=source), example=tensor)
+    graph.output(None)
+    assert frame_bases(torch.fx.GraphModule(nn.Module(), graph), owners) == {
+        "L['self']": "0",
+        "L['___stack0']": "1",
+    }
 
 
 def test_fused_time_is_split_by_bytes_else_evenly_and_the_rest_is_totalled_apart():
