@@ -67,7 +67,11 @@ class CompiledModel:
         self.cudagraphs_off = bool(options.pop("triton.cudagraphs", False))
         self.model, self.device = model, device_of(model)
         holders = [*model._orig_mod.named_parameters(), *model._orig_mod.named_buffers()]
-        self.kernels = KernelMap(options, owners={id(t): name.rpartition(".")[0] for name, t in holders})
+        kinds: dict[type, list[str]] = {}
+        for name, module in model._orig_mod.named_modules():
+            kinds.setdefault(type(module), []).append(name)
+        owners = {id(t): name.rpartition(".")[0] for name, t in holders}
+        self.kernels = KernelMap(options, owners=owners, kinds=kinds)
         # Its own forward (and a lazy module's check), put back by ``restore``
         self._own = {key: model.__dict__[key] for key in ("forward", "_forward") if key in model.__dict__}
         fullgraph = bool(getattr(model.dynamo_ctx, "fullgraph", False))

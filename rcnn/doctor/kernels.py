@@ -118,11 +118,15 @@ def module_of(node: torch.fx.Node, bases: dict[str, str] | None = None) -> str:
 _STATE = re.compile(r"^(L\['[^']+'\])\.?(.*?)\.?_(?:parameters|buffers)\['[^']+'\]$")
 
 
-def frame_bases(gm: torch.fx.GraphModule, owners: dict[int, str]) -> dict[str, str]:
+def frame_bases(
+    gm: torch.fx.GraphModule, owners: dict[int, str], kinds: dict[type, list[str]] | None = None
+) -> dict[str, str]:
     """Each local of the frame dynamo compiled into ``gm`` that holds a module of the watched model, with
     that module's qualified name: read off the graph's inputs that are its parameters or buffers (their
     dynamo source, ``L['self']._modules['conv']._parameters['weight']``, against ``owners``: a tensor's id
-    -> the qualified name of the module holding it)."""
+    -> the qualified name of the module holding it); a local whose module read none (a frame of a module
+    without weights, torchvision's MultiScaleRoIAlign) by its module's type, where ``kinds`` (a type -> the
+    qualified names of the model's modules of that type) holds one module of it."""
     bases: dict[str, str] = {}
     for node in gm.graph.nodes:
         if node.op != "placeholder" or (arg := node.meta.get("grapharg")) is None:
@@ -137,6 +141,11 @@ def frame_bases(gm: torch.fx.GraphModule, owners: dict[int, str]) -> dict[str, s
         if within and not (owner == within or owner.endswith(f".{within}")):
             continue
         bases.setdefault(local, owner[: len(owner) - len(within)].rstrip("."))
+    for node in gm.graph.nodes:
+        for path, kind in (node.meta.get("nn_module_stack") or {}).values():
+            local = m.group(1) if (m := _LOCAL.match(path)) and not m.group(2) else None
+            if local and local not in bases and len(named := (kinds or {}).get(kind, [])) == 1:
+                bases[local] = named[0]
     return bases
 
 
@@ -186,21 +195,28 @@ def _kernel(key: str, names: Iterable[str], nodes: dict[str, torch.fx.Node], bas
 class KernelMap:
     """The kernels of every graph compiled through ``backend``, with the modules each computes. ``options``:
     Inductor settings the user's torch.compile asked for (its ``mode`` and ``options``), applied under
-    SETTINGS. ``owners``: each parameter's and buffer's id -> the qualified name of the module holding it in
-    the watched model, so that a graph of a submodule's frame names modules as the model does
-    (``frame_bases``); without, names are from each frame's own module."""
+    SETTINGS. ``owners`` (each parameter's and buffer's id -> the qualified name of the module holding it in
+    the watched model) and ``kinds`` (each module type -> the names of its modules), so that a graph of a
+    submodule's frame names modules as the model does (``frame_bases``); without, names are from each
+    frame's own module."""
 
-    def __init__(self, options: dict[str, Any] | None = None, owners: dict[int, str] | None = None) -> None:
+    def __init__(
+        self,
+        options: dict[str, Any] | None = None,
+        owners: dict[int, str] | None = None,
+        kinds: dict[type, list[str]] | None = None,
+    ) -> None:
         self.graphs: list[Graph] = []
         self.options = dict(options or {})
-        self.owners = dict(owners or {})
+        self.owners, self.kinds = dict(owners or {}), dict(kinds or {})
 
     def backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
         """A torch.compile backend: Inductor under SETTINGS, each graph's kernels recorded."""
         from torch._inductor import config
         from torch._inductor.compile_fx import compile_fx
 
-        inner = functools.partial(self._inner, bases=frame_bases(gm, self.owners))  # the backward's too
+        bases = frame_bases(gm, self.owners, self.kinds)
+        inner = functools.partial(self._inner, bases=bases)  # the backward's too
         with config.patch(_known(config)):
             return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=self.options or None)
 

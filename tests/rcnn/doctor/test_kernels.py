@@ -67,6 +67,16 @@ def test_a_frames_locals_are_placed_in_the_model_by_the_weights_its_graph_reads(
         "L['self']": "0",
         "L['___stack0']": "1",
     }
+    # A frame whose module has no weights (a pooling, torchvision's MultiScaleRoIAlign): placed by its type
+    # where the model has one module of it
+    pooled = torch.fx.Graph()
+    node = pooled.placeholder("x")
+    node.meta["nn_module_stack"] = {"p": ("L['self']", nn.ReLU)}
+    pooled.output(None)
+    kinds = {nn.ReLU: ["head.act"], nn.Linear: ["1", "2"]}
+    assert frame_bases(torch.fx.GraphModule(nn.Module(), pooled), owners, kinds) == {"L['self']": "head.act"}
+    node.meta["nn_module_stack"] = {"p": ("L['self']", nn.Linear)}  # two of its type: not placed
+    assert frame_bases(torch.fx.GraphModule(nn.Module(), pooled), owners, kinds) == {}
 
 
 def test_fused_time_is_split_by_bytes_else_evenly_and_the_rest_is_totalled_apart():
