@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from benchmarks.watch_check import print_overheads
 from rcnn.cli import Parser, run_command
 from rcnn.doctor.columns import OUTSIDE, ROOT
 from rcnn.doctor.steps import StepFinder
@@ -38,7 +39,7 @@ from rcnn.measure.device import compile_unavailable, resolve_device
 from rcnn.measure.loop import in_turn
 from rcnn.measure.options import add_rounds_options, rounds_policy
 from rcnn.measure.settings import DEVICE
-from rcnn.measure.stats import TimingPolicy, median_ratio
+from rcnn.measure.stats import TimingPolicy
 from rcnn.rules import Rule, ValueNotAllowed
 
 TOP = 10
@@ -139,13 +140,7 @@ def _run(args: argparse.Namespace) -> int:
             while w.measured < 2:  # compiled, warmed up, and timing every step from here on
                 steps["watched"]()
             times = in_turn(steps, rounds)
-    print(f"\n{'check':<40}{'ratio':>8}  95% CI          target")
-    for number, (name, target) in enumerate((("watched", 1.10), ("detached", 1.01)), start=2):
-        ratio, low, high = median_ratio(times[name]["step"], times["plain"]["step"])
-        label = f"{number} step time, {name} / never watched"
-        print(f"{label:<40}{ratio:>8.3f}  [{low:.3f}, {high:.3f}]  <= {target}")
-    plain = sorted(times["plain"]["step"])[len(times["plain"]["step"]) // 2]
-    print(f"  (never watched compiled step median {plain:.1f} ms)")
+    print_overheads(times, {"watched": 1.10, "detached": 1.01}, baseline="never watched")
     return 0
 
 
