@@ -133,7 +133,8 @@ def test_a_compiled_models_modules_get_their_kernels_time_and_the_rows_add_up_to
     table, summary = w.table().set_index("module"), w.diagnosis.summary
     # Timed: 4 compiled steps, none of them one that compiled, nor the step run eagerly after the FLOP step
     assert summary["steps"] == 4 and summary["compile_steps"] >= 1
-    assert "graph_0_inductor_wrapper_call" in w.diagnosis.trace and "compile_fx" not in w.diagnosis.trace
+    # (graph ids count the process's compiles, so another test's compile shifts them)
+    assert re.search(r"graph_\d+_inductor_wrapper_call", w.diagnosis.trace) and "compile_fx" not in w.diagnosis.trace
     # The body's graph break splits the forward (and so the backward) into three graphs
     assert summary["backward_graphs"] == summary["forward_graphs"] == 3 and summary["graph_breaks"]
     # Named as in the model whichever frame compiled them: the body's own (its module L['self']), the
