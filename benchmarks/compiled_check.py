@@ -15,6 +15,7 @@ ratio the paired median ratio with its bootstrap 95% CI (rcnn.measure.stats.medi
 detector compiles on its own: four compiles, minutes each on a CPU.
 
 Run by hand, from the project folder: .venv/bin/python -m benchmarks.compiled_check [--image-size 256]
+[--checks 23] (the overhead checks alone: two compiles fewer)
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from rcnn.measure.stats import TimingPolicy
 from rcnn.rules import Rule, ValueNotAllowed
 
 TOP = 10
+CHECKS = Rule(choices=["123", "1", "23"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-size", type=Rule(minimum=32, multiple_of=32).arg(int), default=256)
     add_rounds_options(parser, rounds=15, warmup=2)
     parser.add_argument("--steps", type=Rule(minimum=3).arg(int), default=8, help="steps each watch times")
+    parser.add_argument(
+        "--checks", type=CHECKS.arg(), metavar=CHECKS.metavar, default="123", help="which checks to run"
+    )
     args = parser.parse_args(argv)
     return run_command(lambda: _run(args))
 
@@ -87,14 +92,21 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueNotAllowed("--device", f"{device.type}: {reason}")
     workload = build_workload(args.model, batch_size=2, image_size=args.image_size, device=device)
     print(f"{args.model} on {device}, batch 2, {args.image_size} px, {args.rounds} rounds")
+    if "1" in args.checks:
+        by_module(workload, device, args.steps)
+    if "2" in args.checks:
+        overheads(workload, device, args)
+    return 0
 
-    # 1. Eager against compiled, each under its watch, in turn in one loop.
+
+def by_module(workload: Workload, device: torch.device, steps_each: int) -> None:
+    """Check 1: eager against compiled, each under its watch, in turn in one loop."""
     eager, compiled = copy.deepcopy(workload.model), torch.compile(copy.deepcopy(workload.model))
     steps = [loop_step(workload, m, device) for m in (eager, compiled)]
     policy = TimingPolicy(warmup=2, max_warmup=4)
     with (
-        watch(eager, steps=args.steps, policy=policy, peak_tflops=None, explain=False) as by_eager,
-        watch(compiled, steps=args.steps, policy=policy, peak_tflops=None, explain=False) as by_compiled,
+        watch(eager, steps=steps_each, policy=policy, peak_tflops=None, explain=False) as by_eager,
+        watch(compiled, steps=steps_each, policy=policy, peak_tflops=None, explain=False) as by_compiled,
     ):
         while not (by_eager.detached and by_compiled.detached):
             for step in steps:
@@ -121,7 +133,9 @@ def _run(args: argparse.Namespace) -> int:
         f"{summary['backward_ms']:.1f} ms"
     )
 
-    # 2 and 3. Overhead: compiled and never watched, watched (every step timed), detached; in turn.
+
+def overheads(workload: Workload, device: torch.device, args: argparse.Namespace) -> None:
+    """Checks 2 and 3: compiled and never watched, watched (every step timed), detached; in turn."""
     variants = {
         name: torch.compile(copy.deepcopy(workload.model)) for name in ("plain", "watched", "detached")
     }
@@ -141,7 +155,6 @@ def _run(args: argparse.Namespace) -> int:
                 steps["watched"]()
             times = in_turn(steps, rounds)
     print_overheads(times, {"watched": 1.10, "detached": 1.01}, baseline="never watched")
-    return 0
 
 
 if __name__ == "__main__":

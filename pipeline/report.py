@@ -66,7 +66,7 @@ from rcnn.detector.schema import (
     ResultsError,
     setting_label,
 )
-from rcnn.doctor.columns import MODULE_COLUMNS, OUTSIDE
+from rcnn.doctor.columns import MODULE_COLUMNS, OUTSIDE, ROOT, compiled_against_eager
 from rcnn.doctor.pictures import icicle_html, require_plotly
 from rcnn.measure.cores import CONTENDED_BELOW
 from rcnn.measure.settings import machine_name, peak_dtype
@@ -686,9 +686,63 @@ def icicles_page(
     )
 
 
-def compile_section(trials: pd.DataFrame) -> list[str]:
+NOT_SPED_UP = 0.9  # compiled / eager backward of a module at or above this: compiling did not speed it up
+SHARE_SHOWN = 0.05  # of the eager backward: the modules the compiled-by-module table shows
+
+
+def compile_module_lines(modules: pd.DataFrame) -> list[str]:
+    """Per setting and head profiled both eager and compiled whole (knob compile ``off`` and ``model``): each
+    module above SHARE_SHOWN of the eager backward, its own backward eager and compiled
+    (rcnn.doctor.columns.compiled_against_eager), and which of them compiling did not speed up."""
+    if modules.empty or not {"off", "model"} <= set(modules["compile"].astype(str)):
+        return [
+            "No module table of a compiled detector: profile_at needs a setting with compile model (and the "
+            "same one with compile off) to show which modules compiling sped up.",
+            "",
+        ]
+    out = [
+        "By module, eager against compiled whole (the doctor's tables at the profiled settings, "
+        "`sweep.profile_steps` steps each: no CI): each module's own backward, its compiled kernels given to "
+        "the modules whose nodes they compute (a kernel fused across modules split by bytes); the compiled "
+        "`(model)` row also holds dynamo's guards and code run eagerly between graphs.",
+        "",
+    ]
+    labels = modules.apply(setting_label, axis=1, skip=("compile",))
+    for (label, head), group in modules.groupby([labels, "head"], sort=False):
+        compiles = group["compile"].astype(str)
+        if not {"off", "model"} <= set(compiles):
+            continue
+        both = compiled_against_eager(group[compiles == "off"], group[compiles == "model"])
+        eager_total = both["eager_backward_ms"].sum()
+        shown = both[both["eager_backward_ms"] >= SHARE_SHOWN * eager_total]
+        slow = shown[(shown["backward_ratio"] >= NOT_SPED_UP) & ~shown["module"].isin([ROOT, OUTSIDE])]
+        out += [
+            f"**{head}** ({label}): modules above {SHARE_SHOWN:.0%} of the eager backward",
+            "",
+            shown[["module", "eager_backward_ms", "compiled_backward_ms", "backward_ratio"]]
+            .round(3)
+            .to_markdown(index=False, missingval=""),
+            "",
+            (
+                "Compiling did not speed up the backward of "
+                + "; ".join(
+                    f"{m.module} ({m.eager_backward_ms:.1f} -> {m.compiled_backward_ms:.1f} ms, "
+                    f"{m.backward_ratio:.2f}x)"
+                    for m in slow.itertuples()
+                )
+                + f" (compiled / eager at or above {NOT_SPED_UP})."
+                if len(slow)
+                else f"Compiling sped up each module shown (compiled / eager under {NOT_SPED_UP})."
+            ),
+            "",
+        ]
+    return out
+
+
+def compile_section(trials: pd.DataFrame, modules: pd.DataFrame) -> list[str]:
     """Knob compile side by side with eager: per setting and head, box-head backward with its CI and step time
-    at each compile value, and what compiling cost (kept out of the medians)."""
+    at each compile value, and what compiling cost (kept out of the medians); then by module
+    (``compile_module_lines``)."""
     done = complete(trials)
     values = list(dict.fromkeys(done["compile"].astype(str)))
     if values == ["off"]:
@@ -731,6 +785,7 @@ def compile_section(trials: pd.DataFrame) -> list[str]:
         .round(2)
         .to_markdown(index=False, missingval=""),
         "",
+        *compile_module_lines(modules),
     ]
 
 
@@ -959,7 +1014,7 @@ def render(r: Results, lock: Path | None) -> str:
         *module_section(r.modules),
         "## torch.compile",
         "",
-        *compile_section(r.trials),
+        *compile_section(r.trials, r.modules),
         "## Environment and reproduction",
         "",
         drift_line(s),

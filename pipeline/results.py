@@ -26,6 +26,7 @@ from rcnn.detector.schema import (
     TRIAL_COLUMNS,
     ResultsError,
 )
+from rcnn.doctor.columns import COMPILED
 from rcnn.measure.stats import Comparison, compare, compare_paired, geomean_ratio
 from rcnn.outputs import csv_with, json_object, write_atomic
 
@@ -135,6 +136,7 @@ ADDED_MODULE_COLUMNS = (
     "saves_ci_low",
     "saves_ci_high",
     "backward_moved_mb",
+    COMPILED,
 )
 
 

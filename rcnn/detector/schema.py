@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rcnn.doctor.columns import MODULE_COLUMNS
+from rcnn.doctor.columns import COMPILED, MODULE_COLUMNS
 from rcnn.measure.settings import AMP
 from rcnn.rules import Rule, UserError
 
@@ -267,7 +267,8 @@ COMPARISON_COLUMNS = (
     "rounds",  # the in-turn rounds a setting's ratio is read from; 0: two trials, one after the other
 )
 KERNEL_COLUMNS = ("trial", *KNOB_NAMES, "kind", "name", "ms", "calls", "share")
-MODULE_TABLE_COLUMNS = ("trial", *KNOB_NAMES, *MODULE_COLUMNS)  # the sweep's by-module tables, at profile_at
+# The sweep's by-module tables, at profile_at (COMPILED: a trial's with knob compile model)
+MODULE_TABLE_COLUMNS = ("trial", *KNOB_NAMES, *MODULE_COLUMNS, COMPILED)
 
 
 class ResultsError(UserError):

@@ -65,7 +65,7 @@ from rcnn.fix import linearize_with
 from rcnn.measure.batch import BatchSearch, batches_below, largest_batch
 from rcnn.measure.clock import BACKWARD_RANGE, Clock, ModuleSpanProbe, PeakMemory, Stopwatch
 from rcnn.measure.cores import CoreUse
-from rcnn.measure.device import autocast, compile_forward, grad_scaler, resolve_device
+from rcnn.measure.device import COMPILE_MODE, autocast, compile_forward, grad_scaler, resolve_device
 from rcnn.measure.loop import in_turn, warm_up_then_measure
 from rcnn.measure.options import add_timing_options, check_timing_options, timing_policy
 from rcnn.measure.profiler import capture, range_table
@@ -280,8 +280,15 @@ class ModelTrainer:
         return lambda: self.step(next(numbers), modules)
 
     def workload(self) -> Workload:
-        """The model with its first batch and its loss, as the doctor diagnoses it."""
-        return Workload(self.name, self.model, self.batches[0], self.loss)
+        """The model with its first batch and its loss, as the doctor diagnoses it. With knob compile
+        ``model``, the model as torch.compile(model) gives it (an OptimizedModule, which the doctor times by
+        its compiled kernels): knob compile's own compiled forward is taken off the model, so this trainer's
+        later steps run eagerly."""
+        model = self.model
+        if self.knobs.compile == "model":
+            model.__dict__.pop("forward", None)  # compile_forward's, on the instance
+            model = torch.compile(model, mode=COMPILE_MODE)
+        return Workload(self.name, model, self.batches[0], self.loss)
 
     @property
     def rois(self) -> int:
@@ -546,7 +553,8 @@ def measure_trial(
                 if profile_steps and kernel_range:
                     events = capture(lambda: trainer.step(0), device, profile_steps)
                     kernels = range_table(events, kernel_range, profile_steps)
-                if profile_steps and knobs.compile == "off":
+                # The doctor times a model compiled whole, not one compiled in part (knob compile head)
+                if profile_steps and knobs.compile != "head":
                     by_module = TimingPolicy.fixed(profile_steps, warmup=1)
                     modules = diagnose(
                         trainer.workload(),

@@ -1,7 +1,10 @@
 """The doctor's tables, without torch: one row per module, and the why of each flagged one; the thresholds of
-its flags. The pipeline's stages read the sweep's by-module tables with these names."""
+its flags; a compiled model's table set against its eager one. The pipeline's stages read the sweep's
+by-module tables with these names."""
 
 from __future__ import annotations
+
+import pandas as pd
 
 ROOT = "(model)"  # the model itself: its qualified name is ""
 OUTSIDE = "(outside modules)"  # time and FLOPs no module's forward created
@@ -27,6 +30,7 @@ MODULE_COLUMNS = (
     "backward_peak_mb",  # MiB allocated at most during its backward (CUDA; NaN elsewhere)
     "backward_moved_mb",  # MiB its own backward's ops read and wrote, counted from their tensors
 )
+COMPILED = "compiled"  # a torch.compile'd model's table: each module's longest kernels per phase, ms per step
 WHY_COLUMNS = (
     "module",
     "type",
@@ -63,3 +67,22 @@ FLAG_SHOWN_SHARE = 0.01
 # A module's backward is compute-bound at this fraction of the matmul peak or more, memory-bound at this
 # fraction of the copy bandwidth or more, and bound by neither under both.
 BOUND_FRACTION = 0.5
+
+
+def compiled_against_eager(eager: pd.DataFrame, compiled: pd.DataFrame) -> pd.DataFrame:
+    """Each module's forward and backward ms per step in an eager watch's table and a compiled one's, and
+    compiled / eager (NaN where eager took no time): what compiling bought per module, the longest eager
+    backward first. ``(model)`` and ``(outside modules)`` are rows of both, but compiled ``(model)`` holds the
+    compiled call's own cost too."""
+    times = ["forward_ms", "backward_ms"]
+    both = (
+        eager.set_index("module")[times]
+        .add_prefix("eager_")
+        .join(compiled.set_index("module")[times].add_prefix("compiled_"), how="outer")
+    )
+    for phase in ("forward", "backward"):
+        before = both[f"eager_{phase}_ms"]
+        both[f"{phase}_ratio"] = (both[f"compiled_{phase}_ms"] / before).where(before > 0)
+    columns = [f"{kind}_{phase}_ms" for phase in ("forward", "backward") for kind in ("eager", "compiled")]
+    both = both[columns[:2] + ["forward_ratio"] + columns[2:] + ["backward_ratio"]]
+    return both.sort_values("eager_backward_ms", ascending=False).reset_index()

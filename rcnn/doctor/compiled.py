@@ -66,12 +66,7 @@ class CompiledModel:
         # CUDA graphs (mode reduce-overhead) replay every kernel inside one launch: none would be seen
         self.cudagraphs_off = bool(options.pop("triton.cudagraphs", False))
         self.model, self.device = model, device_of(model)
-        holders = [*model._orig_mod.named_parameters(), *model._orig_mod.named_buffers()]
-        kinds: dict[type, list[str]] = {}
-        for name, module in model._orig_mod.named_modules():
-            kinds.setdefault(type(module), []).append(name)
-        owners = {id(t): name.rpartition(".")[0] for name, t in holders}
-        self.kernels = KernelMap(options, owners=owners, kinds=kinds)
+        self.kernels = KernelMap(options, model._orig_mod)
         # Its own forward (and a lazy module's check), put back by ``restore``
         self._own = {key: model.__dict__[key] for key in ("forward", "_forward") if key in model.__dict__}
         fullgraph = bool(getattr(model.dynamo_ctx, "fullgraph", False))
@@ -253,22 +248,3 @@ def compiled_tables(
         table.loc[ROOT, "backward_peak_mb"] = step.loc[ROOT, "backward_peak_mb"]
         out.append(table.rename_axis("module"))
     return out
-
-
-def side_by_side(eager: pd.DataFrame, compiled: pd.DataFrame) -> pd.DataFrame:
-    """Each module's forward and backward ms per step in an eager watch's table and a compiled one's, and
-    compiled / eager (NaN where eager took no time): what compiling bought per module, the longest eager
-    backward first. ``(model)`` and ``(outside modules)`` are rows of both, but compiled ``(model)`` holds the
-    compiled call's own cost too."""
-    times = ["forward_ms", "backward_ms"]
-    both = (
-        eager.set_index("module")[times]
-        .add_prefix("eager_")
-        .join(compiled.set_index("module")[times].add_prefix("compiled_"), how="outer")
-    )
-    for phase in ("forward", "backward"):
-        before = both[f"eager_{phase}_ms"]
-        both[f"{phase}_ratio"] = (both[f"compiled_{phase}_ms"] / before).where(before > 0)
-    columns = [f"{kind}_{phase}_ms" for phase in ("forward", "backward") for kind in ("eager", "compiled")]
-    both = both[columns[:2] + ["forward_ratio"] + columns[2:] + ["backward_ratio"]]
-    return both.sort_values("eager_backward_ms", ascending=False).reset_index()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -102,17 +103,45 @@ def _dotted(path: str) -> str:
     return re.sub(r"\[(?:'([^']+)'|(\d+))\]", lambda m: f".{m.group(1) or m.group(2)}", path).strip(".")
 
 
-def module_of(node: torch.fx.Node, bases: dict[str, str] | None = None) -> str:
-    """The innermost module whose forward made ``node`` (its qualified name), ROOT where none did. Dynamo
-    names it from a local of the frame it compiled (``L['self'].body``): ``bases`` gives each local's
-    qualified name in the watched model (a frame of a submodule's forward, after a graph break, or a module
-    held over one; ``frame_bases``), else the local is the model."""
+@dataclass(frozen=True)
+class Frame:
+    """Where a frame dynamo compiled sits in the watched model: ``bases``, each of its locals that holds a
+    module with that module's qualified name (``frame_bases``), and ``running``, the module whose call ran
+    the frame (``running_module``): its nodes made outside any module's call are that module's (a free
+    function's, torchvision's ``_multiscale_roi_align`` called by MultiScaleRoIAlign, or a forward's resumed
+    after a graph break)."""
+
+    bases: dict[str, str] = field(default_factory=dict)
+    running: str = ROOT
+
+
+def module_of(node: torch.fx.Node, frame: Frame | None = None) -> str:
+    """The innermost module whose forward made ``node`` (its qualified name). Dynamo names it from a local
+    of the frame it compiled (``L['self'].body``), placed in the model by ``frame.bases``, else the local is
+    the model; a node made outside every module's call is the frame's running module's (ROOT by default)."""
+    frame = frame or Frame()
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
     if not stack:
-        return ROOT
+        return frame.running
     path = list(stack.values())[-1][0]
     local, rest = m.groups() if (m := _LOCAL.match(path)) else ("", path)
-    return ".".join(p for p in ((bases or {}).get(local, ""), _dotted(rest)) if p) or ROOT
+    return ".".join(p for p in (frame.bases.get(local, ""), _dotted(rest)) if p) or ROOT
+
+
+def running_module(modules: dict[int, str]) -> str:
+    """The innermost module of the watched model with a method on the Python stack (``modules``: each
+    module's id -> its qualified name, ``""`` the model's), ROOT where none is. Called while dynamo compiles
+    a frame, it is the module whose call runs that frame: the stack then holds the frame's callers. (A graph
+    reused from another caller keeps the module it compiled for.)"""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_argcount and code.co_varnames[0] == "self":
+            name = modules.get(id(frame.f_locals.get("self")))
+            if name is not None:
+                return name or ROOT
+        frame = frame.f_back
+    return ROOT
 
 
 _STATE = re.compile(r"^(L\['[^']+'\])\.?(.*?)\.?_(?:parameters|buffers)\['[^']+'\]$")
@@ -168,47 +197,48 @@ def _op_name(node: torch.fx.Node) -> str | None:
     return None
 
 
-def _charged(node: torch.fx.Node, bases: dict[str, str]) -> dict[str, float]:
+def _charged(node: torch.fx.Node, frame: Frame) -> dict[str, float]:
     """The bytes of ``node`` by the modules a kernel computing it works for: a graph input's (a layout copy of
     a weight or an activation) its users' modules, those inside a module first; none for a constant
     (``aten.full``: Inductor shares one between modules); else the node's own module."""
     if node.target is torch.ops.aten.full.default:
         return {}
     if node.op != "placeholder":
-        return {module_of(node, bases): _nbytes(node)}
-    users = {module_of(user, bases) for user in node.users}
+        return {module_of(node, frame): _nbytes(node)}
+    users = {module_of(user, frame) for user in node.users}
     owners = (users - {ROOT}) or users
     return {owner: _nbytes(node) / len(owners) for owner in owners}
 
 
-def _kernel(key: str, names: Iterable[str], nodes: dict[str, torch.fx.Node], bases: dict[str, str]) -> Kernel:
+def _kernel(key: str, names: Iterable[str], nodes: dict[str, torch.fx.Node], frame: Frame) -> Kernel:
     names = [n for n in names if n in nodes]
     op = extern_op(_name(key))
     if op is not None:  # an extern kernel may list fused neighbours: keep the node(s) of its own op
         names = [n for n in names if _op_name(nodes[n]) == op] or names
     sizes: Counter[str] = Counter()
     for name in names:
-        sizes.update(_charged(nodes[name], bases))
+        sizes.update(_charged(nodes[name], frame))
     return Kernel(key, tuple(names), dict(sizes))
 
 
 class KernelMap:
     """The kernels of every graph compiled through ``backend``, with the modules each computes. ``options``:
     Inductor settings the user's torch.compile asked for (its ``mode`` and ``options``), applied under
-    SETTINGS. ``owners`` (each parameter's and buffer's id -> the qualified name of the module holding it in
-    the watched model) and ``kinds`` (each module type -> the names of its modules), so that a graph of a
-    submodule's frame names modules as the model does (``frame_bases``); without, names are from each
-    frame's own module."""
+    SETTINGS. ``model``: the watched (uncompiled) model, so that a graph of a submodule's frame names modules
+    as the model does (``Frame``); without, names are from each frame's own module and nodes outside every
+    module's call are ROOT's."""
 
-    def __init__(
-        self,
-        options: dict[str, Any] | None = None,
-        owners: dict[int, str] | None = None,
-        kinds: dict[type, list[str]] | None = None,
-    ) -> None:
+    def __init__(self, options: dict[str, Any] | None = None, model: torch.nn.Module | None = None) -> None:
         self.graphs: list[Graph] = []
         self.options = dict(options or {})
-        self.owners, self.kinds = dict(owners or {}), dict(kinds or {})
+        named = list(model.named_modules()) if model is not None else []
+        holders = [*model.named_parameters(), *model.named_buffers()] if model is not None else []
+        # a parameter's or buffer's id -> its module's name; a type -> its modules'; a module's id -> its name
+        self.owners = {id(t): name.rpartition(".")[0] for name, t in holders}
+        self.kinds: dict[type, list[str]] = {}
+        for name, module in named:
+            self.kinds.setdefault(type(module), []).append(name)
+        self.modules = {id(module): name for name, module in named}
 
     def backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
         """A torch.compile backend: Inductor under SETTINGS, each graph's kernels recorded."""
@@ -216,12 +246,14 @@ class KernelMap:
         from torch._inductor.compile_fx import compile_fx
 
         bases = frame_bases(gm, self.owners, self.kinds)
-        inner = functools.partial(self._inner, bases=bases)  # the backward's too
+        # the frame's own module (its self, placed by its weights), else its callers' innermost
+        running = bases.get("L['self']") or running_module(self.modules)
+        inner = functools.partial(self._inner, frame=Frame(bases, running))  # the backward's too
         with config.patch(_known(config)):
             return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=self.options or None)
 
     def _inner(
-        self, gm: torch.fx.GraphModule, example_inputs: list, *args: Any, bases: dict[str, str], **kwargs: Any
+        self, gm: torch.fx.GraphModule, example_inputs: list, *args: Any, frame: Frame, **kwargs: Any
     ) -> Any:
         from torch._inductor import config
         from torch._inductor import debug as inductor_debug
@@ -243,7 +275,7 @@ class KernelMap:
         graph = Graph(
             -1 if graph_id is None else graph_id, BACKWARD if kwargs.get("is_backward") else FORWARD
         )
-        graph.kernels = [_kernel(key, provenance.get(key, ()), nodes, bases) for key in order]
+        graph.kernels = [_kernel(key, provenance.get(key, ()), nodes, frame) for key in order]
         self.graphs.append(graph)
         return compiled
 

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from rcnn.doctor.attribution import ModuleTimer
-from rcnn.doctor.columns import ROOT
-from rcnn.doctor.compiled import CompiledModel, compiled_tables, kernel_tables, optimized, side_by_side
+from rcnn.doctor.columns import COMPILED, ROOT, compiled_against_eager
+from rcnn.doctor.compiled import CompiledModel, compiled_tables, kernel_tables, optimized
 from rcnn.doctor.files import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
 from rcnn.doctor.remedies import remedy_for
 from rcnn.doctor.steps import StepFinder
@@ -450,7 +450,7 @@ class Watch:
             },
         )
         if self._compiled is not None:
-            diagnosis.modules["compiled"] = diagnosis.modules["module"].map(words).fillna("")
+            diagnosis.modules[COMPILED] = diagnosis.modules["module"].map(words).fillna("")
         env = {
             "fingerprint": fingerprint(self.device),
             "ceilings": {
@@ -497,7 +497,7 @@ class Watch:
     def compare(self, other: Watch) -> pd.DataFrame:
         """This watch's table beside ``other``'s, one of them of the model compiled and the other eager (the
         same model, watched in the same loop): each module's forward and backward ms per step either way and
-        compiled / eager (rcnn.doctor.compiled.side_by_side)."""
+        compiled / eager (rcnn.doctor.columns.compiled_against_eager)."""
         if (self._compiled is None) == (other._compiled is None):
             kind = "compiled" if self._compiled is not None else "eager"
             raise ValueNotAllowed(
@@ -505,7 +505,7 @@ class Watch:
                 f"both watches are of {kind} models; allowed: one of torch.compile(model), one eager",
             )
         eager, compiled = (other, self) if self._compiled is not None else (self, other)
-        return side_by_side(eager.table(), compiled.table())
+        return compiled_against_eager(eager.table(), compiled.table())
 
     def report(self, top: int = 15) -> str:
         """What ``print(w)`` prints: the command's printout of this diagnosis."""

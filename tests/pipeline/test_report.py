@@ -261,11 +261,47 @@ def test_the_verdict_answers_whether_compile_closes_the_gap(speedup, answer):
     assert float(gaps[1]) == pytest.approx(4.0, rel=0.02) and float(gaps[2]) == pytest.approx(
         4.0 / speedup, rel=0.02
     )
-    section = "\n".join(compile_section(trials))
+    section = "\n".join(compile_section(trials, pd.DataFrame()))
     assert "| compile " in section and "5" in section and "no eager trial" not in section
+    assert "No module table of a compiled detector" in section
     # Compile not swept: no line
     assert by_value_lines(comparisons_table(*fake_trials()), fake_trials()[0]) == []
-    assert "Not swept here" in compile_section(fake_trials()[0])[0]
+    assert "Not swept here" in compile_section(fake_trials()[0], pd.DataFrame())[0]
+
+
+def test_the_compile_section_says_which_modules_compiling_did_not_speed_up():
+    from pipeline.report import compile_module_lines
+
+    rows = [  # module, eager backward ms, compiled backward ms
+        ("roi_heads.box_head.0", 100.0, 98.0),
+        ("backbone.body.layer1", 50.0, 20.0),
+        ("(model)", 6.0, 30.0),
+        ("rpn.head", 1.0, 0.5),  # under 5% of the eager backward: not shown
+    ]
+    modules = pd.DataFrame(
+        [
+            {
+                "head": "conv",
+                "batch_size": 2,
+                "compile": compile,
+                "module": m,
+                "forward_ms": 1.0,
+                "backward_ms": ms,
+            }
+            for m, eager, compiled in rows
+            for compile, ms in (("off", eager), ("model", compiled))
+        ]
+    )
+    text = "\n".join(compile_module_lines(modules))
+    assert "**conv** (bs 2): modules above 5% of the eager backward" in text
+    assert "backbone.body.layer1" in text and "rpn.head" not in text
+    assert (
+        "Compiling did not speed up the backward of roi_heads.box_head.0 (100.0 -> 98.0 ms, 0.98x) "
+        "(compiled / eager at or above 0.9)." in text
+    )
+    # Only compiled trials profiled, or none: said, no table
+    alone = compile_module_lines(modules[modules["compile"] == "model"])
+    assert alone[0].startswith("No module table of a compiled detector")
 
 
 def test_the_sweep_time_section_reads_the_summary():

@@ -25,7 +25,9 @@ from rcnn.detector.trial import (
     run_trial,
 )
 from rcnn.doctor.attribution import ModuleTimer
+from rcnn.doctor.columns import COMPILED
 from rcnn.measure.clock import Clock, ModuleSpanProbe
+from rcnn.measure.device import compile_unavailable
 from rcnn.measure.stats import TimingPolicy
 from rcnn.measure.step import STEP_PHASES
 from rcnn.rules import ValueNotAllowed
@@ -647,6 +649,20 @@ def test_any_models_trial_times_its_steps_under_the_knobs(monkeypatch):
         assert parts == pytest.approx(step, rel=1e-6, abs=0.01)
     assert result.rois == 0 and result.swapped == "features" and result.kernels == []
     assert {row["module"] for row in result.modules} >= {"features", "score"}
+
+
+@pytest.mark.slow  # compiling the model twice (knob compile, then the doctor's map) takes about 30 s
+@pytest.mark.skipif(bool(compile_unavailable(CPU)), reason="no torch.compile here")
+def test_a_compiled_models_trial_records_its_table_by_module_from_the_compiled_kernels():
+    knobs = knobs_for(CPU, compile="model")
+    result = run_model_trial(
+        USERS_MODEL, knobs, image_size=32, device=CPU, policy=QUICK, profile_steps=2, frames=4
+    )
+    rows = {row["module"]: row for row in result.modules}
+    assert result.compiled is not None and {"features", "pool", "score"} <= set(rows)
+    # Each module's row from the kernels that compute it, named in the compiled column
+    for module in ("features", "score"):
+        assert rows[module]["backward_ms"] > 0 and "backward: " in rows[module][COMPILED]
 
 
 def test_a_models_trial_refuses_the_detectors_compile_target_before_building(monkeypatch):

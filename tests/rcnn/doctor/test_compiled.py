@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rcnn.doctor.columns import OUTSIDE, ROOT
-from rcnn.doctor.compiled import compiled_tables, kernel_tables, named, side_by_side
+from rcnn.doctor.columns import OUTSIDE, ROOT, compiled_against_eager
+from rcnn.doctor.compiled import compiled_tables, kernel_tables, named
 from rcnn.doctor.watching import watch
 from rcnn.measure.device import compile_unavailable
 from rcnn.measure.stats import TimingPolicy
@@ -83,17 +83,33 @@ class Body(nn.Sequential):
         return self[2](self[1](x))
 
 
+def _pooled(x):
+    """A free function with a graph break, as torchvision's ``_multiscale_roi_align``: dynamo compiles its
+    rest as a frame of no module, its nodes in no module's call."""
+    torch._dynamo.graph_break()
+    return F.adaptive_avg_pool2d(x, 7)
+
+
+class Pool(nn.Module):
+    """A module without weights whose work is the free function's, as torchvision's MultiScaleRoIAlign."""
+
+    def forward(self, x):
+        return _pooled(x)
+
+
 class Detectorish(nn.Module):
-    """The body, then the conv head and a classifier, both held on the stack over the body's graph break."""
+    """The body, the pooling, then the conv head and a classifier, both held on the stack over the graph
+    breaks."""
 
     def __init__(self) -> None:
         super().__init__()
         self.body = Body()
+        self.pool = Pool()
         self.box_head = ConvHead()
         self.cls = nn.Linear(16, 4)
 
     def forward(self, x):
-        return self.cls(self.box_head(F.adaptive_avg_pool2d(self.body(x), 7)))
+        return self.cls(self.box_head(self.pool(self.body(x))))
 
 
 @pytest.fixture(scope="module")
@@ -134,12 +150,17 @@ def test_a_compiled_models_modules_get_their_kernels_time_and_the_rows_add_up_to
     # Timed: 4 compiled steps, none of them one that compiled, nor the step run eagerly after the FLOP step
     assert summary["steps"] == 4 and summary["compile_steps"] >= 1
     # (graph ids count the process's compiles, so another test's compile shifts them)
-    assert re.search(r"graph_\d+_inductor_wrapper_call", w.diagnosis.trace) and "compile_fx" not in w.diagnosis.trace
-    # The body's graph break splits the forward (and so the backward) into three graphs
-    assert summary["backward_graphs"] == summary["forward_graphs"] == 3 and summary["graph_breaks"]
+    assert (
+        re.search(r"graph_\d+_inductor_wrapper_call", w.diagnosis.trace)
+        and "compile_fx" not in w.diagnosis.trace
+    )
+    # The body's and the pooling's graph breaks split the forward (and so the backward) into four graphs
+    assert summary["backward_graphs"] == summary["forward_graphs"] == 4 and summary["graph_breaks"]
     # Named as in the model whichever frame compiled them: the body's own (its module L['self']), the
     # head's and the classifier's (held on the stack over the break)
     assert table.loc[["body.0", "box_head.fc7", "cls"], "backward_ms"].gt(0).all()
+    # The free function's pooling: the module that called it, both ways
+    assert table.loc["pool", ["forward_ms", "backward_ms"]].gt(0).all()
     head = table.loc["box_head.fc6"]  # the 7x7 conv: its own row, its backward the conv's
     assert head["backward_ms"] > 0 and "convolution_backward" in head["compiled"]
     assert head["backward_gflop"] > 0 and head["flag"].startswith("gemm-in-disguise")
@@ -152,8 +173,8 @@ def test_a_compiled_models_modules_get_their_kernels_time_and_the_rows_add_up_to
         # The modules' rows hold their kernels' time, once each: none lost or doubled on the way to the table
         modules = table.drop(index=[ROOT, OUTSIDE])[f"{phase}_ms"].sum()
         assert modules == pytest.approx(summary[f"{phase}_module_kernels_ms"], rel=1e-6)
-        # Nearly every kernel computes a module's nodes (the model's own: the functional pooling); they ran
-        # inside the compiled call, whose rest is the model's row
+        # Nearly every kernel computes a module's nodes; they ran inside the compiled call, whose rest is the
+        # model's row
         assert 0.8 * summary[f"{phase}_kernels_ms"] <= modules <= summary[f"{phase}_kernels_ms"]
         assert summary[f"{phase}_kernels_ms"] <= table.loc[ROOT, f"{phase}_inclusive_ms"]
         assert table.loc[ROOT, f"{phase}_ms"] >= 0
@@ -167,7 +188,7 @@ def test_the_printout_says_what_compiled_and_how_the_kernels_time_was_given(watc
     text = str(w)
     assert text.startswith("Detectorish (torch.compile, Inductor) on cpu")
     assert re.search(
-        r"Compiled with Inductor: 3 forward and 3 backward graphs, graph breaks: \d+ \(\d+ x ", text
+        r"Compiled with Inductor: 4 forward and 4 backward graphs, graph breaks: \d+ \(\d+ x ", text
     )
     assert "fused across modules split by their nodes' output bytes" in text
     assert "(model): the compiled call's time beyond its modules' kernels" in text
@@ -177,14 +198,14 @@ def test_the_printout_says_what_compiled_and_how_the_kernels_time_was_given(watc
     assert "compiled" in saved.columns
 
 
-def test_side_by_side_sets_each_modules_compiled_time_against_its_eager_time():
+def test_compiled_against_eager_sets_each_modules_compiled_time_against_its_eager_time():
     eager = pd.DataFrame(
         {"module": ["a", "b", ROOT], "forward_ms": [2.0, 1.0, 0.0], "backward_ms": [4.0, 1.0, 0.0]}
     )
     compiled = pd.DataFrame(
         {"module": ["a", "b", ROOT], "forward_ms": [1.0, 1.0, 3.0], "backward_ms": [4.0, 0.5, 1.0]}
     )
-    both = side_by_side(eager, compiled).set_index("module")
+    both = compiled_against_eager(eager, compiled).set_index("module")
     assert list(both.index) == ["a", "b", ROOT]  # the longest eager backward first
     assert both.loc["a", ["eager_forward_ms", "compiled_forward_ms", "forward_ratio"]].tolist() == [
         2.0,

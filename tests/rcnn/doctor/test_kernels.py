@@ -13,11 +13,13 @@ from rcnn.doctor.kernels import (
     BACKWARD,
     FORWARD,
     UNMATCHED,
+    Frame,
     KernelMap,
     by_module,
     extern_op,
     frame_bases,
     module_of,
+    running_module,
     split,
 )
 from rcnn.measure.device import compile_unavailable
@@ -47,8 +49,23 @@ def test_a_nodes_module_is_the_innermost_of_its_stack_forward_or_backward():
         "d"
     )  # a frame of the backbone's forward, and a ModuleDict's key held on the stack
     held.meta["nn_module_stack"] = {"x": ("L['___stack0']['cls']", nn.Linear)}
-    bases = {"L['self']": "backbone", "L['___stack0']": "heads"}
-    assert (module_of(forward, bases), module_of(held, bases)) == ("backbone.body.0", "heads.cls")
+    frame = Frame({"L['self']": "backbone", "L['___stack0']": "heads"}, running="backbone")
+    assert (module_of(forward, frame), module_of(held, frame)) == ("backbone.body.0", "heads.cls")
+    # A node outside every module's call (a free function's) is the running module's
+    assert module_of(root, frame) == "backbone"
+
+
+class Caller(nn.Module):
+    def forward(self, modules: dict[int, str]) -> str:
+        return (lambda: running_module(modules))()  # a function of no module in between
+
+
+def test_the_running_module_is_the_innermost_of_the_models_modules_on_the_stack():
+    model = nn.Sequential(nn.Identity(), nn.Sequential(Caller()))
+    modules = {id(module): name for name, module in model.named_modules()}
+    assert model[1](modules) == "1.0"
+    assert running_module(modules) == "(model)"  # none of the model's modules running
+    assert running_module({}) == "(model)"
 
 
 def test_a_frames_locals_are_placed_in_the_model_by_the_weights_its_graph_reads():
