@@ -139,7 +139,7 @@ def overheads(workload: Workload, device: torch.device, args: argparse.Namespace
     variants = {
         name: torch.compile(copy.deepcopy(workload.model)) for name in ("plain", "watched", "detached")
     }
-    # The watched one's watch stays on while all three step: the others step outside its function mode
+    # The watched one's watch stays on while all three step in turn: the others step outside its function mode
     steps = {
         name: loop_step(workload, m, device, unwatched=name != "watched") for name, m in variants.items()
     }
@@ -148,8 +148,11 @@ def overheads(workload: Workload, device: torch.device, args: argparse.Namespace
     rounds = rounds_policy(args)
     quick = TimingPolicy(warmup=1, max_warmup=2)
     with watch(variants["detached"], steps=2, policy=quick, peak_tflops=None, explain=False) as gone:
+        detaching = loop_step(
+            workload, variants["detached"], device
+        )  # inside its watch's mode, till detached
         while not gone.detached:
-            steps["detached"]()
+            detaching()
         with watch(variants["watched"], steps=10**6, policy=quick, peak_tflops=None, explain=False) as w:
             while w.measured < 2:  # compiled, warmed up, and timing every step from here on
                 steps["watched"]()
