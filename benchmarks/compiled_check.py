@@ -15,7 +15,7 @@ ratio the paired median ratio with its bootstrap 95% CI (rcnn.measure.stats.medi
 detector compiles on its own: four compiles, minutes each on a CPU.
 
 Run by hand, from the project folder: .venv/bin/python -m benchmarks.compiled_check [--image-size 256]
-[--checks 23] (the overhead checks alone: two compiles fewer)
+[--checks 23] (the overhead checks alone: one compile fewer, and no eager watch)
 """
 
 from __future__ import annotations

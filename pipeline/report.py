@@ -692,21 +692,17 @@ SHARE_SHOWN = 0.05  # of the eager backward: the modules the compiled-by-module 
 
 def compile_module_lines(modules: pd.DataFrame) -> list[str]:
     """Per setting and head profiled both eager and compiled whole (knob compile ``off`` and ``model``): each
-    module above SHARE_SHOWN of the eager backward, its own backward eager and compiled
-    (rcnn.doctor.columns.compiled_against_eager), and which of them compiling did not speed up."""
-    if modules.empty or not {"off", "model"} <= set(modules["compile"].astype(str)):
-        return [
-            "No module table of a compiled detector: profile_at needs a setting with compile model (and the "
-            "same one with compile off) to show which modules compiling sped up.",
-            "",
-        ]
-    out = [
-        "By module, eager against compiled whole (the doctor's tables at the profiled settings, "
-        "`sweep.profile_steps` steps each: no CI): each module's own backward, its compiled kernels given to "
-        "the modules whose nodes they compute (a kernel fused across modules split by bytes); the compiled "
-        "`(model)` row also holds dynamo's guards and code run eagerly between graphs.",
+    module with SHARE_SHOWN of the eager backward or more, its own backward eager and compiled
+    (rcnn.doctor.columns.compiled_against_eager); which of them compiling did not speed up, and which were
+    given no compiled kernel (their work then counted in the compiled ``(model)`` row: not a speed-up)."""
+    none = [
+        "No module table of a compiled detector: profile_at needs a setting with compile model (and the same "
+        "one with compile off) to show which modules compiling sped up.",
         "",
     ]
+    if modules.empty:
+        return none
+    out = []
     labels = modules.apply(setting_label, axis=1, skip=("compile",))
     for (label, head), group in modules.groupby([labels, "head"], sort=False):
         compiles = group["compile"].astype(str)
@@ -715,28 +711,57 @@ def compile_module_lines(modules: pd.DataFrame) -> list[str]:
         both = compiled_against_eager(group[compiles == "off"], group[compiles == "model"])
         eager_total = both["eager_backward_ms"].sum()
         shown = both[both["eager_backward_ms"] >= SHARE_SHOWN * eager_total]
-        slow = shown[(shown["backward_ratio"] >= NOT_SPED_UP) & ~shown["module"].isin([ROOT, OUTSIDE])]
+        own = shown[~shown["module"].isin([ROOT, OUTSIDE])]
+        given_none = own[~(own["compiled_backward_ms"] > 0)]  # no kernel of its own (or no row): NaN or 0
+        slow = own[own["backward_ratio"] >= NOT_SPED_UP]
+        root = both.set_index("module").loc[ROOT] if ROOT in set(both["module"]) else None
+
+        def listed(rows: pd.DataFrame) -> str:
+            return "; ".join(
+                f"{m.module} ({m.eager_backward_ms:.1f} -> {m.compiled_backward_ms:.1f} ms, "
+                f"{m.backward_ratio:.2f}x)"
+                for m in rows.itertuples()
+            )
+
+        words = [
+            f"Compiling did not speed up the backward of {listed(slow)} (compiled / eager {NOT_SPED_UP} or "
+            "more)."
+            if len(slow)
+            else f"Each module shown with compiled kernels of its own was sped up (compiled / eager under "
+            f"{NOT_SPED_UP})."
+        ]
+        if len(given_none):
+            names = ", ".join(given_none["module"])
+            words.append(
+                f"Given no compiled kernel: {names} (their work ran in code between graphs or in kernels of "
+                "no module: the compiled `(model)` row's, not a speed-up)."
+            )
+        if root is not None:
+            words.append(
+                f"`(model)`: {root['eager_backward_ms']:.1f} ms eager, {root['compiled_backward_ms']:.1f} ms "
+                "compiled."
+            )
         out += [
-            f"**{head}** ({label}): modules above {SHARE_SHOWN:.0%} of the eager backward",
+            f"**{head}** ({label or 'as set'}): the modules with {SHARE_SHOWN:.0%} of the eager backward or "
+            "more",
             "",
             shown[["module", "eager_backward_ms", "compiled_backward_ms", "backward_ratio"]]
             .round(3)
             .to_markdown(index=False, missingval=""),
             "",
-            (
-                "Compiling did not speed up the backward of "
-                + "; ".join(
-                    f"{m.module} ({m.eager_backward_ms:.1f} -> {m.compiled_backward_ms:.1f} ms, "
-                    f"{m.backward_ratio:.2f}x)"
-                    for m in slow.itertuples()
-                )
-                + f" (compiled / eager at or above {NOT_SPED_UP})."
-                if len(slow)
-                else f"Compiling sped up each module shown (compiled / eager under {NOT_SPED_UP})."
-            ),
+            " ".join(words),
             "",
         ]
-    return out
+    if not out:
+        return none
+    return [
+        "By module, eager against compiled whole (the doctor's tables at the profiled settings, "
+        "`sweep.profile_steps` steps each: no CI): each module's own backward, its compiled kernels given to "
+        "the modules whose nodes they compute (a kernel fused across modules split by bytes); the compiled "
+        "`(model)` row also holds dynamo's guards and code run eagerly between graphs.",
+        "",
+        *out,
+    ]
 
 
 def compile_section(trials: pd.DataFrame, modules: pd.DataFrame) -> list[str]:

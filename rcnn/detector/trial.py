@@ -282,11 +282,13 @@ class ModelTrainer:
     def workload(self) -> Workload:
         """The model with its first batch and its loss, as the doctor diagnoses it. With knob compile
         ``model``, the model as torch.compile(model) gives it (an OptimizedModule, which the doctor times by
-        its compiled kernels): knob compile's own compiled forward is taken off the model, so this trainer's
-        later steps run eagerly."""
+        its compiled kernels): knob compile's own compiled forward is taken off the model and dynamo's cache
+        reset (its entries would count towards the doctor's compile's recompile limit), so call it after
+        measuring: this trainer's later steps run eagerly."""
         model = self.model
         if self.knobs.compile == "model":
             model.__dict__.pop("forward", None)  # compile_forward's, on the instance
+            torch._dynamo.reset()
             model = torch.compile(model, mode=COMPILE_MODE)
         return Workload(self.name, model, self.batches[0], self.loss)
 

@@ -107,9 +107,11 @@ def _dotted(path: str) -> str:
 class Frame:
     """Where a frame dynamo compiled sits in the watched model: ``bases``, each of its locals that holds a
     module with that module's qualified name (``frame_bases``), and ``running``, the module whose call ran
-    the frame (``running_module``): its nodes made outside any module's call are that module's (a free
-    function's, torchvision's ``_multiscale_roi_align`` called by MultiScaleRoIAlign, or a forward's resumed
-    after a graph break)."""
+    the frame (its own ``self`` where ``bases`` places it, else ``running_module``). Its nodes made outside
+    any module's call are that module's: a free function's (torchvision's ``_multiscale_roi_align``, called
+    by MultiScaleRoIAlign), or a forward's resumed after a graph break. A graph dynamo reuses for another
+    instance of the same module class (its cache is per code, the weights graph inputs) keeps the names of
+    the instance it compiled for."""
 
     bases: dict[str, str] = field(default_factory=dict)
     running: str = ROOT
@@ -246,7 +248,7 @@ class KernelMap:
         from torch._inductor.compile_fx import compile_fx
 
         bases = frame_bases(gm, self.owners, self.kinds)
-        # the frame's own module (its self, placed by its weights), else its callers' innermost
+        # the frame's own module (its self, placed by frame_bases), else its callers' innermost
         running = bases.get("L['self']") or running_module(self.modules)
         inner = functools.partial(self._inner, frame=Frame(bases, running))  # the backward's too
         with config.patch(_known(config)):

@@ -277,6 +277,7 @@ def test_the_compile_section_says_which_modules_compiling_did_not_speed_up():
         ("backbone.body.layer1", 50.0, 20.0),
         ("(model)", 6.0, 30.0),
         ("rpn.head", 1.0, 0.5),  # under 5% of the eager backward: not shown
+        ("roi_heads.box_roi_pool", 20.0, 0.0),  # no kernel given to it: its work in the compiled (model)
     ]
     modules = pd.DataFrame(
         [
@@ -293,15 +294,23 @@ def test_the_compile_section_says_which_modules_compiling_did_not_speed_up():
         ]
     )
     text = "\n".join(compile_module_lines(modules))
-    assert "**conv** (bs 2): modules above 5% of the eager backward" in text
+    assert "**conv** (bs 2): the modules with 5% of the eager backward or more" in text
     assert "backbone.body.layer1" in text and "rpn.head" not in text
     assert (
         "Compiling did not speed up the backward of roi_heads.box_head.0 (100.0 -> 98.0 ms, 0.98x) "
-        "(compiled / eager at or above 0.9)." in text
+        "(compiled / eager 0.9 or more)." in text
     )
-    # Only compiled trials profiled, or none: said, no table
+    # A module given no compiled kernel is no speed-up: said, its work in (model)
+    assert (
+        "Given no compiled kernel: roi_heads.box_roi_pool (their work ran in code between graphs or" in text
+    )
+    assert "`(model)`: 6.0 ms eager, 30.0 ms compiled." in text
+    # Only compiled trials profiled, or none, or no setting profiled both ways: said, no table
     alone = compile_module_lines(modules[modules["compile"] == "model"])
-    assert alone[0].startswith("No module table of a compiled detector")
+    assert alone[0].startswith("No module table of a compiled detector") and len(alone) == 2
+    apart = modules.assign(batch_size=[1, 2] * len(rows))  # eager at bs 1, compiled at bs 2
+    assert compile_module_lines(apart)[0].startswith("No module table of a compiled detector")
+    assert compile_module_lines(pd.DataFrame())[0].startswith("No module table")
 
 
 def test_the_sweep_time_section_reads_the_summary():
