@@ -175,7 +175,8 @@ def test_a_compiled_models_modules_get_their_kernels_time_and_the_rows_add_up_to
         assert modules == pytest.approx(summary[f"{phase}_module_kernels_ms"], rel=1e-6)
         # Nearly every kernel computes a module's nodes; they ran inside the compiled call, whose rest is the
         # model's row
-        assert 0.8 * summary[f"{phase}_kernels_ms"] <= modules <= summary[f"{phase}_kernels_ms"]
+        kernels = summary[f"{phase}_kernels_ms"]
+        assert 0.8 * kernels <= modules <= kernels * (1 + 1e-9)  # all of them, but for summing's rounding
         assert summary[f"{phase}_kernels_ms"] <= table.loc[ROOT, f"{phase}_inclusive_ms"]
         assert table.loc[ROOT, f"{phase}_ms"] >= 0
     assert compiled.__dict__["forward"] is own_forward and w.hooks == 0  # the model as the user made it
