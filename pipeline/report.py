@@ -690,14 +690,21 @@ NOT_SPED_UP = 0.9  # compiled / eager backward of a module at or above this: com
 SHARE_SHOWN = 0.05  # of the eager backward: the modules the compiled-by-module table shows
 
 
+COMPILED_AS = {  # knob compile's targets the by-module table sets against compile off
+    "head": ("the box head compiled", "the compiled box head module's own row"),
+    "model": ("compiled whole", "the compiled `(model)` row"),
+}
+
+
 def compile_module_lines(modules: pd.DataFrame) -> list[str]:
-    """Per setting and head profiled both eager and compiled whole (knob compile ``off`` and ``model``): each
-    module with SHARE_SHOWN of the eager backward or more, its own backward eager and compiled
-    (rcnn.doctor.columns.compiled_against_eager); which of them compiling did not speed up, and which were
-    given no compiled kernel (their work then counted in the compiled ``(model)`` row: not a speed-up)."""
+    """Per setting and head profiled both eager and compiled (knob compile ``off`` against ``head`` and
+    ``model``, each where profiled): each module with SHARE_SHOWN of the eager backward or more, its own
+    backward eager and compiled (rcnn.doctor.columns.compiled_against_eager); which of them compiling did not
+    speed up, and which were given no compiled kernel (their work then counted in the compiled call's own
+    row: not a speed-up)."""
     none = [
-        "No module table of a compiled detector: profile_at needs a setting with compile model (and the same "
-        "one with compile off) to show which modules compiling sped up.",
+        "No module table of a compiled detector: profile_at needs a setting with compile head or model (and "
+        "the same one with compile off) to show which modules compiling sped up.",
         "",
     ]
     if modules.empty:
@@ -706,61 +713,65 @@ def compile_module_lines(modules: pd.DataFrame) -> list[str]:
     labels = modules.apply(setting_label, axis=1, skip=("compile",))
     for (label, head), group in modules.groupby([labels, "head"], sort=False):
         compiles = group["compile"].astype(str)
-        if not {"off", "model"} <= set(compiles):
-            continue
-        both = compiled_against_eager(group[compiles == "off"], group[compiles == "model"])
-        eager_total = both["eager_backward_ms"].sum()
-        shown = both[both["eager_backward_ms"] >= SHARE_SHOWN * eager_total]
-        own = shown[~shown["module"].isin([ROOT, OUTSIDE])]
-        given_none = own[~(own["compiled_backward_ms"] > 0)]  # no kernel of its own (or no row): NaN or 0
-        slow = own[own["backward_ratio"] >= NOT_SPED_UP]
-        root = both.set_index("module").loc[ROOT] if ROOT in set(both["module"]) else None
-
-        def listed(rows: pd.DataFrame) -> str:
-            return "; ".join(
-                f"{m.module} ({m.eager_backward_ms:.1f} -> {m.compiled_backward_ms:.1f} ms, "
-                f"{m.backward_ratio:.2f}x)"
-                for m in rows.itertuples()
-            )
-
-        words = [
-            f"Compiling did not speed up the backward of {listed(slow)} (compiled / eager {NOT_SPED_UP} or "
-            "more)."
-            if len(slow)
-            else f"Each module shown with compiled kernels of its own was sped up (compiled / eager under "
-            f"{NOT_SPED_UP})."
-        ]
-        if len(given_none):
-            names = ", ".join(given_none["module"])
-            words.append(
-                f"Given no compiled kernel: {names} (their work ran in code between graphs or in kernels of "
-                "no module: the compiled `(model)` row's, not a speed-up)."
-            )
-        if root is not None:
-            words.append(
-                f"`(model)`: {root['eager_backward_ms']:.1f} ms eager, {root['compiled_backward_ms']:.1f} ms "
-                "compiled."
-            )
-        out += [
-            f"**{head}** ({label or 'as set'}): the modules with {SHARE_SHOWN:.0%} of the eager backward or "
-            "more",
-            "",
-            shown[["module", "eager_backward_ms", "compiled_backward_ms", "backward_ratio"]]
-            .round(3)
-            .to_markdown(index=False, missingval=""),
-            "",
-            " ".join(words),
-            "",
-        ]
+        for target, (how, rest_row) in COMPILED_AS.items():
+            if {"off", target} <= set(compiles):
+                both = compiled_against_eager(group[compiles == "off"], group[compiles == target])
+                out += _compiled_module_lines(both, f"**{head}** ({label or 'as set'}), {how}", rest_row)
     if not out:
         return none
     return [
-        "By module, eager against compiled whole (the doctor's tables at the profiled settings, "
+        "By module, eager against compiled (the doctor's tables at the profiled settings, "
         "`sweep.profile_steps` steps each: no CI): each module's own backward, its compiled kernels given to "
-        "the modules whose nodes they compute (a kernel fused across modules split by bytes); the compiled "
-        "`(model)` row also holds dynamo's guards and code run eagerly between graphs.",
+        "the modules whose nodes they compute (a kernel fused across modules split by bytes); a compiled "
+        "module's own row (`(model)` compiled whole) also holds dynamo's guards and code run eagerly between "
+        "graphs.",
         "",
         *out,
+    ]
+
+
+def _compiled_module_lines(both: pd.DataFrame, title: str, rest_row: str) -> list[str]:
+    """One setting's modules eager against compiled (``compiled_against_eager``'s table), under ``title``;
+    ``rest_row``: where the work of a module given no compiled kernel went."""
+    eager_total = both["eager_backward_ms"].sum()
+    shown = both[both["eager_backward_ms"] >= SHARE_SHOWN * eager_total]
+    own = shown[~shown["module"].isin([ROOT, OUTSIDE])]
+    given_none = own[~(own["compiled_backward_ms"] > 0)]  # no kernel of its own (or no row): NaN or 0
+    slow = own[own["backward_ratio"] >= NOT_SPED_UP]
+    root = both.set_index("module").loc[ROOT] if ROOT in set(both["module"]) else None
+
+    def listed(rows: pd.DataFrame) -> str:
+        return "; ".join(
+            f"{m.module} ({m.eager_backward_ms:.1f} -> {m.compiled_backward_ms:.1f} ms, "
+            f"{m.backward_ratio:.2f}x)"
+            for m in rows.itertuples()
+        )
+
+    words = [
+        f"Compiling did not speed up the backward of {listed(slow)} (compiled / eager {NOT_SPED_UP} or more)."
+        if len(slow)
+        else f"Each module shown with compiled kernels of its own was sped up (compiled / eager under "
+        f"{NOT_SPED_UP})."
+    ]
+    if len(given_none):
+        words.append(
+            f"Given no compiled kernel: {', '.join(given_none['module'])} (their work ran in code between "
+            f"graphs or in kernels of no module: {rest_row}'s, not a speed-up)."
+        )
+    if root is not None:
+        words.append(
+            f"`(model)`: {root['eager_backward_ms']:.1f} ms eager, {root['compiled_backward_ms']:.1f} ms "
+            "compiled."
+        )
+    return [
+        f"{title}: the modules with {SHARE_SHOWN:.0%} of the eager backward or more",
+        "",
+        shown[["module", "eager_backward_ms", "compiled_backward_ms", "backward_ratio"]]
+        .round(3)
+        .to_markdown(index=False, missingval=""),
+        "",
+        " ".join(words),
+        "",
     ]
 
 

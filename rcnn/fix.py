@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -272,13 +273,20 @@ def _conv_path(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def time_paths(
-    module: nn.Module, seen: Seen, kind: str, *, deadline: float | None = None, seed: int = 0
+    module: nn.Module,
+    seen: Seen,
+    kind: str,
+    *,
+    deadline: float | None = None,
+    decide: bool = False,
+    seed: int = 0,
 ) -> PathTiming:
     """``module``'s forward + backward at the input it saw (``seen``), as the convolution and as the GEMM
     ``kind`` names (rcnn.disguise), stepped in turn in a fresh order each round until the GEMM / conv ratio's
     paired 95% CI settles the decisions (``PathTiming.settled``), or DECISION_POLICY stops (``deadline``,
-    ``time.monotonic()`` seconds, bounding it too). Gradients go to fresh tensors, not to ``.grad``; the
-    module is left as it was."""
+    ``time.monotonic()`` seconds, bounding it too; ``decide``: moved as far as DECIDING_ROUNDS need, from
+    the first round's time, so that a flag can be decided). Gradients go to fresh tensors, not to ``.grad``;
+    the module is left as it was."""
     device = module.weight.device
     x = example_input(seen, device).requires_grad_(seen.input_requires_grad)
     params = [p for p in module.parameters() if p.requires_grad]
@@ -300,6 +308,9 @@ def time_paths(
             clock.time(functools.partial(forward_backward, path)) for path in paths.values()
         )  # burn-in
         calls = max(1, min(MOST_CALLS, math.ceil(SAMPLE_MS / max(once, 1e-3))))
+        if decide and deadline is not None:  # warm-up and the deciding rounds, both paths each, with room
+            rounds_s = (DECISION_POLICY.warmup + DECIDING_ROUNDS + 1) * 2 * calls * once / 1e3
+            deadline = max(deadline, time.monotonic() + rounds_s)
 
         def step(path: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], dict[str, float]]:
             return lambda: {"ms": clock.time(lambda: [forward_backward(path) for _ in range(calls)]) / calls}
@@ -379,12 +390,18 @@ def _timing_key(module: nn.Module, seen: Seen, kind: str) -> tuple:
 
 
 def gemm_timing(
-    module: nn.Module, seen: Seen, *, timings: dict | None = None, deadline: float | None = None
+    module: nn.Module,
+    seen: Seen,
+    *,
+    timings: dict | None = None,
+    deadline: float | None = None,
+    decide: bool = False,
 ) -> PathTiming | None:
     """The timing that decides whether ``module``, a convolution that saw ``seen``, is worth running as its
-    GEMM (``time_paths``), or None where it is no GEMM in disguise at that input. ``timings``: a dict kept by
-    the caller, where identical convolutions at identical inputs and backend switches share one timing, so
-    one decision (rcnn.doctor's flag and linearize's swap, the heads of a sweep's setting)."""
+    GEMM (``time_paths``, ``deadline`` and ``decide`` passed on), or None where it is no GEMM in disguise at
+    that input. ``timings``: a dict kept by the caller, where identical convolutions at identical inputs and
+    backend switches share one timing, so one decision (rcnn.doctor's flag and linearize's swap, the heads
+    of a sweep's setting)."""
     found = gemm_kind(module, seen.input_shape)
     if found is None:
         return None
@@ -392,7 +409,7 @@ def gemm_timing(
     timings = {} if timings is None else timings
     key = _timing_key(module, seen, kind)
     if key not in timings:
-        timings[key] = time_paths(module, seen, kind, deadline=deadline)
+        timings[key] = time_paths(module, seen, kind, deadline=deadline, decide=decide)
     return timings[key]
 
 

@@ -65,7 +65,7 @@ from rcnn.fix import linearize_with
 from rcnn.measure.batch import BatchSearch, batches_below, largest_batch
 from rcnn.measure.clock import BACKWARD_RANGE, Clock, ModuleSpanProbe, PeakMemory, Stopwatch
 from rcnn.measure.cores import CoreUse
-from rcnn.measure.device import COMPILE_MODE, autocast, compile_forward, grad_scaler, resolve_device
+from rcnn.measure.device import autocast, compile_forward, grad_scaler, resolve_device
 from rcnn.measure.loop import in_turn, warm_up_then_measure
 from rcnn.measure.options import add_timing_options, check_timing_options, timing_policy
 from rcnn.measure.profiler import capture, range_table
@@ -280,17 +280,13 @@ class ModelTrainer:
         return lambda: self.step(next(numbers), modules)
 
     def workload(self) -> Workload:
-        """The model with its first batch and its loss, as the doctor diagnoses it. With knob compile
-        ``model``, the model as torch.compile(model) gives it (an OptimizedModule, which the doctor times by
-        its compiled kernels): knob compile's own compiled forward is taken off the model and dynamo's cache
-        reset (its entries would count towards the doctor's compile's recompile limit), so call it after
-        measuring: this trainer's later steps run eagerly."""
-        model = self.model
-        if self.knobs.compile == "model":
-            model.__dict__.pop("forward", None)  # compile_forward's, on the instance
+        """The model with its first batch and its loss, as the doctor diagnoses it: with knob compile, its
+        compiled forwards as knob compile made them (the doctor times each compiled module by its kernels).
+        Dynamo's cache is reset (its entries would count towards the doctor's compile's recompile limit), so
+        call it after measuring: this trainer's next steps compile again."""
+        if self.knobs.compile != "off":
             torch._dynamo.reset()
-            model = torch.compile(model, mode=COMPILE_MODE)
-        return Workload(self.name, model, self.batches[0], self.loss)
+        return Workload(self.name, self.model, self.batches[0], self.loss)
 
     @property
     def rois(self) -> int:
@@ -555,8 +551,7 @@ def measure_trial(
                 if profile_steps and kernel_range:
                     events = capture(lambda: trainer.step(0), device, profile_steps)
                     kernels = range_table(events, kernel_range, profile_steps)
-                # The doctor times a model compiled whole, not one compiled in part (knob compile head)
-                if profile_steps and knobs.compile != "head":
+                if profile_steps:
                     by_module = TimingPolicy.fixed(profile_steps, warmup=1)
                     modules = diagnose(
                         trainer.workload(),

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,7 @@ from torch.autograd.profiler import record_function
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
-from rcnn.doctor.columns import OUTSIDE, ROOT
+from rcnn.doctor.columns import OUTSIDE, ROOT, under
 from rcnn.measure.clock import Clock
 from rcnn.measure.flops import FlopCount
 from rcnn.measure.inputs import Seen, tensors
@@ -42,6 +43,16 @@ from rcnn.measure.inputs import Seen, tensors
 TIME_COLUMNS = ["forward_ms", "forward_inclusive_ms", "backward_ms", "backward_inclusive_ms"]
 FLOP_COLUMNS = ["forward_gflop", "backward_gflop", "backward_inclusive_gflop", "backward_moved_mb"]
 MB = 2**20
+
+
+def modules_by_name(model: nn.Module) -> dict[str, nn.Module]:
+    """Each module of ``model`` by its qualified name (ROOT: the model), as the doctor's tables name them: a
+    ``torch.compile(module)`` held inside it by the name of the module it wraps (its ``_orig_mod``)."""
+    found = {}
+    for name, module in model.named_modules():
+        if not hasattr(module, "_orig_mod"):
+            found[re.sub(r"(^|\.)_orig_mod(?=\.|$)", "", name).lstrip(".") or ROOT] = module
+    return found
 
 
 def _user_saved_hooks() -> tuple[Any, Any] | None:
@@ -113,13 +124,17 @@ class ModuleTimer:
         starting: Callable[[nn.Module, tuple, dict], None] | None = None,
         ending: Callable[[nn.Module], None] | None = None,
         capture: Callable[[nn.Module], bool] | None = None,
-        root_only: bool = False,
+        compiled: Collection[str] = (),
     ) -> None:
         self.clock = clock
         self.model = model
-        # root_only: the model's own calls alone (a compiled model, whose modules' hooks would be traced)
-        self.root_only = root_only  # and no saved-tensor hooks: under them dynamo would not compile the call
-        named = [("", model)] if root_only else model.named_modules()
+        # compiled: the modules torch.compile compiled (rcnn.doctor.compiled): their own calls are timed, but
+        # not the modules inside them, whose hooks would be traced into the graphs
+        named = [
+            (name, module)
+            for name, module in model.named_modules()
+            if not any(under(name or ROOT, region) and (name or ROOT) != region for region in compiled)
+        ]
         self.modules = {module: name or ROOT for name, module in named}
         self.types = {
             name: type(getattr(module, "_orig_mod", module)).__name__ for module, name in self.modules.items()
@@ -246,8 +261,6 @@ class ModuleTimer:
             todo.extend(next_node for next_node, _ in node.next_functions)
 
     def _start_saving(self) -> None:
-        if self.root_only:
-            return
         user = _user_saved_hooks()
         pack_next, unpack_next = user if user else (torch.Tensor.detach, lambda packed: packed)
 
@@ -266,6 +279,18 @@ class ModuleTimer:
         if self._saving is not None:
             self._saving.__exit__(None, None, None)
             self._saving = None
+
+    @contextlib.contextmanager
+    def saving_paused(self) -> Iterator[None]:
+        """No saved-tensor hooks of this timer inside (a compiled module's call: dynamo would not compile
+        under them); what is saved there is charged to no module."""
+        saving = self._saving is not None
+        self._stop_saving()
+        try:
+            yield
+        finally:
+            if saving:
+                self._start_saving()
 
     # -- backward: node spans
 

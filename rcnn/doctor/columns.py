@@ -8,6 +8,13 @@ import pandas as pd
 
 ROOT = "(model)"  # the model itself: its qualified name is ""
 OUTSIDE = "(outside modules)"  # time and FLOPs no module's forward created
+
+
+def under(name: str, module: str) -> bool:
+    """Whether the module named ``name`` is ``module`` or one inside it (every module is inside ROOT)."""
+    return module == ROOT or name == module or name.startswith(f"{module}.")
+
+
 MODULE_COLUMNS = (
     "module",
     "type",

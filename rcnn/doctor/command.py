@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from torch import nn
 
 from rcnn.cli import Parser, run_command
 from rcnn.doctor.diagnosis import Diagnosis, Fixed, diagnose, diagnose_beside_eager, fix
@@ -50,7 +51,14 @@ from rcnn.rules import Rule, ValueNotAllowed, first_line
 TOP = Rule(minimum=1)
 FRAMES = Rule(minimum=1)
 BATCH_SIZE = Rule(minimum=1)
-COMPILE = Rule(choices=("off", "model"))
+COMPILE = Rule(choices=("off", "head", "model"))
+# --compile head: a detector's box head, as torchvision's detectors (and this project's) name its modules
+BOX_HEAD = ("roi_heads.box_head", "roi_heads.box_predictor")
+COMPILED_SAID = {
+    "off": "",
+    "head": ", its box head torch.compile'd (Inductor)",
+    "model": ", torch.compile (Inductor)",
+}
 # --max-seconds' default: a detector's steps, its why rows and the fix's timings fit on 2 CPU cores
 RUN_SECONDS = 120.0
 POLICY = TimingPolicy(max_seconds=RUN_SECONDS)  # the timing flags' defaults
@@ -92,12 +100,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar=COMPILE.metavar,
         default="off",
         help="model: torch.compile(model) with Inductor, each module timed by the compiled kernels that "
-        "compute it (FLOPs and flags from one eager step, compile time apart); off: eager",
+        "compute it (FLOPs and flags from one eager step, compile time apart); head: a detector's box head "
+        f"alone ({' and '.join(BOX_HEAD)}, each module.compile()), the rest eager; off: eager",
     )
     p.add_argument(
         "--eager-too",
         action="store_true",
-        help="with --compile model: also watch the model eager, the two stepped in turn, and show each "
+        help="with --compile: also watch the model eager, the two stepped in turn, and show each "
         "module's forward and backward either way (compare.csv)",
     )
     p.add_argument("--backbone", help="the detector's backbone (detector:<head> only; default resnet18_fpn)")
@@ -238,7 +247,7 @@ def _run(args: argparse.Namespace) -> None:
         raise ValueNotAllowed("--compile", f"{args.compile} does not apply on {device.type}: {reason}")
     if args.eager_too and args.compile == "off":
         raise ValueNotAllowed(
-            "--eager-too", "sets the compiled model beside the eager; allowed: with --compile model"
+            "--eager-too", "sets the compiled model beside the eager; allowed: with --compile head or model"
         )
     if args.compile != "off" and args.fix:
         raise ValueNotAllowed(
@@ -254,8 +263,7 @@ def _run(args: argparse.Namespace) -> None:
         channels_last=args.channels_last,
         **zoo_options,
     )
-    if args.compile == "model":  # watched as a user's torch.compile(model) is (rcnn.doctor.compiled)
-        workload.model = torch.compile(workload.model)
+    workload.model = compiled(workload.model, args.compile, args.model)
     dtype = AMP_DTYPES[args.amp]
     paths = matmul_paths(device, DTYPES[dtype])
     copy_peak(device)  # measured once per process: the diagnosis's why rows then read it, outside the bound
@@ -306,7 +314,7 @@ def _run(args: argparse.Namespace) -> None:
     title = (
         f"{args.model} on {device.type} ({where}), batch {workload.batch_description}, "
         f"{dtype}{', channels_last' if args.channels_last else ''}"
-        f"{', torch.compile (Inductor)' if args.compile != 'off' else ''}"
+        f"{COMPILED_SAID[args.compile]}"
     )
     texts = doctor_files(diagnosis, env, title=title, fixed=fixed, compared=compared)
     written = write_run(Path(args.out), texts, earlier) if args.out else []
@@ -326,6 +334,25 @@ def _run(args: argparse.Namespace) -> None:
         raise run
     if run:
         print(f"MLflow run {run}")
+
+
+def compiled(model: nn.Module, choice: str, spec: str) -> nn.Module:
+    """``model`` as --compile ``choice`` compiles it, as a user would (rcnn.doctor.compiled times it):
+    ``torch.compile(model)``, or each module of a detector's box head (BOX_HEAD) ``module.compile()``d;
+    ValueNotAllowed for ``head`` where the model (``spec``) has no such modules."""
+    if choice == "model":
+        return torch.compile(model)
+    if choice == "head":
+        modules = dict(model.named_modules())
+        if missing := [name for name in BOX_HEAD if name not in modules]:
+            raise ValueNotAllowed(
+                "--compile",
+                f"head compiles a detector's box head ({', '.join(BOX_HEAD)}), and {spec} has no "
+                f"{missing[0]}; allowed: off, model",
+            )
+        for name in BOX_HEAD:
+            modules[name].compile()
+    return model
 
 
 if __name__ == "__main__":

@@ -1,23 +1,29 @@
-"""The doctor on a torch.compile'd model (rcnn.doctor.watching.watch of an OptimizedModule): each module's
-forward and backward time per step from the compiled kernels that compute it (rcnn.doctor.kernels).
+"""The doctor on a model torch.compile compiled, whole or in part (rcnn.doctor.watching.watch of
+``torch.compile(model)``, of a model holding ``torch.compile(module)``, or after ``module.compile()`` or
+``module.forward = torch.compile(module.forward)``): each module's forward and backward time per step from
+the compiled kernels that compute it (rcnn.doctor.kernels).
 
-The watch recompiles the model through a KernelMap (Inductor as the user asked for it, its ``mode`` and
-``options`` included, with provenance tracking on and its caches off), runs the first step eagerly to count
-FLOPs by module and see each module's inputs (as for an eager model), then compiles, warms up, and profiles
-the timed steps with torch.profiler. A module's row is its kernels' time (a kernel fused across modules split
-by its nodes' output bytes); the ``(model)`` row keeps the rest of the compiled call (dynamo's guards, the
-graphs' own calls, code run eagerly between graphs, kernels no module's nodes account for). Where the block
-ends, the model's own compiled forward is put back.
+Each compiled part, a region, runs eagerly for the first step, which counts FLOPs by module and sees each
+module's inputs as for an eager model. Then the watch compiles each region's forward again through a
+KernelMap (Inductor as the user asked for it, its ``mode`` and ``options`` included, with provenance tracking
+on and its caches off), warms up, and profiles the timed steps with torch.profiler. The region's own call
+stays eager (its module's hooks time it, as any module's); a module inside it gets its kernels' time (a
+kernel fused across modules split by its nodes' output bytes); the region's own row keeps the rest of its
+call (dynamo's guards, the graphs' own calls, code run eagerly between graphs, kernels no module's nodes
+account for). Where the block ends, the model is put back as the user made it: each region's compiled code
+where it was.
 
-Compiled models only through ``torch.compile(model)`` with the Inductor backend; on CUDA the kernels are
-Triton's and their times the device's (that path is not verified on a GPU here).
+Inductor alone names the modules its kernels compute; on CUDA the kernels are Triton's and their times the
+device's (that path is not verified on a GPU here).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
@@ -25,13 +31,14 @@ import torch
 from torch import nn
 from torch.profiler import profile
 
-from rcnn.doctor.columns import OUTSIDE, ROOT
+from rcnn.doctor.columns import OUTSIDE, ROOT, under
 from rcnn.doctor.kernels import BACKWARD, FORWARD, KernelMap, split
 from rcnn.measure.device import device_of
 from rcnn.measure.profiler import KERNEL, Session, Spent, chrome_trace
 from rcnn.rules import ValueNotAllowed
 
 SHOWN_KERNELS = 3  # per module and phase in the ``compiled`` column
+_MISSING = object()
 
 
 def optimized(model: nn.Module) -> bool:
@@ -39,40 +46,128 @@ def optimized(model: nn.Module) -> bool:
     return hasattr(model, "_orig_mod") and hasattr(model, "dynamo_ctx")
 
 
-def _inductor_options(model: nn.Module) -> tuple[dict[str, Any], Any]:
-    """The Inductor settings and ``dynamic`` of an OptimizedModule's torch.compile; ValueNotAllowed for a
-    backend other than Inductor."""
-    backend = model.dynamo_ctx.callback
+def _context(compiled: Callable) -> Any:
+    """The dynamo context a function torch.compile returned was made by (its closure's ``self``: torch
+    names no public way to read it), or None."""
+    code = getattr(compiled, "__code__", None)
+    cells = dict(zip(code.co_freevars, compiled.__closure__ or (), strict=False)) if code else {}
+    found = cells["self"].cell_contents if "self" in cells else None
+    return found if hasattr(found, "callback") else None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a region's torch.compile asked for: Inductor's options (its ``mode``'s included), ``dynamic``
+    and ``fullgraph``."""
+
+    options: dict[str, Any]
+    dynamic: Any
+    fullgraph: bool
+
+
+def _settings(context: Any, where: str) -> Settings:
+    """The Settings of a torch.compile made with dynamo ``context``; ValueNotAllowed for a backend other
+    than Inductor, or a context this torch does not let be read (``where``: what was compiled)."""
+    backend = getattr(context, "callback", None)
     while hasattr(backend, "_torchdynamo_orig_backend"):  # dynamo's wrappers around the backend
         backend = backend._torchdynamo_orig_backend
     if getattr(backend, "compiler_name", None) != "inductor":
         name = getattr(backend, "compiler_name", None) or getattr(backend, "__name__", type(backend).__name__)
         raise ValueNotAllowed(
             "watch",
-            f"the model is compiled with backend {name!r}: only Inductor's generated kernels name the "
-            "modules they compute; allowed: torch.compile(model) with the default backend 'inductor', or the "
-            "uncompiled model",
+            f"{where} is compiled with backend {name!r}: only Inductor's generated kernels name the modules "
+            "they compute; allowed: torch.compile with the default backend 'inductor', or no compile",
         )
-    return dict(getattr(backend, "config", {}) or {}), getattr(backend, "dynamic", None)
+    options = dict(getattr(backend, "config", {}) or {})
+    return Settings(options, getattr(backend, "dynamic", None), bool(getattr(context, "fullgraph", False)))
+
+
+@dataclass
+class Region:
+    """A part of the watched model that torch.compile compiled: ``name`` (its module's qualified name, ROOT
+    for the whole model), ``module`` (as the user wrote it, in the model the watch sees), its Settings, and
+    ``forward``, what it runs eagerly (what the user compiled). ``parent``/``key``: where a
+    ``torch.compile(module)`` sat in its parent; ``compiled``: the user's compiled code, put back where the
+    block ends."""
+
+    name: str
+    module: nn.Module
+    settings: Settings
+    kind: str  # "optimized" (torch.compile(module)), "call" (module.compile()), "forward" (its forward's)
+    compiled: Any
+    parent: nn.Module | None = None
+    key: str = ""
+
+    @property
+    def where(self) -> str:
+        return "the model" if self.name == ROOT else f"its module {self.name}"
+
+
+def _region_at(name: str, module: nn.Module, parent: nn.Module | None, key: str) -> Region | None:
+    """The region ``module`` is, or None where nothing of it was compiled on its own."""
+    where = "the model" if name == ROOT else f"its module {name}"
+    if optimized(module):
+        settings = _settings(module.dynamo_ctx, where)
+        return Region(name, module._orig_mod, settings, "optimized", module, parent, key)
+    call = module.__dict__.get("_compiled_call_impl")
+    forward = module.__dict__.get("forward")
+    kind, compiled = ("call", call) if call is not None else ("forward", forward)
+    if compiled is None or not hasattr(compiled, "_torchdynamo_orig_callable"):
+        return None
+    context = _context(compiled)
+    if context is None:
+        raise ValueNotAllowed(
+            "watch",
+            f"{where} is compiled in a way this torch does not let be read (no dynamo context on its "
+            "compiled code); allowed: torch.compile(module), module.compile(), or no compile",
+        )
+    return Region(name, module, _settings(context, where), kind, compiled)
+
+
+def compiled_regions(model: nn.Module) -> tuple[nn.Module, list[Region]]:
+    """The model as the user wrote it (an OptimizedModule's ``_orig_mod``; a submodule's
+    ``torch.compile(module)`` counts as its ``_orig_mod``) and the regions torch.compile compiled in it,
+    outermost first. Reads only; ValueNotAllowed for a backend other than Inductor or a region inside
+    another."""
+    regions: list[Region] = []
+
+    def visit(name: str, module: nn.Module, parent: nn.Module | None, key: str, outer: Region | None) -> None:
+        region = _region_at(name, module, parent, key)
+        if region is not None:
+            if outer is not None:
+                raise ValueNotAllowed(
+                    "watch",
+                    f"{region.where} is compiled inside {outer.where}, itself compiled: dynamo inlines the "
+                    "inner compile, so its kernels are the outer one's; allowed: one of the two compiled",
+                )
+            regions.append(region)
+            module, outer = region.module, region
+        for child_key, child in module._modules.items():
+            if child is not None:
+                child_name = child_key if name == ROOT else f"{name}.{child_key}"
+                visit(child_name, child, module, child_key, outer)
+
+    visit(ROOT, model, None, "", None)
+    eager = (
+        regions[0].module if regions and regions[0].kind == "optimized" and regions[0].name == ROOT else model
+    )
+    return eager, regions
 
 
 class CompiledModel:
-    """An OptimizedModule the watch drives: eager for the FLOP step (``eagerly``), then compiled through its
-    KernelMap (``mapped``), each timed step profiled on its own (``start_profile``/``stop_profile``: the
-    profiler on for the watched steps alone), and its own compiled forward put back by ``restore``."""
+    """A model the watch drives whose regions torch.compile compiled: ``open`` makes each run eagerly for
+    the FLOP step (a submodule's ``torch.compile(module)`` swapped in its parent for the module it wraps),
+    ``mapped`` compiles each again through its KernelMap, each timed step is profiled on its own
+    (``start_profile``/``stop_profile``: the profiler on for the watched steps alone), and ``restore`` puts
+    every attribute it set back as the user had it."""
 
     def __init__(self, model: nn.Module) -> None:
-        options, dynamic = _inductor_options(model)
-        # CUDA graphs (mode reduce-overhead) replay every kernel inside one launch: none would be seen
-        self.cudagraphs_off = bool(options.pop("triton.cudagraphs", False))
         self.model, self.device = model, device_of(model)
-        self.kernels = KernelMap(options, model._orig_mod)
-        # Its own forward (and a lazy module's check), put back by ``restore``
-        self._own = {key: model.__dict__[key] for key in ("forward", "_forward") if key in model.__dict__}
-        fullgraph = bool(getattr(model.dynamo_ctx, "fullgraph", False))
-        self._mapped = torch.compile(
-            model._orig_mod, backend=self.kernels.backend, dynamic=dynamic, fullgraph=fullgraph
-        ).forward
+        self.eager, self.regions = compiled_regions(model)
+        # CUDA graphs (mode reduce-overhead) replay every kernel inside one launch: none would be seen
+        self.cudagraphs_off = any(r.settings.options.get("triton.cudagraphs") for r in self.regions)
+        self.kernels: list[KernelMap] = []
+        self._set: list[tuple[dict, str, Any]] = []  # (a dict, its key, what it held) for ``restore``
         self._breaks = _graph_breaks()
         self._session: Session | None = None
         self._last: profile | None = None  # the last profiled step's, until it is kept or the next starts
@@ -81,31 +176,74 @@ class CompiledModel:
         self.compile_ms: list[float] = []  # the steps that compiled: their forward + backward ms each
 
     @property
+    def names(self) -> list[str]:
+        """The regions' module names."""
+        return [region.name for region in self.regions]
+
+    def inside(self, name: str) -> bool:
+        """Whether module ``name`` is inside a region, not a region's own module: timed by its kernels."""
+        return name != OUTSIDE and any(under(name, r) and name != r for r in self.names)
+
+    def covers(self, name: str) -> bool:
+        """Whether module ``name`` is a region's or inside one."""
+        return name != OUTSIDE and any(under(name, r) for r in self.names)
+
+    @property
+    def whole(self) -> bool:
+        """Whether the model is compiled whole (one region, the model)."""
+        return self.names == [ROOT]
+
+    @property
     def graphs(self) -> int:
         """Graphs compiled so far (forward and backward alike): a step that adds some compiled."""
-        return len(self.kernels.graphs)
+        return sum(len(kernels.graphs) for kernels in self.kernels)
 
-    def eagerly(self) -> None:
-        """The model's calls run its original module, uncompiled: the FLOP-counting step's hooks see each
-        module."""
-        self.model.forward = self.model._orig_mod.__call__
+    def _put(self, where: dict, key: str, value: Any) -> None:
+        self._set.append((where, key, where.get(key, _MISSING)))
+        where[key] = value
+
+    def open(self) -> None:
+        """Every region runs its eager forward (for the FLOP step): the model as the user wrote it."""
+        for region in self.regions:
+            if region.kind == "optimized" and region.parent is None:  # the model's: its call runs eagerly
+                self._put(region.compiled.__dict__, "forward", region.module.__call__)
+            elif region.kind == "optimized":
+                self._put(region.parent._modules, region.key, region.module)
+            elif region.kind == "call":
+                self._put(region.module.__dict__, "_compiled_call_impl", None)
+            else:
+                self._put(region.module.__dict__, "forward", region.compiled._torchdynamo_orig_callable)
 
     def mapped(self, outside: Callable[[], contextlib.AbstractContextManager]) -> None:
-        """The model's calls run compiled through the KernelMap, each inside ``outside()`` (the step
-        finder's function mode suspended: dynamo guards on the mode stack, and would recompile)."""
-        compiled = self._mapped
+        """Each region's calls run its forward compiled through its KernelMap, each inside ``outside()`` (the
+        step finder's function mode and the timer's saved-tensor hooks off: dynamo guards on the mode
+        stack, and would not compile under saved-tensor hooks)."""
+        # Their kernel maps name the modules as the model, opened, now does
+        self.kernels = [KernelMap(region.settings.options, self.eager) for region in self.regions]
+        for region, kernels in zip(self.regions, self.kernels, strict=True):
+            kernels.options.pop("triton.cudagraphs", None)
+            settings = region.settings
+            compiled = torch.compile(
+                region.module.forward,
+                backend=kernels.backend,
+                dynamic=settings.dynamic,
+                fullgraph=settings.fullgraph,
+            )
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            with outside():
-                return compiled(*args, **kwargs)
+            def forward(*args: Any, _compiled: Callable = compiled, **kwargs: Any) -> Any:
+                with outside():
+                    return _compiled(*args, **kwargs)
 
-        self.model.forward = forward
+            self._put(region.module.__dict__, "forward", forward)
 
     def restore(self) -> None:
-        """The model's own compiled forward back, as the user made it."""
-        for key in ("forward", "_forward"):
-            self.model.__dict__.pop(key, None)
-        self.model.__dict__.update(self._own)
+        """The model as the user made it: everything ``open`` and ``mapped`` set put back, last first."""
+        while self._set:
+            where, key, held = self._set.pop()
+            if held is _MISSING:
+                where.pop(key, None)
+            else:
+                where[key] = held
 
     def start_profile(self) -> None:
         """Profile the step beginning (``stop_profile`` where it ends, ``keep_step`` if it is a timed one)."""
@@ -123,7 +261,10 @@ class CompiledModel:
         profiler, self._last = self._last, None
         if profiler is None:
             raise RuntimeError("a timed step of a compiled model ran without its profile")
-        self.step_times.append(self.kernels.times(profiler.events()))
+        events = profiler.events()
+        self.step_times.append(
+            pd.concat([kernels.times(events) for kernels in self.kernels], ignore_index=True)
+        )
         if self.trace is None:
             self.trace = chrome_trace(profiler)
 
@@ -141,23 +282,27 @@ class CompiledModel:
         return dict(breaks.most_common())
 
     def summary(self, kept: list[int], names: list[str]) -> dict[str, Any]:
-        """What the printout and env.json say of the compiled run: graphs, breaks, compile time, and per step
-        and phase over the ``kept`` timed steps (the middle half the table averages) the kernels' time
-        (``<phase>_kernels_ms``: every event inside the graphs' calls) and what of it went to the modules of
-        ``names`` but the model (``<phase>_module_kernels_ms``; the rest is the (model) row's); of both phases
+        """What the printout and env.json say of the compiled run: the regions, graphs, breaks, compile time,
+        and per step and phase over the ``kept`` timed steps (the middle half the table averages) the kernels'
+        time (``<phase>_kernels_ms``: every event inside the graphs' calls) and what of it went to the modules
+        of ``names`` inside the regions (``<phase>_module_kernels_ms``; the rest is the regions' own rows');
+        of both phases
         together, the time split between modules, of kernels without a module, and of the graphs' other
         events."""
-        phases = [g.phase for g in self.kernels.graphs]
+        phases = [g.phase for kernels in self.kernels for g in kernels.graphs]
+        known = set(names)
         times, steps = self.times(kept), len(kept)
         parts, totals = split(times)
         kernels = {}
         for phase in (FORWARD, BACKWARD):
             of_phase = parts[parts["phase"] == phase]
             kernels[f"{phase}_kernels_ms"] = times.loc[times["phase"] == phase, "ms"].sum() / steps
-            given = of_phase["module"].isin([name for name in names if name != ROOT])
+            modules = [named(module, names) for module in of_phase["module"]]
+            given = [module in known and self.inside(module) for module in modules]
             kernels[f"{phase}_module_kernels_ms"] = of_phase.loc[given, "ms"].sum() / steps
         return {
             "compiled": "inductor",
+            "compiled_modules": self.names,
             "cudagraphs_off": self.cudagraphs_off,
             "forward_graphs": phases.count(FORWARD),
             "backward_graphs": phases.count(BACKWARD),
@@ -167,6 +312,16 @@ class CompiledModel:
             **{name: ms / steps for name, ms in totals.items()},
             **kernels,
         }
+
+
+def eager_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with nothing compiled: each region as the module the user compiled."""
+    compiled = CompiledModel(model)
+    compiled.open()
+    try:
+        return copy.deepcopy(compiled.eager)
+    finally:
+        compiled.restore()
 
 
 def _graph_breaks() -> dict[str, int]:
@@ -227,24 +382,31 @@ def named(module: str, names: list[str]) -> str:
 
 
 def compiled_tables(
-    tables: list[pd.DataFrame], kernels: list[pd.DataFrame], names: list[str], calls: pd.Series
+    tables: list[pd.DataFrame],
+    kernels: list[pd.DataFrame],
+    names: list[str],
+    calls: pd.Series,
+    regions: list[str],
 ) -> list[pd.DataFrame]:
-    """The timed steps' tables of a compiled model: each step's ``(model)`` and OUTSIDE rows as timed (the
-    compiled call, and the rest of the step), every module's row its kernels' in that step (``kernels``,
-    ``kernel_tables``' first), and ``(model)``'s own time what of its call no module's kernels took. The rows
-    add up to the step."""
+    """The timed steps' tables of a model compiled in ``regions`` (module names; ROOT: the model whole):
+    each row outside the regions as timed (``tables``: its module's hooks, and OUTSIDE), each module inside
+    one its kernels' in that step (``kernels``, ``kernel_tables``' first; its calls the FLOP step's,
+    ``calls``), and a region's own time what of its call (timed by its hooks, its inclusive time) no module
+    inside it took. The rows add up to the step. What autograd saved is unknown in the regions (AOTAutograd
+    saves what the eager forward would not), as is the peak allocated during an inner module's backward."""
+    inside = [n for n in names if any(under(n, r) and n != r for r in regions)]
     out = []
     for step, own in zip(tables, kernels, strict=True):
-        table = own.copy()
-        table.insert(0, "calls", calls.reindex(names).fillna(0.0))
-        modules = [name for name in names if name != ROOT]
-        for phase in ("forward", "backward"):
-            span = float(step.loc[ROOT, f"{phase}_inclusive_ms"])
-            table.loc[ROOT, f"{phase}_inclusive_ms"] = span
-            table.loc[ROOT, f"{phase}_ms"] = span - float(table.loc[modules, f"{phase}_ms"].sum())
-        table.loc[OUTSIDE] = step.loc[OUTSIDE, table.columns]
-        table["saved_mb"] = float("nan")  # what AOTAutograd saves is not the eager forward's
-        table["backward_peak_mb"] = float("nan")
-        table.loc[ROOT, "backward_peak_mb"] = step.loc[ROOT, "backward_peak_mb"]
+        table = step.reindex([*names, OUTSIDE])
+        times = [c for c in own.columns if c in table.columns]
+        table.loc[inside, times] = own.loc[inside, times].to_numpy()
+        table.loc[inside, "calls"] = calls.reindex(inside).fillna(0.0).to_numpy()
+        for region in regions:
+            below = [n for n in inside if under(n, region)]
+            for phase in ("forward", "backward"):
+                span = float(step.loc[region, f"{phase}_inclusive_ms"])
+                table.loc[region, f"{phase}_ms"] = span - float(own.loc[below, f"{phase}_ms"].sum())
+        table.loc[[*inside, *regions], "saved_mb"] = float("nan")
+        table.loc[inside, "backward_peak_mb"] = float("nan")
         out.append(table.rename_axis("module"))
     return out

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from rcnn.doctor.attribution import ModuleTimer
+from rcnn.doctor.compiled import eager_copy
 from rcnn.doctor.verdict import Diagnosis
 from rcnn.doctor.watching import Watch, watch
 from rcnn.doctor.workloads import Workload
@@ -124,10 +125,10 @@ def diagnose_beside_eager(
     explain: bool = True,
     timings: dict | None = None,
 ) -> tuple[Diagnosis, pd.DataFrame]:
-    """``diagnose`` of a workload whose model is compiled (``torch.compile(model)``), with an eager copy of
-    the model watched beside it, the two stepped in turn in one loop: the compiled model's diagnosis, and
+    """``diagnose`` of a workload whose model is compiled, whole or in part, with an eager copy of the model
+    watched beside it, the two stepped in turn in one loop: the compiled model's diagnosis, and
     each module's forward and backward ms eager and compiled (rcnn.doctor.watching.Watch.compare)."""
-    eager = copy.deepcopy(workload.model._orig_mod)
+    eager = eager_copy(workload.model)
     compiled, beside = _watched(
         workload,
         [workload.model, eager],

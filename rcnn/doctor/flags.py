@@ -16,8 +16,7 @@ import pandas as pd
 from torch import nn
 
 from rcnn.disguise import BY_HAND, FIX, gemm_kind
-from rcnn.doctor.attribution import ModuleTimer
-from rcnn.doctor.columns import ROOT
+from rcnn.doctor.attribution import ModuleTimer, modules_by_name
 from rcnn.fix import CONVS, AsLinear, PathTiming, as_linear_class, gemm_timing
 
 GEMM_FLAG = "gemm-in-disguise"
@@ -73,13 +72,16 @@ def flags(
     convolution rcnn.fix swapped that runs as its matrix product: no flag, evidence ``linearized: ...``.
 
     ``timings``: the dict rcnn.fix.linearize_with shares its timings through (None: this call's own);
-    ``deadline`` (``time.monotonic()`` seconds): the timings take fewer rounds where theirs would end past it.
+    ``deadline`` (``time.monotonic()`` seconds): the timings take fewer rounds where theirs would end past it,
+    but for the longest convolution's, which the deadline moves for as far as a decision needs.
     """
     out: dict[str, Finding] = {}
-    modules = {name or ROOT: module for name, module in model.named_modules()}
+    modules = modules_by_name(model)
     timings = {} if timings is None else timings
-    # the longest first: where a deadline cuts the timings short, those that matter most are decided
+    # the longest first: where a deadline cuts the timings short, those that matter most are decided, and
+    # the longest of all whatever the deadline (its timing gets the rounds a decision needs)
     own = table["forward_ms"] + table["backward_ms"] if "forward_ms" in table else table["calls"]
+    first = True
     for name in sorted(timer.seen, key=lambda n: -float(own.get(n, 0.0))):
         seen = timer.seen[name]
         module = modules[name]
@@ -90,7 +92,8 @@ def flags(
         if found is None:
             continue
         kind, evidence = found
-        timing = gemm_timing(module, seen, timings=timings, deadline=deadline)
+        timing = gemm_timing(module, seen, timings=timings, deadline=deadline, decide=first)
+        first = False
         assert timing is not None  # gemm_kind found it: a GEMM in disguise at this input
         if not timing.gemm_faster:
             checked = f"{CHECKED} as {GEMM_FLAG}:{kind}: {evidence}; {timing.describe()}"

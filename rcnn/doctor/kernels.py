@@ -94,7 +94,9 @@ class Graph:
     kernels: list[Kernel] = field(default_factory=list)
 
 
-_LOCAL = re.compile(r"^(L\['[^']+'\])\.?(.*)$")  # a frame's local (``L['self']``) and the path from it
+# A frame's local (``L['self']``) and the path from it; a bound method's module (``L['fn'].__self__``: dynamo
+# wraps a torch.nn module's forward so) is its local
+_LOCAL = re.compile(r"^(L\['[^']+'\])(?:\.__self__)?\.?(.*)$")
 
 
 def _dotted(path: str) -> str:
@@ -146,7 +148,7 @@ def running_module(modules: dict[int, str]) -> str:
     return ROOT
 
 
-_STATE = re.compile(r"^(L\['[^']+'\])\.?(.*?)\.?_(?:parameters|buffers)\['[^']+'\]$")
+_STATE = re.compile(r"^(L\['[^']+'\])(?:\.__self__)?\.?(.*?)\.?_(?:parameters|buffers)\['[^']+'\]$")
 
 
 def frame_bases(

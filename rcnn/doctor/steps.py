@@ -97,6 +97,7 @@ class StepFinder:
         self._mode: _Following | None = None
         self._optimizer_hook: Any = None
         self.in_optimizer_hook = False
+        self.calling = False  # inside ``call_began``: a step ending now ends at a call into the model
 
     @property
     def hooks(self) -> int:
@@ -183,7 +184,11 @@ class StepFinder:
         self.grad_forwards += 1
         if not self.explicit:
             if self.phase == BACKWARD and (self._probe is None or self._probe.grad is None):
-                self.end()  # the gradients were reset: the last step is over
+                self.calling = True
+                try:
+                    self.end()  # the gradients were reset: the last step is over
+                finally:
+                    self.calling = False
             if self.detached:
                 return
             if self.phase == IDLE:

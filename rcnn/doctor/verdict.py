@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from rcnn.doctor import remedies
-from rcnn.doctor.attribution import ModuleTimer
+from rcnn.doctor.attribution import ModuleTimer, modules_by_name
 from rcnn.doctor.columns import (
     BOUND_FRACTION,
     EXPLAINED_SHARE,
@@ -102,7 +102,7 @@ class Diagnosis:
             "saved_mb: what autograd saved for their backward):"
         )
         lines.append(shown[columns].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
-        notes = NOTES | ({ROOT: COMPILED_ROOT_NOTE} if s.get("compiled") else {})
+        notes = NOTES | dict.fromkeys(s.get("compiled_modules", []), COMPILED_ROOT_NOTE)
         lines += [f"{name}: {note}" for name, note in notes.items() if name in set(shown["module"])]
         files = f"{Path(out)}/" if out else "the files (--out)"
         flagged, small = self.shown_flags()
@@ -157,18 +157,22 @@ def _ceilings_said(s: dict[str, Any]) -> str:
 def _compiled_said(s: dict[str, Any]) -> str:
     """The compiled run in one paragraph: graphs and breaks, compile time, how the kernels' time was given."""
     breaks, steps = s["graph_breaks"], s["compile_steps"]
+    regions = s.get("compiled_modules", [ROOT])
     said = (
-        f"Compiled with Inductor: {s['forward_graphs']} forward and {s['backward_graphs']} backward graphs, "
+        "Compiled with Inductor"
+        + ("" if regions == [ROOT] else f" ({', '.join(regions)})")
+        + f": {s['forward_graphs']} forward and {s['backward_graphs']} backward graphs, "
         f"graph breaks: {sum(breaks.values())}"
         + (" (" + "; ".join(f"{n} x {reason}" for reason, n in breaks.items()) + ")" if breaks else "")
         + f"; compiling took {s['compile_s']:.1f} s over {steps} step{'s' if steps != 1 else ''}, not timed. "
-        "Each module's time is its kernels' in the timed steps (torch.profiler): "
+        "Each compiled module's time is its kernels' in the timed steps (torch.profiler): "
         f"{s['split_ms']:.2f} ms a step of kernels fused across modules split by their nodes' output bytes"
     )
     if s["unattributed_ms"] or s["unmatched_ms"]:
         said += (
             f"; {s['unattributed_ms']:.2f} ms of kernels with no provenance and {s['unmatched_ms']:.2f} ms "
-            "of the graphs' other events (allocations, views) stay in (model)"
+            "of the graphs' other events (allocations, views) stay in "
+            + ("(model)" if regions == [ROOT] else "the compiled modules' own rows")
         )
     if s.get("cudagraphs_off"):
         said += "; CUDA graphs were off while watched (a graph's replay hides each kernel in it)"
@@ -359,7 +363,7 @@ def why_table(
     that matter longest first, the flags by what they save."""
     chosen = matters(modules)
     names = chosen + [name for name in rank(found) if name not in chosen]
-    named = {name or ROOT: module for name, module in model.named_modules()}
+    named = modules_by_name(model)
     rows = modules.set_index("module")
     out = []
     for name in names:

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from rcnn.doctor.attribution import ModuleTimer
-from rcnn.doctor.columns import COMPILED, ROOT, compiled_against_eager
-from rcnn.doctor.compiled import CompiledModel, compiled_tables, kernel_tables, optimized
+from rcnn.doctor.columns import COMPILED, compiled_against_eager
+from rcnn.doctor.compiled import CompiledModel, compiled_regions, compiled_tables, kernel_tables
 from rcnn.doctor.files import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
 from rcnn.doctor.remedies import remedy_for
 from rcnn.doctor.steps import StepFinder
@@ -59,20 +59,6 @@ class NothingWatchedWarning(UserWarning):
     """Issued where a ``with watch(...)`` block ends without a measured step."""
 
 
-def compiled(model: nn.Module) -> str | None:
-    """What of ``model`` torch.compile compiled (its qualified name), or None: the hooks of a compiled module
-    would be traced into its graph, or not run at all."""
-    if hasattr(model, "_orig_mod"):  # torch.compile(model): an OptimizedModule
-        return "the model"
-    for name, module in model.named_modules():
-        forward = module.__dict__.get("forward")
-        if getattr(module, "_compiled_call_impl", None) is not None or hasattr(
-            forward, "_torchdynamo_orig_callable"
-        ):
-            return f"its module {name or ROOT}"
-    return None
-
-
 class _Listener:
     """What rcnn.doctor.steps tells (StepEvents), passed to a watch's own private methods: they stay off its
     public face."""
@@ -96,16 +82,9 @@ class Watch:
         explain: bool,
         timings: dict | None = None,
     ) -> None:
-        # torch.compile(model): timed by its compiled kernels (rcnn.doctor.compiled), its FLOPs eagerly
-        self._compiled = CompiledModel(model) if optimized(model) else None
-        self._eager = model._orig_mod if self._compiled else model  # the modules as the user wrote them
-        if what := compiled(self._eager):
-            raise ValueNotAllowed(
-                "watch",
-                f"{what} is compiled (torch.compile) on its own: its hooks would be traced into its graph, "
-                "or not run at all, so nothing could be timed; allowed: torch.compile(model) of the whole "
-                "model alone, or the model uncompiled",
-            )
+        # Compiled whole or in part: timed by its compiled kernels (rcnn.doctor.compiled), its FLOPs eagerly
+        self._compiled = CompiledModel(model) if compiled_regions(model)[1] else None
+        self._eager = self._compiled.eager if self._compiled else model  # the modules as the user wrote them
         if steps is not None and steps < 1:
             raise ValueNotAllowed("steps", f"{steps!r} is too small; allowed: >= 1, or None for the policy's")
         self.model, self.steps, self.policy = model, steps, policy
@@ -143,10 +122,10 @@ class Watch:
         self._flop_timer: ModuleTimer | None = None
         self._calls: pd.Series | None = None
         self._graphs_before = 0
-        # The step after the FLOP step began inside a call into the model that had chosen its eager forward
+        # The step after the FLOP step began inside a call into the model, which had chosen its eager forward
         # (the FLOP step ended at that call, not at an optimizer step): run eagerly, it is neither warm-up nor
         # timed
-        self._eager_step = False
+        self._eager_step = self._eager_next = False
 
     # -- the block
 
@@ -155,6 +134,8 @@ class Watch:
             raise ValueNotAllowed("watch", "this watch was entered before; allowed: a new watch(model)")
         self._entered = True
         self._steps_policy = self.policy.within(STEPS_SHARE)
+        if self._compiled is not None:
+            self._compiled.open()  # its regions run eagerly for the FLOP step, named as the user wrote them
         self._timer = ModuleTimer(
             self._eager,
             self.clock,
@@ -162,9 +143,7 @@ class Watch:
             ending=self._steps.call_ended,
             capture=lambda module: remedy_for(module) is not None,  # what a remedy runs again alone
         )
-        if self._compiled is not None:
-            self._compiled.eagerly()  # the FLOP step; the compiled steps' profile is their own
-        elif self.explain:
+        if self.explain:
             self._profile = StepProfile(self._timer)
         self._steps.attach()
         return self
@@ -210,25 +189,23 @@ class Watch:
     def _step_began(self) -> None:
         self._timer.begin_step()
         self._forward_start = None
-        self._eager_step = False
+        self._eager_step, self._eager_next = self._eager_next, False
         if self._compiled is not None:
             self._graphs_before = self._compiled.graphs
-            if self._measuring and self._done_steps > 0:
-                self._compiled.start_profile()  # each timed step's own: its kernels' times
         if self._done_steps == 0:  # the first step counts FLOPs by module: it is neither warm-up nor timed
             self._counting = self._timer.flop_counter()
             self._timer.count_forwards(self._counting)
         elif self._measuring and self._profile is not None and not self._profiled:
             self._profile.start()  # the step after warm-up: profiled, for what each module's backward ran
         elif self._measuring:
+            if self._compiled is not None:
+                self._compiled.start_profile()  # each timed step's own: its kernels' times
             self._cores.__enter__()
             self._in_cores = True
 
     def _forward_began(self, module: nn.Module, args: tuple, kwargs: dict, first: bool) -> None:
         if self._forward_start is None:
             self._forward_start = self.clock.mark()
-        if self._compiled is not None and self._done_steps > 0 and module is not self.model:
-            self._eager_step = True  # the FLOP timer's hooks saw this call: it runs the eager forward
         if first and self._done_steps > 0:
             self._seen_call(self._eager if module is self.model else module, args, kwargs)
         self._timer.active = True
@@ -264,32 +241,34 @@ class Watch:
 
     def _step_ended(self, forwards: int, backwards: int) -> None:
         """Close the step: the FLOP step, a warm-up step, the profiled one or a timed one; detach after the
-        last."""
+        last. A compiled model's step that compiled is none of them: its time is compile time."""
         timer = self._timer
         timer.active = False
         timer.release_nodes()
         if self._in_cores:
             self._cores.__exit__(None, None, None)
             self._in_cores = False
-        if self._profile is not None and self._profile.running:  # the profiled step: neither warm nor timed
-            self._profile.stop(keep=backwards > 0)
-            self._profiled = backwards > 0
-            return
+        profiling = self._profile is not None and self._profile.running
         if self._compiled is not None:  # a timed step's kernels are kept with its table, below
             self._compiled.stop_profile()
         if backwards == 0 or self._eager_step:  # forwards alone: no step; or a compiled model's eager one
+            if profiling:
+                self._profile.stop(keep=False)
             return
         self.clock.sync()
         table, totals = timer.step_table()
-        self._last_s = (totals["forward_ms"] + totals["backward_ms"]) / 1e3
         number, self._done_steps = self._done_steps, self._done_steps + 1
+        compiling = number > 0 and self._compiled is not None and self._compiled.graphs > self._graphs_before
+        if profiling:  # the profiled step: neither warm-up nor timed
+            self._profile.stop(keep=not compiling)
+            self._profiled = not compiling
         if number == 0:
             self._flops = timer.flop_table()
             self._counting = None
             timer.count_forwards(None)
             if self._compiled is not None:
                 self._compile(table)
-        elif self._compiled is not None and self._compiled.graphs > self._graphs_before:
+        elif compiling:
             compiling_ms = totals["forward_ms"] + totals["backward_ms"]
             self._compiled.compile_ms.append(compiling_ms)
             # Compiling is apart from the steps: the policy's deadline moves by it
@@ -298,7 +277,10 @@ class Watch:
                 self._steps_policy = self._steps_policy.until(
                     self._steps_policy.deadline + compiling_ms / 1e3
                 )
+        elif profiling:
+            return
         elif not self._measuring:
+            self._last_s = (totals["forward_ms"] + totals["backward_ms"]) / 1e3
             self._warm.append(totals["forward_ms"] + totals["backward_ms"])
             if self._steps_policy.warmed_up(self._warm):  # settled, or its deadline keeps time for the rest
                 self._measuring = True
@@ -306,6 +288,7 @@ class Watch:
                     self._steps_policy, self._warm
                 )
         else:
+            self._last_s = (totals["forward_ms"] + totals["backward_ms"]) / 1e3
             if not self._tables:
                 self._measure_started = time.perf_counter()
             if self._compiled is not None:
@@ -318,18 +301,29 @@ class Watch:
                 self._detach()
 
     def _compile(self, flop_step: pd.DataFrame) -> None:
-        """After a compiled model's FLOP step: its modules' hooks off, the model's own calls timed from now
-        on, and the model compiled through its kernel map."""
+        """After a compiled model's FLOP step: the hooks of the modules inside its compiled regions off (the
+        regions' own calls still timed), and each region compiled through its kernel map. A step beginning
+        inside the call the FLOP step ended at runs the forward that call chose, eagerly."""
         self._flop_timer, self._calls = self._timer, flop_step["calls"]
         self._timer.remove()
         self._timer = ModuleTimer(
-            self.model,
+            self._eager,
             self.clock,
             starting=self._steps.call_began,
             ending=self._steps.call_ended,
-            root_only=True,
+            compiled=self._compiled.names,
         )
-        self._compiled.mapped(self._steps.suspended)
+        if self._profile is not None:
+            self._profile.timer = self._timer
+        self._compiled.mapped(self._outside_compiled)
+        self._eager_next = self._steps.calling
+
+    @contextlib.contextmanager
+    def _outside_compiled(self) -> Iterator[None]:
+        """Around a compiled region's call: the step finder's function mode and the timer's saved-tensor
+        hooks off."""
+        with self._steps.suspended(), self._timer.saving_paused():
+            yield
 
     def _seen_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """What the step's first forward took (by the forward's own argument names), and the autocast it ran
@@ -415,14 +409,19 @@ class Watch:
         ran = self._profile.ran if self._profiled else None
         trace = self._profile.trace if self._profiled else None
         compiled_said, words = {}, {}
-        if self._compiled is not None:  # each module's row its kernels', the FLOPs the eager step's
+        if self._compiled is not None:  # compiled modules' rows: their kernels'; FLOPs: the eager step's
+            compiled = self._compiled
             timer, names = self._flop_timer, list(self._flop_timer.types)
             kept = middle_half(self._totals["backward_ms"])  # the steps the table averages
-            _, ran, words = kernel_tables(self._compiled.times(kept), len(kept), names)
-            own = [kernel_tables(times, 1, names)[0] for times in self._compiled.step_times]
-            tables = compiled_tables(self._tables, own, names, self._calls)
-            flop_table = flop_table.assign(backward_moved_mb=math.nan)  # eager ops' bytes, not its kernels'
-            trace, compiled_said = self._compiled.trace, self._compiled.summary(kept, names)
+            _, kernels_ran, words = kernel_tables(compiled.times(kept), len(kept), names)
+            # what a compiled module's backward ran: its kernels (the profiled step saw its region's call)
+            ran = {m: r for m, r in (ran or {}).items() if not compiled.covers(m)} | kernels_ran
+            own = [kernel_tables(times, 1, names)[0] for times in compiled.step_times]
+            tables = compiled_tables(self._tables, own, names, self._calls, compiled.names)
+            covered = [name for name in flop_table.index if compiled.covers(name)]
+            flop_table = flop_table.copy()
+            flop_table.loc[covered, "backward_moved_mb"] = math.nan  # eager ops' bytes, not its kernels'
+            trace, compiled_said = trace or compiled.trace, compiled.summary(kept, names)
         diagnosis = tabulate(
             self._eager,
             timer,
@@ -524,7 +523,10 @@ class Watch:
             more = f"{len(self._inputs) - 1}{'+' if len(self._inputs) >= MOST_INPUTS else ''}"
             inputs += f" (and {more} other shapes of call, in env.json)"
         layout = ", channels_last" if self._layout else ""
-        compiled = " (torch.compile, Inductor)" if self._compiled is not None else ""
+        compiled = ""
+        if self._compiled is not None:
+            parts = "" if self._compiled.whole else ", ".join(self._compiled.names) + " compiled: "
+            compiled = f" ({parts}torch.compile, Inductor)"
         return (
             f"{type(self._eager).__name__}{compiled} on {self.device.type} ({where}), in its own loop: "
             f"{inputs}, {env['dtype']}{layout}"
@@ -563,8 +565,9 @@ def watch(
     ``python -m rcnn.doctor`` does.
 
     Args:
-        model: the module the loop trains, eager or ``torch.compile(model)`` with Inductor (each module then
-            timed by its compiled kernels: rcnn.doctor.compiled).
+        model: the module the loop trains, eager or compiled with Inductor, whole (``torch.compile(model)``)
+            or in part (a submodule replaced by ``torch.compile(submodule)``, ``submodule.compile()``, or its
+            ``forward`` compiled): each compiled module then timed by its kernels (rcnn.doctor.compiled).
         steps: the steps to time after warm-up; then every hook comes off and the loop runs at full speed
             (a compiled model keeps the watch's compile, its kernels marked for the profiler, until the
             block ends: compiling it again as it was would take as long as the first time).
@@ -585,8 +588,8 @@ def watch(
         ``w.step()`` marks a step by hand where the detection cannot follow the loop.
 
     Raises:
-        ValueNotAllowed: for a model compiled in part or with another backend than Inductor, or ``steps``
-            under 1.
+        ValueNotAllowed: for a model compiled with another backend than Inductor or a compiled module inside
+            another, or ``steps`` under 1.
 
     Example:
         >>> with watch(model, steps=20) as w:

@@ -294,7 +294,7 @@ def test_the_compile_section_says_which_modules_compiling_did_not_speed_up():
         ]
     )
     text = "\n".join(compile_module_lines(modules))
-    assert "**conv** (bs 2): the modules with 5% of the eager backward or more" in text
+    assert "**conv** (bs 2), compiled whole: the modules with 5% of the eager backward or more" in text
     assert "backbone.body.layer1" in text and "rpn.head" not in text
     assert (
         "Compiling did not speed up the backward of roi_heads.box_head.0 (100.0 -> 98.0 ms, 0.98x) "
@@ -311,6 +311,12 @@ def test_the_compile_section_says_which_modules_compiling_did_not_speed_up():
     apart = modules.assign(batch_size=[1, 2] * len(rows))  # eager at bs 1, compiled at bs 2
     assert compile_module_lines(apart)[0].startswith("No module table of a compiled detector")
     assert compile_module_lines(pd.DataFrame())[0].startswith("No module table")
+    # The box head compiled alone (knob compile head): its own block, the rest of its call in its own row
+    head = modules[modules["compile"] == "model"].assign(compile="head")
+    text = "\n".join(compile_module_lines(pd.concat([modules, head])))
+    assert "**conv** (bs 2), the box head compiled: the modules" in text
+    assert "no module: the compiled box head module's own row's, not a speed-up" in text
+    assert text.index("the box head compiled:") < text.index("compiled whole:")
 
 
 def test_the_sweep_time_section_reads_the_summary():

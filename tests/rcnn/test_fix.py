@@ -344,6 +344,10 @@ def test_a_deadline_cuts_the_timings_rounds_down_to_three():
     assert swap.swapped == (
         swap.ci_low <= KEEP_ABOVE
     )  # too few rounds to flag; the conv stays only if shown over 5% faster
+    # The timing that must decide (the doctor's longest convolution) gets its rounds past the deadline
+    (seen,) = fix._seen_by_module(model, lambda: model(x)).values()
+    deciding = fix.time_paths(model[0], seen, "covers-input", deadline=time.monotonic() - 1, decide=True)
+    assert deciding.rounds >= fix.DECIDING_ROUNDS
 
 
 @pytest.mark.parametrize(

@@ -158,3 +158,39 @@ def test_a_convolutions_gradients_each_cost_its_forward(groups):
         with FlopCounterMode(display=False) as reference:
             conv(x).sum().backward()
         assert reference.get_total_flops() == forward.total + backward.total
+
+
+def test_a_compiled_modules_own_call_is_hooked_and_no_module_inside_it():
+    inner = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), inner, torch.nn.Linear(8, 2))
+    timer = ModuleTimer(model, Clock(CPU), compiled=["1"])
+    assert list(timer.types) == [ROOT, "0", "1", "2"]  # "1.0" and "1.1" would be traced into its graph
+    assert timer.hooks == 2 * 4  # a pre-hook and a hook on each module hooked
+    timer.remove()
+
+
+class _Pausing(torch.nn.Module):
+    """Saves nothing while its inner Linear runs (as a compiled module's call does), then a ReLU's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(8, 8)
+        self.timer: ModuleTimer | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.timer.saving_paused():
+            x = self.inner(x)
+        return torch.relu(x)
+
+
+def test_what_is_saved_while_saving_is_paused_is_charged_to_no_module():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), _Pausing())
+    timer = ModuleTimer(model, Clock(CPU))
+    model[1].timer = timer
+    with timer.forward():
+        loss = model(torch.randn(3, 4)).sum()
+    with timer.backward():
+        loss.backward()
+    saved = timer.step_table()[0]["saved_mb"]
+    assert saved["1.inner"] == 0 and saved["1"] > 0 and saved["0"] > 0  # after the pause: saved again
+    timer.remove()

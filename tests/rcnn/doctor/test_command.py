@@ -145,7 +145,9 @@ def test_out_is_rewritten_but_never_a_foreign_folder(project, capsys):
         (["tests.fixtures.models:sleepy", "--top", "0"], "error: --top: 0 is too small; allowed: >= 1"),
         (
             ["tests.fixtures.models:sleepy", "--compile", "head"],
-            "error: --compile: 'head' is not allowed; allowed: off, model",
+            "error: --compile: head compiles a detector's box head (roi_heads.box_head, "
+            "roi_heads.box_predictor), and tests.fixtures.models:sleepy has no roi_heads.box_head; "
+            "allowed: off, model",
         ),
         (
             ["tests.fixtures.models:sleepy", "--compile", "model", "--fix"],
@@ -451,3 +453,26 @@ def test_compile_model_gives_the_compiled_table_with_its_kernels_and_eager_too_b
     compared = pd.read_csv("out/compare.csv").set_index("module")
     assert compared.loc["fc6", "eager_backward_ms"] > 0
     assert compared.loc["fc6", "compiled_backward_ms"] == pytest.approx(modules.loc["fc6", "backward_ms"])
+
+
+@pytest.mark.slow  # one compile of the box head: 15-20 s on 2 CPU cores
+@pytest.mark.skipif(bool(compile_unavailable(torch.device("cpu"))), reason="no torch.compile here")
+def test_compile_head_times_the_compiled_box_head_by_its_kernels_and_the_rest_eagerly(project, capsys):
+    argv = ["tests.fixtures.models:detector_like", *QUICK, "--compile", "head", "--eager-too", "--out", "out"]
+    assert doctor.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert ", its box head torch.compile'd (Inductor)" in printed.splitlines()[0]
+    assert (
+        "Compiled with Inductor (roi_heads.box_head, roi_heads.box_predictor): 2 forward and 2 backward"
+        in printed
+    )
+    modules = pd.read_csv("out/modules.csv", keep_default_na=False).set_index("module")
+    conv = modules.loc["roi_heads.box_head.0"]  # inside the compiled head: its kernels' time
+    assert "convolution_backward" in conv["compiled"] and float(conv["backward_ms"]) > 0
+    features = modules.loc["features"]  # outside it: timed eagerly, as without --compile
+    assert (
+        features["compiled"] == "" and float(features["backward_ms"]) > 0 and float(features["saved_mb"]) > 0
+    )
+    assert json.loads(Path("out/env.json").read_text())["compile"] == "head"
+    compared = pd.read_csv("out/compare.csv").set_index("module")  # --eager-too: an eager copy beside
+    assert compared.loc["roi_heads.box_head.0", "eager_backward_ms"] > 0

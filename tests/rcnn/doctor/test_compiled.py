@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rcnn.doctor.columns import OUTSIDE, ROOT, compiled_against_eager
-from rcnn.doctor.compiled import compiled_tables, kernel_tables, named
+from rcnn.doctor.compiled import compiled_regions, compiled_tables, eager_copy, kernel_tables, named
 from rcnn.doctor.watching import watch
 from rcnn.measure.device import compile_unavailable
 from rcnn.measure.stats import TimingPolicy
@@ -49,13 +49,37 @@ def test_each_modules_row_is_its_kernels_per_step_and_the_model_keeps_the_rest_o
         return table.assign(saved_mb=0.0, backward_peak_mb=float("nan"))
 
     calls = pd.Series({ROOT: 1, "a": 1, "a.b": 1, "c": 2})
-    first, second = compiled_tables([step(3.0, 5.0), step(4.0, 6.0)], [own, own], names, calls)
+    first, second = compiled_tables([step(3.0, 5.0), step(4.0, 6.0)], [own, own], names, calls, [ROOT])
     assert first.loc[ROOT, ["forward_ms", "backward_ms"]].tolist() == [1.0, 1.0]  # 3 - 2 and 5 - 4
     assert second.loc[ROOT, ["forward_ms", "backward_ms"]].tolist() == [2.0, 2.0]
     assert second.loc[ROOT, "backward_inclusive_ms"] == 6.0
     assert first["backward_ms"].sum() == 5.0 + 2.0  # the rows add up to the step's backward
     assert first.loc["c", "calls"] == 2 and first.loc[OUTSIDE, "forward_ms"] == 1.0
-    assert first["saved_mb"].isna().all()  # AOTAutograd's saves are not the eager forward's
+    assert (
+        first.drop(index=OUTSIDE)["saved_mb"].isna().all()
+    )  # AOTAutograd's saves are not the eager forward's
+
+
+def test_in_a_model_compiled_in_part_the_rows_outside_stay_as_timed_and_the_region_keeps_the_rest():
+    columns = ["calls", "forward_ms", "forward_inclusive_ms", "backward_ms", "backward_inclusive_ms"]
+    step = pd.DataFrame(  # as timed: the model, its eager module "e", the region "a" (its call), the rest
+        [[1, 1.0, 9.0, 0.5, 12.0], [1, 2.0, 2.0, 3.0, 3.0], [1, 6.0, 6.0, 8.5, 8.5], [0, 1.0, 1.0, 2.0, 2.0]],
+        index=[ROOT, "e", "a", OUTSIDE],
+        columns=columns,
+    ).assign(saved_mb=[0.0, 1.5, 0.0, 0.0], backward_peak_mb=float("nan"))
+    names = [ROOT, "e", "a", "a.b", "a.c"]
+    own = pd.DataFrame(  # the kernels' by module (kernel_tables' first)
+        {"forward_ms": [0, 0, 0.5, 2.0, 1.0], "backward_ms": [0, 0, 0.0, 5.0, 1.5]}, index=names, dtype=float
+    ).assign(forward_inclusive_ms=[3.5, 0, 3.5, 2.0, 1.0], backward_inclusive_ms=[6.5, 0, 6.5, 5.0, 1.5])
+    calls = pd.Series({ROOT: 1, "e": 1, "a": 1, "a.b": 1, "a.c": 3})
+    (table,) = compiled_tables([step], [own], names, calls, ["a"])
+    assert table.loc["e"].equals(step.loc["e"].reindex(table.columns))  # outside the region: as timed
+    assert table.loc[ROOT, "forward_inclusive_ms"] == 9.0 and table.loc["a.c", "calls"] == 3
+    assert table.loc["a.b", ["forward_ms", "backward_ms"]].tolist() == [2.0, 5.0]  # inside: its kernels'
+    assert table.loc["a", ["forward_ms", "backward_ms"]].tolist() == [3.0, 2.0]  # its call but its modules'
+    assert table.loc["a", "backward_inclusive_ms"] == 8.5
+    assert table["backward_ms"].sum() == pytest.approx(0.5 + 3.0 + 8.5 + 2.0)  # the step's backward
+    assert table.loc["e", "saved_mb"] == 1.5 and table.loc[["a", "a.b", "a.c"], "saved_mb"].isna().all()
 
 
 class ConvHead(nn.Module):
@@ -197,6 +221,99 @@ def test_the_printout_says_what_compiled_and_how_the_kernels_time_was_given(watc
     assert {"modules.csv", "env.json", "trace.json"} <= names
     saved = pd.read_csv(tmp_path / "run" / "modules.csv")
     assert "compiled" in saved.columns
+
+
+def _compiled_in_three_ways() -> Detectorish:
+    """Detectorish with three parts compiled each its own way: ``module.compile()``, a submodule replaced by
+    ``torch.compile(module)``, and a compiled ``forward``."""
+    model = Detectorish()
+    model.body.compile()
+    model.box_head = torch.compile(model.box_head)
+    model.cls.forward = torch.compile(model.cls.forward)
+    return model
+
+
+def test_the_compiled_regions_of_a_model_are_found_as_the_user_wrote_them_and_nothing_is_changed():
+    model = _compiled_in_three_ways()
+    wrapped, call, forward = model.box_head, model.body._compiled_call_impl, model.cls.forward
+    eager, regions = compiled_regions(model)
+    assert eager is model
+    assert [(r.name, r.kind) for r in regions] == [
+        ("body", "call"),
+        ("box_head", "optimized"),
+        ("cls", "forward"),
+    ]
+    assert regions[1].module is wrapped._orig_mod and regions[0].settings.options == {}
+    assert (
+        model.box_head is wrapped and model.body._compiled_call_impl is call and model.cls.forward is forward
+    )
+    whole = torch.compile(Detectorish(), mode="max-autotune-no-cudagraphs", dynamic=False)
+    eager, (region,) = compiled_regions(whole)
+    assert eager is whole._orig_mod and region.name == ROOT and region.settings.options["max_autotune"]
+    assert region.settings.dynamic is False
+    copied = eager_copy(model)  # --eager-too's: nothing of it compiled, the original as it was
+    assert compiled_regions(copied)[1] == [] and type(copied.box_head) is ConvHead
+    assert model.box_head is wrapped and model.cls.forward is forward
+    assert all(torch.equal(a, b) for a, b in zip(copied.parameters(), model.parameters(), strict=True))
+
+
+def test_a_compiled_module_inside_another_or_another_backend_is_refused_before_anything_runs():
+    inner = Detectorish()
+    inner.box_head = torch.compile(inner.box_head)
+    with pytest.raises(
+        ValueError, match=r"watch: its module box_head is compiled inside the model, itself compiled: "
+    ):
+        watch(torch.compile(inner))
+    other = Detectorish()
+    other.cls = torch.compile(other.cls, backend="eager")
+    with pytest.raises(
+        ValueError, match=r"watch: its module cls is compiled with backend 'eager': only Induc"
+    ):
+        watch(other)
+    assert type(other.cls).__name__ == "OptimizedModule"
+    with pytest.raises(
+        ValueError, match=r"the model is compiled with backend 'eager'.* allowed: torch.compile with"
+    ):
+        watch(torch.compile(nn.Linear(4, 4), backend="eager"))
+
+
+@pytest.mark.slow  # compiling three small parts: 20-30 s on 2 CPU cores
+@needs_compile
+def test_a_model_compiled_in_part_gets_its_compiled_modules_kernels_and_the_rest_timed_eagerly():
+    torch.manual_seed(0)
+    model = _compiled_in_three_ways()
+    wrapped, call, forward = model.box_head, model.body._compiled_call_impl, model.cls.forward
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(16, 3, 14, 14), torch.randint(0, 4, (16,))
+    with watch(model, steps=4, policy=TimingPolicy(warmup=1, max_warmup=1)) as w:
+        for _ in range(10):
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    table, summary = w.table().set_index("module"), w.diagnosis.summary
+    assert summary["compiled_modules"] == ["body", "box_head", "cls"] and summary["steps"] == 4
+    assert "_orig_mod" not in " ".join(table.index)  # named as the user wrote them
+    head = table.loc["box_head.fc6"]  # inside a region: its kernels
+    assert "convolution_backward" in head["compiled"] and head["backward_ms"] > 0
+    assert head["flag"].startswith("gemm-in-disguise") and np.isnan(head["saved_mb"])
+    assert "cpp_fused" in table.loc["body.1", "compiled"]  # module.compile()'s region: its kernels too
+    pool = table.loc["pool"]  # outside every region: timed by its hooks, as eager
+    assert pool["compiled"] == "" and pool["backward_ms"] > 0 and pool["saved_mb"] > 0
+    for phase in ("forward", "backward"):  # every row together: the step's phase
+        assert table[f"{phase}_ms"].sum() == pytest.approx(summary[f"{phase}_ms"], rel=1e-6)
+        inside = table.loc[
+            ["body.0", "body.1", "body.2", "box_head.fc6", "box_head.fc7"], f"{phase}_ms"
+        ].sum()
+        assert inside == pytest.approx(summary[f"{phase}_module_kernels_ms"], rel=1e-6)
+        for region in ("body", "box_head", "cls"):  # its call, less its modules' kernels: never below 0
+            assert table.loc[region, f"{phase}_ms"] >= 0
+    assert str(w).startswith("Detectorish (body, box_head, cls compiled: torch.compile, Inductor) on cpu")
+    # put back as the user made it
+    assert (
+        model.box_head is wrapped and model.body._compiled_call_impl is call and model.cls.forward is forward
+    )
+    assert "forward" not in model.body.__dict__ and w.hooks == 0
 
 
 def test_compiled_against_eager_sets_each_modules_compiled_time_against_its_eager_time():

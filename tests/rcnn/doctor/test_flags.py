@@ -42,7 +42,8 @@ def timed(monkeypatch):
     """gemm_timing answering from a name -> PathTiming map set by the test (by the module's out_channels)."""
     answers = {}
 
-    def gemm_timing(module, seen, *, timings=None, deadline=None):
+    def gemm_timing(module, seen, *, timings=None, deadline=None, decide=False):
+        answers.setdefault("decided", []).append((module.out_channels, decide))
         return answers[module.out_channels]
 
     monkeypatch.setattr(doctor_flags, "gemm_timing", gemm_timing)
@@ -67,6 +68,8 @@ def test_a_flag_needs_the_gemm_shown_faster_and_carries_its_saving_per_step(time
     assert found["1"].evidence.endswith("no difference shown") and math.isnan(found["1"].saves_ms)
     assert found["2"].flag == "" and found["2"].evidence.endswith("the convolution is faster, by over 5%")
     assert rank(found) == ["0"]
+    # The longest first, and it alone timed until decided whatever the deadline
+    assert timed["decided"] == [(4, True), (5, False), (6, False)]
 
 
 def test_a_swapped_convolution_reads_as_fixed_and_its_twin_is_flagged(timed):

@@ -53,6 +53,10 @@ def test_a_nodes_module_is_the_innermost_of_its_stack_forward_or_backward():
     assert (module_of(forward, frame), module_of(held, frame)) == ("backbone.body.0", "heads.cls")
     # A node outside every module's call (a free function's) is the running module's
     assert module_of(root, frame) == "backbone"
+    # A torch.nn module's forward compiled as a bound method: dynamo reaches its module through L['fn']
+    bound = graph.placeholder("e")
+    bound.meta["nn_module_stack"] = {"x": ("L['fn'].__self__._modules['0']", nn.Conv2d)}
+    assert module_of(bound, Frame({"L['fn']": "roi_heads.box_head"})) == "roi_heads.box_head.0"
 
 
 class Caller(nn.Module):
@@ -75,6 +79,7 @@ def test_a_frames_locals_are_placed_in_the_model_by_the_weights_its_graph_reads(
     for name, source, tensor in (
         ("w", "L['self']._modules['0']._parameters['weight']", model[0][0].weight),  # self: model[0]
         ("v", "L['___stack0']._parameters['weight']", model[1].weight),  # model[1], held on the stack
+        ("u", "L['fn'].__self__._modules['0']._parameters['bias']", model[0][0].bias),  # a bound forward's
         ("x", "L['x']", torch.zeros(1)),
     ):
         node = graph.placeholder(name)
@@ -83,6 +88,7 @@ def test_a_frames_locals_are_placed_in_the_model_by_the_weights_its_graph_reads(
     assert frame_bases(torch.fx.GraphModule(nn.Module(), graph), owners) == {
         "L['self']": "0",
         "L['___stack0']": "1",
+        "L['fn']": "0",
     }
     # A frame whose module has no weights (a pooling, torchvision's MultiScaleRoIAlign): placed by its type
     # where the model has one module of it

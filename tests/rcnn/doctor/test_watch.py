@@ -168,21 +168,6 @@ def test_w_step_marks_steps_the_detection_cannot_follow(one_thread):
     )
 
 
-def test_a_model_compiled_in_part_or_by_another_backend_is_refused_with_what_to_watch_instead():
-    inner = nn.Sequential(nn.Linear(4, 4))
-    inner[0].forward = torch.compile(inner[0].forward)
-    with pytest.raises(
-        ValueError, match="its module 0 is compiled .* allowed: torch.compile\\(model\\) of the whole"
-    ):
-        watch(inner)
-    with pytest.raises(ValueError, match="its module 0 is compiled"):
-        watch(torch.compile(inner))  # compiled whole, with a part compiled inside
-    with pytest.raises(
-        ValueError, match="compiled with backend 'eager'.* allowed: torch.compile\\(model\\) with"
-    ):
-        watch(torch.compile(nn.Linear(4, 4), backend="eager"))
-
-
 def test_no_grad_and_no_backward_say_so_and_save_writes_nothing(tmp_path):
     model = nn.Linear(4, 4)
     with (
