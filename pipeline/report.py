@@ -691,7 +691,7 @@ SHARE_SHOWN = 0.05  # of the eager backward: the modules the compiled-by-module 
 
 
 COMPILED_AS = {  # knob compile's targets the by-module table sets against compile off
-    "head": ("the box head compiled", "the compiled box head module's own row"),
+    "head": ("the box head compiled", "the compiled box head modules' own rows"),
     "model": ("compiled whole", "the compiled `(model)` row"),
 }
 
@@ -716,7 +716,8 @@ def compile_module_lines(modules: pd.DataFrame) -> list[str]:
         for target, (how, rest_row) in COMPILED_AS.items():
             if {"off", target} <= set(compiles):
                 both = compiled_against_eager(group[compiles == "off"], group[compiles == target])
-                out += _compiled_module_lines(both, f"**{head}** ({label or 'as set'}), {how}", rest_row)
+                title = f"**{head}** ({label or 'as set'}), {how}"
+                out += _compiled_module_lines(both, title, rest_row, whole=target == "model")
     if not out:
         return none
     return [
@@ -730,15 +731,16 @@ def compile_module_lines(modules: pd.DataFrame) -> list[str]:
     ]
 
 
-def _compiled_module_lines(both: pd.DataFrame, title: str, rest_row: str) -> list[str]:
+def _compiled_module_lines(both: pd.DataFrame, title: str, rest_row: str, *, whole: bool) -> list[str]:
     """One setting's modules eager against compiled (``compiled_against_eager``'s table), under ``title``;
-    ``rest_row``: where the work of a module given no compiled kernel went."""
+    ``rest_row``: where the work of a module given no compiled kernel went; ``whole``: the model compiled
+    whole, its ``(model)`` row then the compiled call's own."""
     eager_total = both["eager_backward_ms"].sum()
     shown = both[both["eager_backward_ms"] >= SHARE_SHOWN * eager_total]
     own = shown[~shown["module"].isin([ROOT, OUTSIDE])]
     given_none = own[~(own["compiled_backward_ms"] > 0)]  # no kernel of its own (or no row): NaN or 0
     slow = own[own["backward_ratio"] >= NOT_SPED_UP]
-    root = both.set_index("module").loc[ROOT] if ROOT in set(both["module"]) else None
+    root = both.set_index("module").loc[ROOT] if whole and ROOT in set(both["module"]) else None
 
     def listed(rows: pd.DataFrame) -> str:
         return "; ".join(
@@ -756,7 +758,7 @@ def _compiled_module_lines(both: pd.DataFrame, title: str, rest_row: str) -> lis
     if len(given_none):
         words.append(
             f"Given no compiled kernel: {', '.join(given_none['module'])} (their work ran in code between "
-            f"graphs or in kernels of no module: {rest_row}'s, not a speed-up)."
+            f"graphs or in kernels of no module: in {rest_row}, not a speed-up)."
         )
     if root is not None:
         words.append(

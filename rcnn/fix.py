@@ -308,8 +308,8 @@ def time_paths(
             clock.time(functools.partial(forward_backward, path)) for path in paths.values()
         )  # burn-in
         calls = max(1, min(MOST_CALLS, math.ceil(SAMPLE_MS / max(once, 1e-3))))
-        if decide and deadline is not None:  # warm-up and the deciding rounds, both paths each, with room
-            rounds_s = (DECISION_POLICY.warmup + DECIDING_ROUNDS + 1) * 2 * calls * once / 1e3
+        if decide and deadline is not None:  # the longest warm-up and the deciding rounds, both paths, twice
+            rounds_s = 2 * (DECISION_POLICY.max_warmup + DECIDING_ROUNDS) * 2 * calls * once / 1e3
             deadline = max(deadline, time.monotonic() + rounds_s)
 
         def step(path: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], dict[str, float]]:

@@ -35,7 +35,7 @@ from torch.autograd.profiler import record_function
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
-from rcnn.doctor.columns import OUTSIDE, ROOT, under
+from rcnn.doctor.columns import OUTSIDE, ROOT, inside
 from rcnn.measure.clock import Clock
 from rcnn.measure.flops import FlopCount
 from rcnn.measure.inputs import Seen, tensors
@@ -130,15 +130,9 @@ class ModuleTimer:
         self.model = model
         # compiled: the modules torch.compile compiled (rcnn.doctor.compiled): their own calls are timed, but
         # not the modules inside them, whose hooks would be traced into the graphs
-        named = [
-            (name, module)
-            for name, module in model.named_modules()
-            if not any(under(name or ROOT, region) and (name or ROOT) != region for region in compiled)
-        ]
-        self.modules = {module: name or ROOT for name, module in named}
-        self.types = {
-            name: type(getattr(module, "_orig_mod", module)).__name__ for module, name in self.modules.items()
-        }
+        named = [(name or ROOT, module) for name, module in model.named_modules()]
+        self.modules = {module: name for name, module in named if not inside(name, compiled)}
+        self.types = {name: type(module).__name__ for module, name in self.modules.items()}
         self.seen: dict[str, Seen] = {}
         self.flops: Counter[tuple[str, str]] = Counter()  # (module, column) -> FLOPs, in the counted step
         self.unknown_flops: set[tuple[str, str]] = set()  # cells where an op without a FLOP formula ran

@@ -4,6 +4,8 @@ by-module tables with these names."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pandas as pd
 
 ROOT = "(model)"  # the model itself: its qualified name is ""
@@ -13,6 +15,11 @@ OUTSIDE = "(outside modules)"  # time and FLOPs no module's forward created
 def under(name: str, module: str) -> bool:
     """Whether the module named ``name`` is ``module`` or one inside it (every module is inside ROOT)."""
     return module == ROOT or name == module or name.startswith(f"{module}.")
+
+
+def inside(name: str, modules: Iterable[str]) -> bool:
+    """Whether the module named ``name`` is inside one of ``modules``, not one of them (OUTSIDE in none)."""
+    return name != OUTSIDE and any(under(name, module) and name != module for module in modules)
 
 
 MODULE_COLUMNS = (

@@ -40,7 +40,14 @@ from rcnn.doctor.diagnosis import Diagnosis, Fixed, diagnose, diagnose_beside_ea
 from rcnn.doctor.files import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
 from rcnn.doctor.specs import DEFAULT_IMAGE_SIZE, IMAGE_SIZE
 from rcnn.doctor.workloads import build_workload
-from rcnn.measure.device import DTYPES, amp_unavailable, compile_unavailable, resolve_device, set_tf32
+from rcnn.measure.device import (
+    DTYPES,
+    amp_unavailable,
+    compile_forward,
+    compile_unavailable,
+    resolve_device,
+    set_tf32,
+)
 from rcnn.measure.machine import copy_peak, fingerprint, matmul_paths
 from rcnn.measure.options import add_timing_options, check_timing_options, timing_policy
 from rcnn.measure.settings import AMP, AMP_DTYPES, DEVICE, machine_name
@@ -101,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
         default="off",
         help="model: torch.compile(model) with Inductor, each module timed by the compiled kernels that "
         "compute it (FLOPs and flags from one eager step, compile time apart); head: a detector's box head "
-        f"alone ({' and '.join(BOX_HEAD)}, each module.compile()), the rest eager; off: eager",
+        f"alone ({' and '.join(BOX_HEAD)}, their forwards), the rest eager; off: eager",
     )
     p.add_argument(
         "--eager-too",
@@ -338,8 +345,9 @@ def _run(args: argparse.Namespace) -> None:
 
 def compiled(model: nn.Module, choice: str, spec: str) -> nn.Module:
     """``model`` as --compile ``choice`` compiles it, as a user would (rcnn.doctor.compiled times it):
-    ``torch.compile(model)``, or each module of a detector's box head (BOX_HEAD) ``module.compile()``d;
-    ValueNotAllowed for ``head`` where the model (``spec``) has no such modules."""
+    ``torch.compile(model)``, or the forward of each module of a detector's box head (BOX_HEAD) compiled, as
+    the sweep's knob compile ``head`` does; ValueNotAllowed for ``head`` where the model (``spec``) has no
+    such modules."""
     if choice == "model":
         return torch.compile(model)
     if choice == "head":
@@ -350,8 +358,7 @@ def compiled(model: nn.Module, choice: str, spec: str) -> nn.Module:
                 f"head compiles a detector's box head ({', '.join(BOX_HEAD)}), and {spec} has no "
                 f"{missing[0]}; allowed: off, model",
             )
-        for name in BOX_HEAD:
-            modules[name].compile()
+        compile_forward(*(modules[name] for name in BOX_HEAD))
     return model
 
 

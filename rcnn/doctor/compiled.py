@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.profiler import profile
 
-from rcnn.doctor.columns import OUTSIDE, ROOT, under
+from rcnn.doctor.columns import OUTSIDE, ROOT, inside, under
 from rcnn.doctor.kernels import BACKWARD, FORWARD, KernelMap, split
 from rcnn.measure.device import device_of
 from rcnn.measure.profiler import KERNEL, Session, Spent, chrome_trace
@@ -82,13 +82,17 @@ def _settings(context: Any, where: str) -> Settings:
     return Settings(options, getattr(backend, "dynamic", None), bool(getattr(context, "fullgraph", False)))
 
 
+def _where(name: str) -> str:
+    """How a message names the module ``name``."""
+    return "the model" if name == ROOT else f"its module {name}"
+
+
 @dataclass
 class Region:
     """A part of the watched model that torch.compile compiled: ``name`` (its module's qualified name, ROOT
-    for the whole model), ``module`` (as the user wrote it, in the model the watch sees), its Settings, and
-    ``forward``, what it runs eagerly (what the user compiled). ``parent``/``key``: where a
-    ``torch.compile(module)`` sat in its parent; ``compiled``: the user's compiled code, put back where the
-    block ends."""
+    for the whole model), ``module`` (as the user wrote it, in the model the watch sees), its Settings, how
+    it was compiled (``kind``) and ``compiled``, the user's compiled code (an OptimizedModule, or the compiled
+    function), put back where the block ends; ``parent``/``key``: where a ``torch.compile(module)`` sat."""
 
     name: str
     module: nn.Module
@@ -98,60 +102,74 @@ class Region:
     parent: nn.Module | None = None
     key: str = ""
 
-    @property
-    def where(self) -> str:
-        return "the model" if self.name == ROOT else f"its module {self.name}"
+
+def _compiled_code(module: nn.Module) -> list[tuple[str, Any]]:
+    """The ways ``module`` itself was compiled, each with its compiled code: ``("optimized", module)`` for
+    an OptimizedModule, ``("call", ...)`` after ``module.compile()``, ``("forward", ...)`` for a compiled
+    ``forward`` set on it."""
+    if optimized(module):  # (its own ``forward`` is dynamo's wrapper of its module's call)
+        return [("optimized", module)]
+    found = [("call", "_compiled_call_impl"), ("forward", "forward")]
+    codes = [(kind, module.__dict__.get(attribute)) for kind, attribute in found]
+    return [(kind, code) for kind, code in codes if hasattr(code, "_torchdynamo_orig_callable")]
+
+
+def _nested(inner: str, outer: str) -> ValueNotAllowed:
+    return ValueNotAllowed(
+        "watch",
+        f"{inner} is compiled inside {outer}, itself compiled: dynamo inlines the inner compile, so its "
+        "kernels are the outer one's; allowed: one of the two compiled",
+    )
 
 
 def _region_at(name: str, module: nn.Module, parent: nn.Module | None, key: str) -> Region | None:
     """The region ``module`` is, or None where nothing of it was compiled on its own."""
-    where = "the model" if name == ROOT else f"its module {name}"
-    if optimized(module):
-        settings = _settings(module.dynamo_ctx, where)
-        return Region(name, module._orig_mod, settings, "optimized", module, parent, key)
-    call = module.__dict__.get("_compiled_call_impl")
-    forward = module.__dict__.get("forward")
-    kind, compiled = ("call", call) if call is not None else ("forward", forward)
-    if compiled is None or not hasattr(compiled, "_torchdynamo_orig_callable"):
+    ways = _compiled_code(module)
+    if not ways:
         return None
+    (kind, compiled), *more = ways
+    if kind == "optimized":
+        if _compiled_code(module._orig_mod):  # torch.compile of a module compiled already
+            raise _nested(f"the module torch.compile wraps as {_where(name)}", _where(name))
+        settings = _settings(module.dynamo_ctx, _where(name))
+        return Region(name, module._orig_mod, settings, kind, compiled, parent, key)
+    if more:
+        raise _nested(f"{_where(name)}'s forward", f"{_where(name)}'s call (module.compile())")
     context = _context(compiled)
     if context is None:
         raise ValueNotAllowed(
             "watch",
-            f"{where} is compiled in a way this torch does not let be read (no dynamo context on its "
+            f"{_where(name)} is compiled in a way this torch does not let be read (no dynamo context on its "
             "compiled code); allowed: torch.compile(module), module.compile(), or no compile",
         )
-    return Region(name, module, _settings(context, where), kind, compiled)
+    return Region(name, module, _settings(context, _where(name)), kind, compiled)
 
 
 def compiled_regions(model: nn.Module) -> tuple[nn.Module, list[Region]]:
     """The model as the user wrote it (an OptimizedModule's ``_orig_mod``; a submodule's
     ``torch.compile(module)`` counts as its ``_orig_mod``) and the regions torch.compile compiled in it,
-    outermost first. Reads only; ValueNotAllowed for a backend other than Inductor or a region inside
-    another."""
+    outermost first, each module once (under its first name, as ``named_modules`` gives it). Reads only;
+    ValueNotAllowed for a backend other than Inductor or a region inside another."""
     regions: list[Region] = []
+    seen: set[int] = set()
 
     def visit(name: str, module: nn.Module, parent: nn.Module | None, key: str, outer: Region | None) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
         region = _region_at(name, module, parent, key)
         if region is not None:
             if outer is not None:
-                raise ValueNotAllowed(
-                    "watch",
-                    f"{region.where} is compiled inside {outer.where}, itself compiled: dynamo inlines the "
-                    "inner compile, so its kernels are the outer one's; allowed: one of the two compiled",
-                )
+                raise _nested(_where(region.name), _where(outer.name))
             regions.append(region)
             module, outer = region.module, region
         for child_key, child in module._modules.items():
             if child is not None:
-                child_name = child_key if name == ROOT else f"{name}.{child_key}"
-                visit(child_name, child, module, child_key, outer)
+                visit(child_key if name == ROOT else f"{name}.{child_key}", child, module, child_key, outer)
 
     visit(ROOT, model, None, "", None)
-    eager = (
-        regions[0].module if regions and regions[0].kind == "optimized" and regions[0].name == ROOT else model
-    )
-    return eager, regions
+    whole = regions and regions[0].name == ROOT and regions[0].kind == "optimized"
+    return (regions[0].module if whole else model), regions
 
 
 class CompiledModel:
@@ -182,7 +200,7 @@ class CompiledModel:
 
     def inside(self, name: str) -> bool:
         """Whether module ``name`` is inside a region, not a region's own module: timed by its kernels."""
-        return name != OUTSIDE and any(under(name, r) and name != r for r in self.names)
+        return inside(name, self.names)
 
     def covers(self, name: str) -> bool:
         """Whether module ``name`` is a region's or inside one."""
@@ -394,19 +412,19 @@ def compiled_tables(
     ``calls``), and a region's own time what of its call (timed by its hooks, its inclusive time) no module
     inside it took. The rows add up to the step. What autograd saved is unknown in the regions (AOTAutograd
     saves what the eager forward would not), as is the peak allocated during an inner module's backward."""
-    inside = [n for n in names if any(under(n, r) and n != r for r in regions)]
+    within = [name for name in names if inside(name, regions)]
     out = []
     for step, own in zip(tables, kernels, strict=True):
         table = step.reindex([*names, OUTSIDE])
         times = [c for c in own.columns if c in table.columns]
-        table.loc[inside, times] = own.loc[inside, times].to_numpy()
-        table.loc[inside, "calls"] = calls.reindex(inside).fillna(0.0).to_numpy()
+        table.loc[within, times] = own.loc[within, times].to_numpy()
+        table.loc[within, "calls"] = calls.reindex(within).fillna(0.0).to_numpy()
         for region in regions:
-            below = [n for n in inside if under(n, region)]
+            below = [name for name in within if under(name, region)]
             for phase in ("forward", "backward"):
                 span = float(step.loc[region, f"{phase}_inclusive_ms"])
                 table.loc[region, f"{phase}_ms"] = span - float(own.loc[below, f"{phase}_ms"].sum())
-        table.loc[[*inside, *regions], "saved_mb"] = float("nan")
-        table.loc[inside, "backward_peak_mb"] = float("nan")
+        table.loc[[*within, *regions], "saved_mb"] = float("nan")
+        table.loc[within, "backward_peak_mb"] = float("nan")
         out.append(table.rename_axis("module"))
     return out

@@ -54,7 +54,7 @@ NOTES = {  # under the table, for the rows that are no module of the model's own
     ROOT: "work in the model's own forward, outside its submodules, e.g. functional calls like roi_align",
     OUTSIDE: "work no module's forward created: the loss, the optimizer, autograd's own",
 }
-COMPILED_ROOT_NOTE = (
+COMPILED_REGION_NOTE = (
     "the compiled call's time beyond its modules' kernels: dynamo's guards, the graphs' own calls, code run "
     "eagerly between graphs, kernels no module's nodes account for"
 )
@@ -102,7 +102,7 @@ class Diagnosis:
             "saved_mb: what autograd saved for their backward):"
         )
         lines.append(shown[columns].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
-        notes = NOTES | dict.fromkeys(s.get("compiled_modules", []), COMPILED_ROOT_NOTE)
+        notes = NOTES | dict.fromkeys(s.get("compiled_modules", []), COMPILED_REGION_NOTE)
         lines += [f"{name}: {note}" for name, note in notes.items() if name in set(shown["module"])]
         files = f"{Path(out)}/" if out else "the files (--out)"
         flagged, small = self.shown_flags()

@@ -28,7 +28,7 @@ from torch import nn
 
 from rcnn.doctor.attribution import ModuleTimer
 from rcnn.doctor.columns import COMPILED, compiled_against_eager
-from rcnn.doctor.compiled import CompiledModel, compiled_regions, compiled_tables, kernel_tables
+from rcnn.doctor.compiled import CompiledModel, compiled_tables, kernel_tables
 from rcnn.doctor.files import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
 from rcnn.doctor.remedies import remedy_for
 from rcnn.doctor.steps import StepFinder
@@ -83,7 +83,8 @@ class Watch:
         timings: dict | None = None,
     ) -> None:
         # Compiled whole or in part: timed by its compiled kernels (rcnn.doctor.compiled), its FLOPs eagerly
-        self._compiled = CompiledModel(model) if compiled_regions(model)[1] else None
+        compiled = CompiledModel(model)
+        self._compiled = compiled if compiled.regions else None
         self._eager = self._compiled.eager if self._compiled else model  # the modules as the user wrote them
         if steps is not None and steps < 1:
             raise ValueNotAllowed("steps", f"{steps!r} is too small; allowed: >= 1, or None for the policy's")
@@ -122,9 +123,10 @@ class Watch:
         self._flop_timer: ModuleTimer | None = None
         self._calls: pd.Series | None = None
         self._graphs_before = 0
-        # The step after the FLOP step began inside a call into the model, which had chosen its eager forward
-        # (the FLOP step ended at that call, not at an optimizer step): run eagerly, it is neither warm-up nor
-        # timed
+        # The step after the FLOP step began inside a call into the model (the FLOP step ended at that call,
+        # not at an optimizer step): that call runs the forward it chose before the regions were mapped, and
+        # the hooks it began under are gone; the step is neither warm-up nor timed (compile time, if it
+        # compiled)
         self._eager_step = self._eager_next = False
 
     # -- the block
@@ -136,26 +138,33 @@ class Watch:
         self._steps_policy = self.policy.within(STEPS_SHARE)
         if self._compiled is not None:
             self._compiled.open()  # its regions run eagerly for the FLOP step, named as the user wrote them
-        self._timer = ModuleTimer(
-            self._eager,
-            self.clock,
-            starting=self._steps.call_began,
-            ending=self._steps.call_ended,
-            capture=lambda module: remedy_for(module) is not None,  # what a remedy runs again alone
-        )
-        if self.explain:
-            self._profile = StepProfile(self._timer)
-        self._steps.attach()
+        try:
+            self._timer = ModuleTimer(
+                self._eager,
+                self.clock,
+                starting=self._steps.call_began,
+                ending=self._steps.call_ended,
+                capture=lambda module: remedy_for(module) is not None,  # what a remedy runs again alone
+            )
+            if self.explain:
+                self._profile = StepProfile(self._timer)
+            self._steps.attach()
+        except BaseException:
+            if self._compiled is not None:
+                self._compiled.restore()
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if not self.detached:
-            if exc_type is None and not self._steps.explicit:
-                self._steps.end()  # the last step, if it ran its backward
-            self._detach()
-        self._steps.close()
-        if self._compiled is not None:
-            self._compiled.restore()
+        try:
+            if not self.detached:
+                if exc_type is None and not self._steps.explicit:
+                    self._steps.end()  # the last step, if it ran its backward
+                self._detach()
+        finally:
+            self._steps.close()
+            if self._compiled is not None:
+                self._compiled.restore()  # the model as the user made it, whatever happened
         if exc_type is None and (problem := self._nothing()):
             warnings.warn(problem, NothingWatchedWarning, stacklevel=2)
 
@@ -206,7 +215,7 @@ class Watch:
     def _forward_began(self, module: nn.Module, args: tuple, kwargs: dict, first: bool) -> None:
         if self._forward_start is None:
             self._forward_start = self.clock.mark()
-        if first and self._done_steps > 0:
+        if first and self._done_steps > 0 and not self._eager_step:
             self._seen_call(self._eager if module is self.model else module, args, kwargs)
         self._timer.active = True
 
@@ -251,14 +260,18 @@ class Watch:
         profiling = self._profile is not None and self._profile.running
         if self._compiled is not None:  # a timed step's kernels are kept with its table, below
             self._compiled.stop_profile()
+        compiling = self._compiled is not None and self._compiled.graphs > self._graphs_before
         if backwards == 0 or self._eager_step:  # forwards alone: no step; or a compiled model's eager one
             if profiling:
                 self._profile.stop(keep=False)
+            if compiling and backwards:
+                self.clock.sync()
+                self._compiling(timer.step_table()[1])
             return
         self.clock.sync()
         table, totals = timer.step_table()
         number, self._done_steps = self._done_steps, self._done_steps + 1
-        compiling = number > 0 and self._compiled is not None and self._compiled.graphs > self._graphs_before
+        compiling = compiling and number > 0
         if profiling:  # the profiled step: neither warm-up nor timed
             self._profile.stop(keep=not compiling)
             self._profiled = not compiling
@@ -269,14 +282,7 @@ class Watch:
             if self._compiled is not None:
                 self._compile(table)
         elif compiling:
-            compiling_ms = totals["forward_ms"] + totals["backward_ms"]
-            self._compiled.compile_ms.append(compiling_ms)
-            # Compiling is apart from the steps: the policy's deadline moves by it
-            if self.policy.deadline is not None:
-                self.policy = self.policy.until(self.policy.deadline + compiling_ms / 1e3)
-                self._steps_policy = self._steps_policy.until(
-                    self._steps_policy.deadline + compiling_ms / 1e3
-                )
+            self._compiling(totals)
         elif profiling:
             return
         elif not self._measuring:
@@ -300,10 +306,19 @@ class Watch:
             if self._done():
                 self._detach()
 
+    def _compiling(self, totals: dict[str, float]) -> None:
+        """A step that compiled (its phase ``totals``): its time is compile time, apart from the steps, and
+        the policy's deadline moves by it."""
+        compiling_ms = totals["forward_ms"] + totals["backward_ms"]
+        self._compiled.compile_ms.append(compiling_ms)
+        if self.policy.deadline is not None:
+            self.policy = self.policy.until(self.policy.deadline + compiling_ms / 1e3)
+            self._steps_policy = self._steps_policy.until(self._steps_policy.deadline + compiling_ms / 1e3)
+
     def _compile(self, flop_step: pd.DataFrame) -> None:
         """After a compiled model's FLOP step: the hooks of the modules inside its compiled regions off (the
         regions' own calls still timed), and each region compiled through its kernel map. A step beginning
-        inside the call the FLOP step ended at runs the forward that call chose, eagerly."""
+        inside the call the FLOP step ended at is no step to time (``_eager_next``)."""
         self._flop_timer, self._calls = self._timer, flop_step["calls"]
         self._timer.remove()
         self._timer = ModuleTimer(
@@ -501,7 +516,8 @@ class Watch:
             kind = "compiled" if self._compiled is not None else "eager"
             raise ValueNotAllowed(
                 "compare",
-                f"both watches are of {kind} models; allowed: one of torch.compile(model), one eager",
+                f"both watches are of {kind} models; allowed: one of the model compiled (whole or in part), "
+                "one eager",
             )
         eager, compiled = (other, self) if self._compiled is not None else (self, other)
         return compiled_against_eager(eager.table(), compiled.table())

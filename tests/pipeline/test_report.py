@@ -315,8 +315,11 @@ def test_the_compile_section_says_which_modules_compiling_did_not_speed_up():
     head = modules[modules["compile"] == "model"].assign(compile="head")
     text = "\n".join(compile_module_lines(pd.concat([modules, head])))
     assert "**conv** (bs 2), the box head compiled: the modules" in text
-    assert "no module: the compiled box head module's own row's, not a speed-up" in text
+    assert "no module: in the compiled box head modules' own rows, not a speed-up" in text
     assert text.index("the box head compiled:") < text.index("compiled whole:")
+    assert (
+        text.count("`(model)`: 6.0 ms eager") == 1
+    )  # the model's row is the compiled call's only compiled whole
 
 
 def test_the_sweep_time_section_reads_the_summary():

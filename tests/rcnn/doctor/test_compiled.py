@@ -204,6 +204,7 @@ def test_a_compiled_models_modules_get_their_kernels_time_and_the_rows_add_up_to
         assert summary[f"{phase}_kernels_ms"] <= table.loc[ROOT, f"{phase}_inclusive_ms"]
         assert table.loc[ROOT, f"{phase}_ms"] >= 0
     assert compiled.__dict__["forward"] is own_forward and w.hooks == 0  # the model as the user made it
+    assert "forward" not in compiled._orig_mod.__dict__
 
 
 @pytest.mark.slow
@@ -257,6 +258,32 @@ def test_the_compiled_regions_of_a_model_are_found_as_the_user_wrote_them_and_no
     assert all(torch.equal(a, b) for a, b in zip(copied.parameters(), model.parameters(), strict=True))
 
 
+def test_the_model_itself_compiled_by_its_call_or_its_forward_is_a_region_and_each_module_counts_once():
+    called = Detectorish()
+    called.compile()
+    forward = Detectorish()
+    forward.forward = torch.compile(forward.forward)
+    for model, kind in ((called, "call"), (forward, "forward")):
+        eager, (region,) = compiled_regions(model)
+        assert eager is model and (region.name, region.kind) == (ROOT, kind)
+    shared = Detectorish()
+    shared.cls = torch.compile(shared.cls)
+    shared.again = shared.cls  # one module under two names: one region, named as named_modules names it
+    assert [r.name for r in compiled_regions(shared)[1]] == ["cls"]
+
+
+def test_the_model_is_put_back_as_the_user_made_it_when_the_loop_raises():
+    model = _compiled_in_three_ways()
+    wrapped, call, forward = model.box_head, model.body._compiled_call_impl, model.cls.forward
+    with pytest.raises(RuntimeError, match="the loop's own error"), watch(model, steps=2):
+        model(torch.randn(2, 3, 14, 14)).sum().backward()  # the FLOP step, eager
+        raise RuntimeError("the loop's own error")
+    assert (
+        model.box_head is wrapped and model.body._compiled_call_impl is call and model.cls.forward is forward
+    )
+    assert not {"forward", "_compiled_call_impl"} & set(wrapped._orig_mod.__dict__)
+
+
 def test_a_compiled_module_inside_another_or_another_backend_is_refused_before_anything_runs():
     inner = Detectorish()
     inner.box_head = torch.compile(inner.box_head)
@@ -271,6 +298,17 @@ def test_a_compiled_module_inside_another_or_another_backend_is_refused_before_a
     ):
         watch(other)
     assert type(other.cls).__name__ == "OptimizedModule"
+    twice = Detectorish()
+    twice.compile()
+    with pytest.raises(ValueError, match=r"the module torch.compile wraps as the model is compiled inside"):
+        watch(torch.compile(twice))
+    both = Detectorish()
+    both.cls.compile()
+    both.cls.forward = torch.compile(both.cls.forward)
+    with pytest.raises(
+        ValueError, match=r"its module cls's forward is compiled inside its module cls's call"
+    ):
+        watch(both)
     with pytest.raises(
         ValueError, match=r"the model is compiled with backend 'eager'.* allowed: torch.compile with"
     ):
@@ -283,16 +321,20 @@ def test_a_model_compiled_in_part_gets_its_compiled_modules_kernels_and_the_rest
     torch.manual_seed(0)
     model = _compiled_in_three_ways()
     wrapped, call, forward = model.box_head, model.body._compiled_call_impl, model.cls.forward
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(16, 3, 14, 14), torch.randint(0, 4, (16,))
+    # The update by hand (no optimizer): each step ends at the next forward, so the step after the FLOP step
+    # begins inside a call that started before the regions were compiled (not timed: it is their compile)
     with watch(model, steps=4, policy=TimingPolicy(warmup=1, max_warmup=1)) as w:
         for _ in range(10):
-            loss = F.cross_entropy(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            F.cross_entropy(model(x), y).backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+                    p.grad = None
     table, summary = w.table().set_index("module"), w.diagnosis.summary
     assert summary["compiled_modules"] == ["body", "box_head", "cls"] and summary["steps"] == 4
+    assert summary["compile_steps"] >= 1 and summary["compile_s"] > 0
+    assert w.env["inputs"] == ["x: float32 (16, 3, 14, 14)"]  # the model's call alone, none of its modules'
     assert "_orig_mod" not in " ".join(table.index)  # named as the user wrote them
     head = table.loc["box_head.fc6"]  # inside a region: its kernels
     assert "convolution_backward" in head["compiled"] and head["backward_ms"] > 0
@@ -313,7 +355,9 @@ def test_a_model_compiled_in_part_gets_its_compiled_modules_kernels_and_the_rest
     assert (
         model.box_head is wrapped and model.body._compiled_call_impl is call and model.cls.forward is forward
     )
-    assert "forward" not in model.body.__dict__ and w.hooks == 0
+    assert (
+        "forward" not in model.body.__dict__ and "forward" not in wrapped._orig_mod.__dict__ and w.hooks == 0
+    )
 
 
 def test_compiled_against_eager_sets_each_modules_compiled_time_against_its_eager_time():
