@@ -66,7 +66,14 @@ from rcnn.detector.schema import (
     ResultsError,
     setting_label,
 )
-from rcnn.doctor.columns import MODULE_COLUMNS, OUTSIDE, ROOT, compiled_against_eager
+from rcnn.doctor.columns import (
+    COMPILED,
+    EAGER_AFTER_LIMIT,
+    MODULE_COLUMNS,
+    OUTSIDE,
+    ROOT,
+    compiled_against_eager,
+)
 from rcnn.doctor.pictures import icicle_html, require_plotly
 from rcnn.measure.cores import CONTENDED_BELOW
 from rcnn.measure.settings import machine_name, peak_dtype
@@ -717,7 +724,14 @@ def compile_module_lines(modules: pd.DataFrame) -> list[str]:
             if {"off", target} <= set(compiles):
                 both = compiled_against_eager(group[compiles == "off"], group[compiles == target])
                 title = f"**{head}** ({label or 'as set'}), {how}"
-                out += _compiled_module_lines(both, title, rest_row, whole=target == "model")
+                lines = _compiled_module_lines(both, title, rest_row, whole=target == "model")
+                said = group.loc[compiles == target].reindex(columns=["module", COMPILED]).dropna()
+                for row in said[said[COMPILED].astype(str).str.startswith(EAGER_AFTER_LIMIT)].itertuples():
+                    lines[-2] += (  # the words after the table: where the eagerly run code's time went
+                        f" `{row.module}` holds code dynamo ran eagerly, not its modules' "
+                        f"({str(getattr(row, COMPILED)).split(';')[0]})."
+                    )
+                out += lines
     if not out:
         return none
     return [

@@ -45,6 +45,8 @@ MODULE_COLUMNS = (
     "backward_moved_mb",  # MiB its own backward's ops read and wrote, counted from their tensors
 )
 COMPILED = "compiled"  # a torch.compile'd model's table: each module's longest kernels per phase, ms per step
+# In a compiled region's own row's COMPILED: the functions dynamo ran eagerly after their recompile limit
+EAGER_AFTER_LIMIT = "run eagerly after dynamo's recompile limit:"
 WHY_COLUMNS = (
     "module",
     "type",

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
+import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +34,7 @@ from torch import nn
 from torch.profiler import profile
 
 from rcnn.doctor.columns import OUTSIDE, ROOT, inside, under
-from rcnn.doctor.kernels import BACKWARD, FORWARD, KernelMap, split
+from rcnn.doctor.kernels import BACKWARD, FORWARD, KernelMap, running_module, split
 from rcnn.measure.device import device_of
 from rcnn.measure.profiler import KERNEL, Session, Spent, chrome_trace
 from rcnn.rules import ValueNotAllowed
@@ -172,6 +174,35 @@ def compiled_regions(model: nn.Module) -> tuple[nn.Module, list[Region]]:
     return (regions[0].module if whole else model), regions
 
 
+class RecompileLimits(logging.Handler):
+    """Dynamo's warnings, while attached to its logger (``attach``/``detach``), that a function hit its
+    recompile limit, after which dynamo runs it eagerly: in a region, its time is then the region's own row's,
+    not its module's. ``found``: each such function (``name (file:line)``) -> the innermost module of
+    ``modules`` (a module's id -> its name) whose call ran it."""
+
+    LOGGER = "torch._dynamo.convert_frame"
+
+    def __init__(self, modules: dict[int, str]) -> None:
+        super().__init__(logging.WARNING)
+        self.modules = modules
+        self.found: dict[str, str] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if "recompile_limit" in text and (m := _FUNCTION.search(text)):
+            where = re.split(r"[\\/](?:site|dist)-packages[\\/]", m.group(2))[-1]
+            self.found.setdefault(f"{m.group(1)} ({where})", running_module(self.modules))
+
+    def attach(self) -> None:
+        logging.getLogger(self.LOGGER).addHandler(self)
+
+    def detach(self) -> None:
+        logging.getLogger(self.LOGGER).removeHandler(self)
+
+
+_FUNCTION = re.compile(r"function: '([^']+)' \(([^)]+)\)")
+
+
 class CompiledModel:
     """A model the watch drives whose regions torch.compile compiled: ``open`` makes each run eagerly for
     the FLOP step (a submodule's ``torch.compile(module)`` swapped in its parent for the module it wraps),
@@ -187,6 +218,7 @@ class CompiledModel:
         self.kernels: list[KernelMap] = []
         self._set: list[tuple[dict, str, Any]] = []  # (a dict, its key, what it held) for ``restore``
         self._breaks = _graph_breaks()
+        self.limits = RecompileLimits({})  # watching from ``mapped`` until ``restore``
         self._session: Session | None = None
         self._last: profile | None = None  # the last profiled step's, until it is kept or the next starts
         self.step_times: list[pd.DataFrame] = []  # KernelMap.times of each timed step
@@ -238,6 +270,8 @@ class CompiledModel:
         stack, and would not compile under saved-tensor hooks)."""
         # Their kernel maps name the modules as the model, opened, now does
         self.kernels = [KernelMap(region.settings.options, self.eager) for region in self.regions]
+        self.limits.modules = self.kernels[0].modules
+        self.limits.attach()
         for region, kernels in zip(self.regions, self.kernels, strict=True):
             kernels.options.pop("triton.cudagraphs", None)
             settings = region.settings
@@ -256,6 +290,7 @@ class CompiledModel:
 
     def restore(self) -> None:
         """The model as the user made it: everything ``open`` and ``mapped`` set put back, last first."""
+        self.limits.detach()
         while self._set:
             where, key, held = self._set.pop()
             if held is _MISSING:
@@ -299,6 +334,15 @@ class CompiledModel:
                 breaks[(reason.splitlines() or [""])[0]] += n - self._breaks.get(reason, 0)
         return dict(breaks.most_common())
 
+    def recompile_limited(self) -> dict[str, list[str]]:
+        """Each region (its name) -> the functions dynamo ran eagerly in its call after their recompile limit,
+        each with the module whose call ran it (their time is the region's own row's)."""
+        out: dict[str, list[str]] = {}
+        for function, module in self.limits.found.items():
+            region = next((r for r in reversed(self.names) if under(module, r)), ROOT)
+            out.setdefault(region, []).append(f"{function} in {module}")
+        return out
+
     def summary(self, kept: list[int], names: list[str]) -> dict[str, Any]:
         """What the printout and env.json say of the compiled run: the regions, graphs, breaks, compile time,
         and per step and phase over the ``kept`` timed steps (the middle half the table averages) the kernels'
@@ -325,6 +369,7 @@ class CompiledModel:
             "forward_graphs": phases.count(FORWARD),
             "backward_graphs": phases.count(BACKWARD),
             "graph_breaks": self.graph_breaks(),
+            "recompile_limited": self.recompile_limited(),
             "compile_steps": len(self.compile_ms),
             "compile_s": sum(self.compile_ms) / 1e3,
             **{name: ms / steps for name, ms in totals.items()},

@@ -174,6 +174,11 @@ def _compiled_said(s: dict[str, Any]) -> str:
             "of the graphs' other events (allocations, views) stay in "
             + ("(model)" if regions == [ROOT] else "the compiled modules' own rows")
         )
+    for region, functions in (s.get("recompile_limited") or {}).items():
+        said += (
+            f"; dynamo hit its recompile limit for {', '.join(functions)}, and ran it eagerly from then on: "
+            f"its time is in {region}'s own row, not its module's"
+        )
     if s.get("cudagraphs_off"):
         said += "; CUDA graphs were off while watched (a graph's replay hides each kernel in it)"
     return said + ". FLOPs are the eager step's; flags time each module alone, eagerly."

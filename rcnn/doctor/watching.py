@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from rcnn.doctor.attribution import ModuleTimer
-from rcnn.doctor.columns import COMPILED, compiled_against_eager
+from rcnn.doctor.columns import COMPILED, EAGER_AFTER_LIMIT, compiled_against_eager
 from rcnn.doctor.compiled import CompiledModel, compiled_tables, kernel_tables
 from rcnn.doctor.files import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
 from rcnn.doctor.remedies import remedy_for
@@ -464,6 +464,10 @@ class Watch:
             },
         )
         if self._compiled is not None:
+            limited = compiled_said["recompile_limited"]
+            for region, functions in limited.items():  # said in the row that holds their time
+                said = f"{EAGER_AFTER_LIMIT} {', '.join(functions)}"
+                words[region] = f"{said}; {words[region]}" if words.get(region) else said
             diagnosis.modules[COMPILED] = diagnosis.modules["module"].map(words).fillna("")
         env = {
             "fingerprint": fingerprint(self.device),

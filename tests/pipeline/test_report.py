@@ -317,9 +317,15 @@ def test_the_compile_section_says_which_modules_compiling_did_not_speed_up():
     assert "**conv** (bs 2), the box head compiled: the modules" in text
     assert "no module: in the compiled box head modules' own rows, not a speed-up" in text
     assert text.index("the box head compiled:") < text.index("compiled whole:")
-    assert (
-        text.count("`(model)`: 6.0 ms eager") == 1
-    )  # the model's row is the compiled call's only compiled whole
+    assert text.count("`(model)`: 6.0 ms eager") == 1  # the compiled call's row only compiled whole
+    # Code dynamo ran eagerly after its recompile limit: said where its time went
+    limited = (
+        "run eagerly after dynamo's recompile limit: roi_align (torchvision/ops/roi_align.py:203) in pool"
+    )
+    noted = modules.assign(compiled="")
+    noted.loc[(noted["module"] == "(model)") & (noted["compile"] == "model"), "compiled"] = limited
+    text = "\n".join(compile_module_lines(noted))
+    assert f"`(model)` holds code dynamo ran eagerly, not its modules' ({limited})." in text
 
 
 def test_the_sweep_time_section_reads_the_summary():

@@ -396,3 +396,31 @@ def test_a_kernels_module_is_named_as_the_model_names_it():
     assert named("body.conv1", names) == "backbone.body.conv1"  # a frame of backbone, placed by its suffix
     assert named("conv1", names) == "backbone.body.conv1"
     assert named("nowhere", names) == "nowhere" and named(ROOT, names) == ROOT
+
+
+def test_a_function_dynamo_stops_compiling_at_its_recompile_limit_is_named_with_the_module_that_ran_it():
+    import logging
+
+    from rcnn.doctor.compiled import RecompileLimits
+
+    model = Detectorish()
+    limits = RecompileLimits({id(module): name for name, module in model.named_modules()})
+    limits.attach()
+    try:
+
+        class Warns(nn.Module):  # dynamo's warning, logged while the pooling's call runs
+            def forward(self):
+                logging.getLogger(RecompileLimits.LOGGER).warning(
+                    "torch._dynamo hit config.%s (%s)\n   function: %s\n   last reason: ...",
+                    "recompile_limit",
+                    8,
+                    "'roi_align' (/venv/lib/python3.11/site-packages/torchvision/ops/roi_align.py:203)",
+                )
+
+        model.pool.forward = Warns().forward
+        model.pool()
+        logging.getLogger(RecompileLimits.LOGGER).warning("another warning")
+    finally:
+        limits.detach()
+    assert limits.found == {"roi_align (torchvision/ops/roi_align.py:203)": "pool"}
+    assert limits not in logging.getLogger(RecompileLimits.LOGGER).handlers
