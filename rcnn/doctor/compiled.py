@@ -378,13 +378,19 @@ class CompiledModel:
 
 
 def eager_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` with nothing compiled: each region as the module the user compiled."""
+    """A copy of ``model`` with nothing compiled: each region as the module the user compiled (a compiled
+    ``forward`` replaced by its class's)."""
     compiled = CompiledModel(model)
     compiled.open()
     try:
-        return copy.deepcopy(compiled.eager)
+        copied = copy.deepcopy(compiled.eager)
     finally:
         compiled.restore()
+    modules = {name or ROOT: module for name, module in copied.named_modules()}
+    for region in compiled.regions:
+        if region.kind == "forward":  # what it compiled may call the original module's: its class's forward
+            modules[region.name].__dict__.pop("forward", None)
+    return copied
 
 
 def _graph_breaks() -> dict[str, int]:

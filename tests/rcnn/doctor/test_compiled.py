@@ -254,6 +254,7 @@ def test_the_compiled_regions_of_a_model_are_found_as_the_user_wrote_them_and_no
     assert region.settings.dynamic is False
     copied = eager_copy(model)  # --eager-too's: nothing of it compiled, the original as it was
     assert compiled_regions(copied)[1] == [] and type(copied.box_head) is ConvHead
+    assert "forward" not in copied.cls.__dict__  # its class's: not a function calling the original's
     assert model.box_head is wrapped and model.cls.forward is forward
     assert all(torch.equal(a, b) for a, b in zip(copied.parameters(), model.parameters(), strict=True))
 
