@@ -724,13 +724,18 @@ def compile_module_lines(modules: pd.DataFrame) -> list[str]:
             if {"off", target} <= set(compiles):
                 both = compiled_against_eager(group[compiles == "off"], group[compiles == target])
                 title = f"**{head}** ({label or 'as set'}), {how}"
-                lines = _compiled_module_lines(both, title, rest_row, whole=target == "model")
                 said = group.loc[compiles == target].reindex(columns=["module", COMPILED]).dropna()
-                for row in said[said[COMPILED].astype(str).str.startswith(EAGER_AFTER_LIMIT)].itertuples():
-                    lines[-2] += (  # the words after the table: where the eagerly run code's time went
-                        f" `{row.module}` holds code dynamo ran eagerly, not its modules' "
-                        f"({str(getattr(row, COMPILED)).split(';')[0]})."
-                    )
+                limited = [  # (the row holding the eagerly run code's time, what the doctor said of it)
+                    (row.module, str(getattr(row, COMPILED)).split(";")[0])
+                    for row in said.itertuples()
+                    if str(getattr(row, COMPILED)).startswith(EAGER_AFTER_LIMIT)
+                ]
+                part_eager = {m for _, text in limited for m in re.findall(r" in ([\w.]+)", text)}
+                lines = _compiled_module_lines(
+                    both, title, rest_row, whole=target == "model", part_eager=part_eager
+                )
+                for module, text in limited:  # the words after the table: where that code's time went
+                    lines[-2] += f" `{module}` holds code dynamo ran eagerly, not its modules' ({text})."
                 out += lines
     if not out:
         return none
@@ -745,15 +750,20 @@ def compile_module_lines(modules: pd.DataFrame) -> list[str]:
     ]
 
 
-def _compiled_module_lines(both: pd.DataFrame, title: str, rest_row: str, *, whole: bool) -> list[str]:
+def _compiled_module_lines(
+    both: pd.DataFrame, title: str, rest_row: str, *, whole: bool, part_eager: set[str] = frozenset()
+) -> list[str]:
     """One setting's modules eager against compiled (``compiled_against_eager``'s table), under ``title``;
     ``rest_row``: where the work of a module given no compiled kernel went; ``whole``: the model compiled
-    whole, its ``(model)`` row then the compiled call's own."""
+    whole, its ``(model)`` row then the compiled call's own; ``part_eager``: modules whose call ran code
+    dynamo ran eagerly after its recompile limit, timed in ``rest_row``: their compiled time is not their
+    whole, so neither a speed-up nor a slow-down, and marked so in the table."""
     eager_total = both["eager_backward_ms"].sum()
     shown = both[both["eager_backward_ms"] >= SHARE_SHOWN * eager_total]
-    own = shown[~shown["module"].isin([ROOT, OUTSIDE])]
+    own = shown[~shown["module"].isin([ROOT, OUTSIDE, *part_eager])]
     given_none = own[~(own["compiled_backward_ms"] > 0)]  # no kernel of its own (or no row): NaN or 0
     slow = own[own["backward_ratio"] >= NOT_SPED_UP]
+    unfair = sorted(set(shown["module"]) & set(part_eager))
     root = both.set_index("module").loc[ROOT] if whole and ROOT in set(both["module"]) else None
 
     def listed(rows: pd.DataFrame) -> str:
@@ -769,6 +779,11 @@ def _compiled_module_lines(both: pd.DataFrame, title: str, rest_row: str, *, who
         else f"Each module shown with compiled kernels of its own was sped up (compiled / eager under "
         f"{NOT_SPED_UP})."
     ]
+    if unfair:
+        words.append(
+            f"Not comparable: {', '.join(unfair)} (part of its work ran eagerly after dynamo's recompile "
+            f"limit and is timed in {rest_row}: its compiled time is not its whole)."
+        )
     if len(given_none):
         words.append(
             f"Given no compiled kernel: {', '.join(given_none['module'])} (their work ran in code between "
@@ -779,10 +794,11 @@ def _compiled_module_lines(both: pd.DataFrame, title: str, rest_row: str, *, who
             f"`(model)`: {root['eager_backward_ms']:.1f} ms eager, {root['compiled_backward_ms']:.1f} ms "
             "compiled."
         )
+    marked = shown["module"].where(~shown["module"].isin(part_eager), shown["module"] + " (part eager)")
     return [
         f"{title}: the modules with {SHARE_SHOWN:.0%} of the eager backward or more",
         "",
-        shown[["module", "eager_backward_ms", "compiled_backward_ms", "backward_ratio"]]
+        shown.assign(module=marked)[["module", "eager_backward_ms", "compiled_backward_ms", "backward_ratio"]]
         .round(3)
         .to_markdown(index=False, missingval=""),
         "",

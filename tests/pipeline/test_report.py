@@ -320,12 +320,17 @@ def test_the_compile_section_says_which_modules_compiling_did_not_speed_up():
     assert text.count("`(model)`: 6.0 ms eager") == 1  # the compiled call's row only compiled whole
     # Code dynamo ran eagerly after its recompile limit: said where its time went
     limited = (
-        "run eagerly after dynamo's recompile limit: roi_align (torchvision/ops/roi_align.py:203) in pool"
+        "run eagerly after dynamo's recompile limit: roi_align (torchvision/ops/roi_align.py:203) in "
+        "roi_heads.box_roi_pool"
     )
     noted = modules.assign(compiled="")
     noted.loc[(noted["module"] == "(model)") & (noted["compile"] == "model"), "compiled"] = limited
     text = "\n".join(compile_module_lines(noted))
     assert f"`(model)` holds code dynamo ran eagerly, not its modules' ({limited})." in text
+    # ... and the module whose call ran it is marked, neither sped up nor given no kernel: not comparable
+    assert "| roi_heads.box_roi_pool (part eager) |" in text.replace("  ", " ")
+    assert "Not comparable: roi_heads.box_roi_pool (part of its work ran eagerly" in text
+    assert "Given no compiled kernel: roi_heads.box_roi_pool" not in text
 
 
 def test_the_sweep_time_section_reads_the_summary():
