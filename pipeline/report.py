@@ -14,6 +14,7 @@ import html
 import re
 import sys
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -708,7 +709,8 @@ def compile_module_lines(modules: pd.DataFrame) -> list[str]:
     ``model``, each where profiled): each module with SHARE_SHOWN of the eager backward or more, its own
     backward eager and compiled (rcnn.doctor.columns.compiled_against_eager); which of them compiling did not
     speed up, and which were given no compiled kernel (their work then counted in the compiled call's own
-    row: not a speed-up)."""
+    row: not a speed-up); a module whose call ran code dynamo ran eagerly after its recompile limit (the
+    doctor's EAGER_AFTER_LIMIT words) marked part eager, neither."""
     none = [
         "No module table of a compiled detector: profile_at needs a setting with compile head or model (and "
         "the same one with compile off) to show which modules compiling sped up.",
@@ -730,7 +732,8 @@ def compile_module_lines(modules: pd.DataFrame) -> list[str]:
                     for row in said.itertuples()
                     if str(getattr(row, COMPILED)).startswith(EAGER_AFTER_LIMIT)
                 ]
-                part_eager = {m for _, text in limited for m in re.findall(r" in ([\w.]+)", text)}
+                # each "name (file:line) in module": the file ends at its first ")" (rcnn.doctor.compiled)
+                part_eager = {m for _, text in limited for m in re.findall(r":\d+\) in ([^\s,;]+)", text)}
                 lines = _compiled_module_lines(
                     both, title, rest_row, whole=target == "model", part_eager=part_eager
                 )
@@ -751,7 +754,7 @@ def compile_module_lines(modules: pd.DataFrame) -> list[str]:
 
 
 def _compiled_module_lines(
-    both: pd.DataFrame, title: str, rest_row: str, *, whole: bool, part_eager: set[str] = frozenset()
+    both: pd.DataFrame, title: str, rest_row: str, *, whole: bool, part_eager: AbstractSet[str] = frozenset()
 ) -> list[str]:
     """One setting's modules eager against compiled (``compiled_against_eager``'s table), under ``title``;
     ``rest_row``: where the work of a module given no compiled kernel went; ``whole``: the model compiled
@@ -781,8 +784,9 @@ def _compiled_module_lines(
     ]
     if unfair:
         words.append(
-            f"Not comparable: {', '.join(unfair)} (part of its work ran eagerly after dynamo's recompile "
-            f"limit and is timed in {rest_row}: its compiled time is not its whole)."
+            f"Not comparable: {', '.join(unfair)} (part eager: code their calls ran, which dynamo ran "
+            f"eagerly after its recompile limit, is timed in {rest_row}, so their compiled time is not their "
+            "whole)."
         )
     if len(given_none):
         words.append(

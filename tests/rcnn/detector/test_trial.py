@@ -323,7 +323,7 @@ def test_cli_reports_what_compiling_cost(capsys, slow_compiler):
     )
 
 
-USERS_MODEL = "tests.fixtures.models:pooled"  # a plain classifier with a 3x3 conv stem
+USERS_MODEL = "tests.fixtures.models:pooled"  # a plain classifier with a 1x1 conv stem
 
 # every numeric and choice option refuses a bad value with one line naming it and what is allowed
 BAD_OPTIONS = [
