@@ -15,7 +15,8 @@ ratio the paired median ratio with its bootstrap 95% CI (rcnn.measure.stats.medi
 detector compiles on its own: four compiles, minutes each on a CPU.
 
 Run by hand, from the project folder: .venv/bin/python -m benchmarks.compiled_check [--image-size 256]
-[--checks 23] (the overhead checks alone: one compile fewer, and no eager watch)
+[--checks 23] (the overhead checks alone: one compile fewer, and no eager watch) [--compile head] (the
+detector's box head compiled alone, as the doctor's --compile head does: a model compiled in part)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch import nn
 
 from benchmarks.watch_check import print_overheads
 from rcnn.cli import Parser, run_command
+from rcnn.doctor import command
 from rcnn.doctor.columns import OUTSIDE, ROOT
 from rcnn.doctor.steps import StepFinder
 from rcnn.doctor.watching import watch
@@ -45,6 +47,7 @@ from rcnn.rules import Rule, ValueNotAllowed
 
 TOP = 10
 CHECKS = Rule(choices=["123", "1", "23"])
+COMPILE = Rule(choices=["model", "head"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=Rule(minimum=3).arg(int), default=8, help="steps each watch times")
     parser.add_argument(
         "--checks", type=CHECKS.arg(), metavar=CHECKS.metavar, default="123", help="which checks to run"
+    )
+    parser.add_argument(
+        "--compile",
+        type=COMPILE.arg(),
+        metavar=COMPILE.metavar,
+        default="model",
+        help="what is compiled, as the doctor's --compile: the model whole, or a detector's box head alone",
     )
     args = parser.parse_args(argv)
     return run_command(lambda: _run(args))
@@ -91,17 +101,29 @@ def _run(args: argparse.Namespace) -> int:
     if reason := compile_unavailable(device):
         raise ValueNotAllowed("--device", f"{device.type}: {reason}")
     workload = build_workload(args.model, batch_size=2, image_size=args.image_size, device=device)
-    print(f"{args.model} on {device}, batch 2, {args.image_size} px, {args.rounds} rounds")
+    command.compiled(
+        copy.deepcopy(workload.model), args.compile, args.model, otherwise="model"
+    )  # no head: refused
+    print(
+        f"{args.model} on {device}, batch 2, {args.image_size} px, {args.rounds} rounds, compiled: "
+        f"{args.compile}"
+    )
+
+    def compiled_copy() -> nn.Module:
+        return command.compiled(copy.deepcopy(workload.model), args.compile, args.model)
+
     if "1" in args.checks:
-        by_module(workload, device, args.steps)
+        by_module(workload, device, args.steps, compiled_copy)
     if "2" in args.checks:
-        overheads(workload, device, args)
+        overheads(workload, device, args, compiled_copy)
     return 0
 
 
-def by_module(workload: Workload, device: torch.device, steps_each: int) -> None:
+def by_module(
+    workload: Workload, device: torch.device, steps_each: int, compiled_copy: Callable[[], nn.Module]
+) -> None:
     """Check 1: eager against compiled, each under its watch, in turn in one loop."""
-    eager, compiled = copy.deepcopy(workload.model), torch.compile(copy.deepcopy(workload.model))
+    eager, compiled = copy.deepcopy(workload.model), compiled_copy()
     steps = [loop_step(workload, m, device) for m in (eager, compiled)]
     policy = TimingPolicy(warmup=2, max_warmup=4)
     with (
@@ -123,22 +145,29 @@ def by_module(workload: Workload, device: torch.device, steps_each: int) -> None
     top = both[~both["module"].isin([ROOT, OUTSIDE])].head(TOP)
     shown = ["module", "eager_backward_ms", "compiled_backward_ms", "backward_ratio"]
     print(top[shown].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
-    model = both.set_index("module").loc[ROOT]
+    rows = both.set_index("module")
     print(
-        f"(model): eager {model['eager_backward_ms']:.1f} ms, compiled "
-        f"{model['compiled_backward_ms']:.1f} ms (the compiled call's own cost, and code run eagerly "
-        "between graphs); the kernels given to modules "
+        ", ".join(
+            f"{region}: eager {rows.loc[region, 'eager_backward_ms']:.1f} ms, compiled "
+            f"{rows.loc[region, 'compiled_backward_ms']:.1f} ms"
+            for region in summary["compiled_modules"]
+        )
+        + " (each compiled call's own cost, and code run eagerly between graphs); the kernels given to "
+        "modules "
         f"{summary['backward_module_kernels_ms']:.1f} of {summary['backward_kernels_ms']:.1f} ms a step; the "
         f"compiled rows add up to {by_compiled.table()['backward_ms'].sum():.1f} ms, the step's backward "
         f"{summary['backward_ms']:.1f} ms"
     )
 
 
-def overheads(workload: Workload, device: torch.device, args: argparse.Namespace) -> None:
+def overheads(
+    workload: Workload,
+    device: torch.device,
+    args: argparse.Namespace,
+    compiled_copy: Callable[[], nn.Module],
+) -> None:
     """Checks 2 and 3: compiled and never watched, watched (every step timed), detached; in turn."""
-    variants = {
-        name: torch.compile(copy.deepcopy(workload.model)) for name in ("plain", "watched", "detached")
-    }
+    variants = {name: compiled_copy() for name in ("plain", "watched", "detached")}
     # The watched one's watch stays on while all three step in turn: the others step outside its function mode
     steps = {
         name: loop_step(workload, m, device, unwatched=name != "watched") for name, m in variants.items()

@@ -343,11 +343,11 @@ def _run(args: argparse.Namespace) -> None:
         print(f"MLflow run {run}")
 
 
-def compiled(model: nn.Module, choice: str, spec: str) -> nn.Module:
+def compiled(model: nn.Module, choice: str, spec: str, *, otherwise: str = "off, model") -> nn.Module:
     """``model`` as --compile ``choice`` compiles it, as a user would (rcnn.doctor.compiled times it):
     ``torch.compile(model)``, or the forward of each module of a detector's box head (BOX_HEAD) compiled, as
     the sweep's knob compile ``head`` does; ValueNotAllowed for ``head`` where the model (``spec``) has no
-    such modules."""
+    such modules, naming ``otherwise`` as allowed."""
     if choice == "model":
         return torch.compile(model)
     if choice == "head":
@@ -356,7 +356,7 @@ def compiled(model: nn.Module, choice: str, spec: str) -> nn.Module:
             raise ValueNotAllowed(
                 "--compile",
                 f"head compiles a detector's box head ({', '.join(BOX_HEAD)}), and {spec} has no "
-                f"{missing[0]}; allowed: off, model",
+                f"{missing[0]}; allowed: {otherwise}",
             )
         compile_forward(*(modules[name] for name in BOX_HEAD))
     return model
