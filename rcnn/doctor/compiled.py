@@ -40,6 +40,7 @@ from rcnn.measure.profiler import KERNEL, Session, Spent, chrome_trace
 from rcnn.rules import ValueNotAllowed
 
 SHOWN_KERNELS = 3  # per module and phase in the ``compiled`` column
+UNREAD_MOST = 32  # timed steps' profiles held before their kernels are read (CompiledModel.keep_step)
 _MISSING = object()
 
 
@@ -221,8 +222,9 @@ class CompiledModel:
         self.limits = RecompileLimits({})  # watching from ``mapped`` until ``restore``
         self._session: Session | None = None
         self._last: profile | None = None  # the last profiled step's, until it is kept or the next starts
-        self.step_times: list[pd.DataFrame] = []  # KernelMap.times of each timed step
-        self.trace: str | None = None  # the first timed step's
+        self._step_times: list[pd.DataFrame] = []  # KernelMap.times of each timed step read so far
+        self._unread: list[profile] = []  # the timed steps' stopped profiles whose kernels are not read yet
+        self._trace: str | None = None  # the first timed step's
         self.compile_ms: list[float] = []  # the steps that compiled: their forward + backward ms each
 
     @property
@@ -309,21 +311,42 @@ class CompiledModel:
             self._last = session.stop()
 
     def keep_step(self) -> None:
-        """The step just profiled is a timed one: its kernels' times (KernelMap.times) to ``step_times``, and
-        the first one's trace."""
+        """The step just profiled is a timed one: kept, its kernels read when ``step_times`` or ``trace`` is
+        asked for, or once UNREAD_MOST steps wait (reading a step's events takes a tenth of a detector's step
+        on a CPU: done between the watched steps, it would slow them)."""
         profiler, self._last = self._last, None
         if profiler is None:
             raise RuntimeError("a timed step of a compiled model ran without its profile")
-        events = profiler.events()
-        self.step_times.append(
-            pd.concat([kernels.times(events) for kernels in self.kernels], ignore_index=True)
-        )
-        if self.trace is None:
-            self.trace = chrome_trace(profiler)
+        self._unread.append(profiler)
+        if len(self._unread) >= UNREAD_MOST:
+            self._read()
+
+    def _read(self) -> None:
+        for profiler in self._unread:
+            events = profiler.events()
+            self._step_times.append(
+                pd.concat([kernels.times(events) for kernels in self.kernels], ignore_index=True)
+            )
+            if self._trace is None:
+                self._trace = chrome_trace(profiler)
+        self._unread.clear()
+
+    @property
+    def step_times(self) -> list[pd.DataFrame]:
+        """Each timed step's kernels' times (KernelMap.times), in order."""
+        self._read()
+        return self._step_times
+
+    @property
+    def trace(self) -> str | None:
+        """The first timed step's torch.profiler trace (Chrome trace-event JSON), or None before one."""
+        self._read()
+        return self._trace
 
     def times(self, kept: list[int]) -> pd.DataFrame:
         """KernelMap.times of the ``kept`` timed steps together."""
-        return pd.concat([self.step_times[i] for i in kept], ignore_index=True)
+        step_times = self.step_times
+        return pd.concat([step_times[i] for i in kept], ignore_index=True)
 
     def graph_breaks(self) -> dict[str, int]:
         """Dynamo's graph breaks since the watch began (its counters are the process's: any other code

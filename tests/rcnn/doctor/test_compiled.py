@@ -425,3 +425,37 @@ def test_a_function_dynamo_stops_compiling_at_its_recompile_limit_is_named_with_
         limits.detach()
     assert limits.found == {"roi_align (torchvision/ops/roi_align.py:203)": "pool"}
     assert limits not in logging.getLogger(RecompileLimits.LOGGER).handlers
+
+
+def test_a_timed_steps_kernels_are_read_after_the_watched_steps_or_once_enough_wait(monkeypatch, tmp_path):
+    """Reading a step's profiler events costs a tenth of a detector's step: kept unread until asked for (or
+    UNREAD_MOST wait), then read in step order, the first step's trace with them."""
+    import rcnn.doctor.compiled as compiled_module
+
+    read = []
+
+    class Stopped:  # a stopped torch.profiler profile: its events, its trace
+        def __init__(self, step: int) -> None:
+            self.step = step
+
+        def events(self) -> int:
+            read.append(self.step)
+            return self.step
+
+        def export_chrome_trace(self, path: str) -> None:
+            with open(path, "w") as f:
+                f.write(f'{{"step": {self.step}}}')
+
+    class Kernels:  # a KernelMap: the kernels' times in a step's events
+        def times(self, events: int) -> pd.DataFrame:
+            return pd.DataFrame({"step": [events]})
+
+    monkeypatch.setattr(compiled_module, "UNREAD_MOST", 3)
+    model = compiled_module.CompiledModel(torch.compile(nn.Linear(2, 2)))
+    model.kernels = [Kernels()]
+    for step in range(4):
+        model._last = Stopped(step)
+        model.keep_step()
+        assert read == ([0, 1, 2] if step >= 2 else [])  # read when three waited, not at each step
+    assert [t["step"].item() for t in model.step_times] == [0, 1, 2, 3] and read == [0, 1, 2, 3]
+    assert model.trace == '{"step": 0}'
