@@ -34,7 +34,7 @@ from torch import nn
 from benchmarks.watch_check import print_overheads
 from rcnn.cli import Parser, run_command
 from rcnn.doctor import command
-from rcnn.doctor.columns import OUTSIDE, ROOT
+from rcnn.doctor.columns import OUTSIDE, ROOT, under
 from rcnn.doctor.steps import StepFinder
 from rcnn.doctor.watching import watch
 from rcnn.doctor.workloads import Workload, build_workload
@@ -142,7 +142,11 @@ def by_module(
         f"compiled {summary['backward_ms']:.1f} ms"
     )
     both = by_compiled.compare(by_eager)
-    top = both[~both["module"].isin([ROOT, OUTSIDE])].head(TOP)
+    regions = summary["compiled_modules"]
+    top = both[~both["module"].isin([ROOT, OUTSIDE])]
+    if regions != [ROOT]:  # compiled in part: the modules compiled, not the eager ones around them
+        top = top[[any(under(m, r) for r in regions) for m in top["module"]]]
+    top = top.head(TOP)
     shown = ["module", "eager_backward_ms", "compiled_backward_ms", "backward_ratio"]
     print(top[shown].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     rows = both.set_index("module")
@@ -150,12 +154,13 @@ def by_module(
         ", ".join(
             f"{region}: eager {rows.loc[region, 'eager_backward_ms']:.1f} ms, compiled "
             f"{rows.loc[region, 'compiled_backward_ms']:.1f} ms"
-            for region in summary["compiled_modules"]
+            for region in regions
         )
         + " (each compiled call's own cost, and code run eagerly between graphs); the kernels given to "
         "modules "
-        f"{summary['backward_module_kernels_ms']:.1f} of {summary['backward_kernels_ms']:.1f} ms a step; the "
-        f"compiled rows add up to {by_compiled.table()['backward_ms'].sum():.1f} ms, the step's backward "
+        f"{summary['backward_module_kernels_ms']:.1f} of {summary['backward_kernels_ms']:.1f} ms a step; "
+        f"the compiled table's rows add up to {by_compiled.table()['backward_ms'].sum():.1f} ms, the step's "
+        "backward "
         f"{summary['backward_ms']:.1f} ms"
     )
 

@@ -322,14 +322,14 @@ class CompiledModel:
             self._read()
 
     def _read(self) -> None:
-        for profiler in self._unread:
-            events = profiler.events()
+        while self._unread:  # one at a time: a read that raises leaves no step counted twice
+            events = self._unread[0].events()
             self._step_times.append(
                 pd.concat([kernels.times(events) for kernels in self.kernels], ignore_index=True)
             )
             if self._trace is None:
-                self._trace = chrome_trace(profiler)
-        self._unread.clear()
+                self._trace = chrome_trace(self._unread[0])
+            self._unread.pop(0)
 
     @property
     def step_times(self) -> list[pd.DataFrame]:
