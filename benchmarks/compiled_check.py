@@ -101,17 +101,15 @@ def _run(args: argparse.Namespace) -> int:
     if reason := compile_unavailable(device):
         raise ValueNotAllowed("--device", f"{device.type}: {reason}")
     workload = build_workload(args.model, batch_size=2, image_size=args.image_size, device=device)
-    command.compiled(
-        copy.deepcopy(workload.model), args.compile, args.model, otherwise="model"
-    )  # no head: refused
+
+    def compiled_copy() -> nn.Module:
+        return command.compiled(copy.deepcopy(workload.model), args.compile, args.model, otherwise="model")
+
+    compiled_copy()  # a model without a box head is refused here, before anything runs
     print(
         f"{args.model} on {device}, batch 2, {args.image_size} px, {args.rounds} rounds, compiled: "
         f"{args.compile}"
     )
-
-    def compiled_copy() -> nn.Module:
-        return command.compiled(copy.deepcopy(workload.model), args.compile, args.model)
-
     if "1" in args.checks:
         by_module(workload, device, args.steps, compiled_copy)
     if "2" in args.checks:

@@ -74,6 +74,7 @@ from rcnn.doctor.columns import (
     OUTSIDE,
     ROOT,
     compiled_against_eager,
+    modules_ran_in,
 )
 from rcnn.doctor.pictures import icicle_html, require_plotly
 from rcnn.measure.cores import CONTENDED_BELOW
@@ -732,8 +733,7 @@ def compile_module_lines(modules: pd.DataFrame) -> list[str]:
                     for row in said.itertuples()
                     if str(getattr(row, COMPILED)).startswith(EAGER_AFTER_LIMIT)
                 ]
-                # each "name (file:line) in module": the file ends at its first ")" (rcnn.doctor.compiled)
-                part_eager = {m for _, text in limited for m in re.findall(r":\d+\) in ([^\s,;]+)", text)}
+                part_eager = set().union(*(modules_ran_in(text) for _, text in limited))
                 lines = _compiled_module_lines(
                     both, title, rest_row, whole=target == "model", part_eager=part_eager
                 )

@@ -4,6 +4,7 @@ by-module tables with these names."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import pandas as pd
@@ -45,8 +46,23 @@ MODULE_COLUMNS = (
     "backward_moved_mb",  # MiB its own backward's ops read and wrote, counted from their tensors
 )
 COMPILED = "compiled"  # a torch.compile'd model's table: each module's longest kernels per phase, ms per step
-# In a compiled region's own row's COMPILED: the functions dynamo ran eagerly after their recompile limit
+# In a compiled region's own row's COMPILED: the functions dynamo ran eagerly after their recompile limit,
+# each ``ran_in``'s words
 EAGER_AFTER_LIMIT = "run eagerly after dynamo's recompile limit:"
+
+
+def ran_in(function: str, module: str) -> str:
+    """A function dynamo ran eagerly (``name (file:line)``) with the module whose call ran it, as
+    EAGER_AFTER_LIMIT's words list it (read back by ``modules_ran_in``)."""
+    return f"{function} in {module}"
+
+
+def modules_ran_in(words: str) -> set[str]:
+    """The modules ``ran_in`` named in ``words``: each after a function's ``(file:line)``, whose file ends at
+    its first ")" (a path may hold " in " or a module's name)."""
+    return set(re.findall(r":\d+\) in ([^\s,;]+)", words))
+
+
 WHY_COLUMNS = (
     "module",
     "type",

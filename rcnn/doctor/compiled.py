@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.profiler import profile
 
-from rcnn.doctor.columns import OUTSIDE, ROOT, inside, under
+from rcnn.doctor.columns import OUTSIDE, ROOT, inside, ran_in, under
 from rcnn.doctor.kernels import BACKWARD, FORWARD, KernelMap, running_module, split
 from rcnn.measure.device import device_of
 from rcnn.measure.profiler import KERNEL, Session, Spent, chrome_trace
@@ -363,7 +363,7 @@ class CompiledModel:
         out: dict[str, list[str]] = {}
         for function, module in self.limits.found.items():
             region = next((r for r in reversed(self.names) if under(module, r)), ROOT)
-            out.setdefault(region, []).append(f"{function} in {module}")
+            out.setdefault(region, []).append(ran_in(function, module))
         return out
 
     def summary(self, kept: list[int], names: list[str]) -> dict[str, Any]:

@@ -8,7 +8,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rcnn.doctor.columns import OUTSIDE, ROOT, compiled_against_eager
+from rcnn.doctor.columns import (
+    EAGER_AFTER_LIMIT,
+    OUTSIDE,
+    ROOT,
+    compiled_against_eager,
+    modules_ran_in,
+    ran_in,
+)
 from rcnn.doctor.compiled import compiled_regions, compiled_tables, eager_copy, kernel_tables, named
 from rcnn.doctor.watching import watch
 from rcnn.measure.device import compile_unavailable
@@ -459,3 +466,17 @@ def test_a_timed_steps_kernels_are_read_after_the_watched_steps_or_once_enough_w
         assert read == ([0, 1, 2] if step >= 2 else [])  # read when three waited, not at each step
     assert [t["step"].item() for t in model.step_times] == [0, 1, 2, 3] and read == [0, 1, 2, 3]
     assert model.trace == '{"step": 0}'
+
+
+def test_the_modules_a_recompile_limited_function_ran_in_are_read_back_from_its_words():
+    """ran_in's words give back their modules, whatever the file's path holds (" in ", a module's name)."""
+    words = ", ".join(
+        [
+            ran_in("roi_align (torchvision/ops/roi_align.py:203)", "roi_heads.box_roi_pool"),
+            ran_in("forward (/home/me/work in backbone.body/m (v2).py:12)", "heads.0.conv"),
+        ]
+    )
+    assert modules_ran_in(f"{EAGER_AFTER_LIMIT} {words}; forward: mm 1.0 ms") == {
+        "roi_heads.box_roi_pool",
+        "heads.0.conv",
+    }
