@@ -154,8 +154,8 @@ def by_module(
             f"{rows.loc[region, 'compiled_backward_ms']:.1f} ms"
             for region in regions
         )
-        + " (each compiled call's own cost, and code run eagerly between graphs); the kernels given to "
-        "modules "
+        + " (each compiled call's own cost, and eager code no module could be named for); the kernels and "
+        "eager ops given to modules "
         f"{summary['backward_module_kernels_ms']:.1f} of {summary['backward_kernels_ms']:.1f} ms a step; "
         f"the compiled table's rows add up to {by_compiled.table()['backward_ms'].sum():.1f} ms, the step's "
         "backward "

@@ -746,8 +746,9 @@ def compile_module_lines(modules: pd.DataFrame) -> list[str]:
         "By module, eager against compiled (the doctor's tables at the profiled settings, "
         "`sweep.profile_steps` steps each: no CI): each module's own backward, its compiled kernels given to "
         "the modules whose nodes they compute (a kernel fused across modules split by bytes); a compiled "
-        "module's own row (`(model)` compiled whole) also holds dynamo's guards and code run eagerly between "
-        "graphs.",
+        "module's own row (`(model)` compiled whole) also holds dynamo's guards and the graphs' calls; an op "
+        "run eagerly between graphs is the module's whose call ran it (`(eager)` in the doctor's compiled "
+        "column) where the doctor could name one, else that row's.",
         "",
         *out,
     ]

@@ -8,10 +8,11 @@ module's inputs as for an eager model. Then the watch compiles each region's for
 KernelMap (Inductor as the user asked for it, its ``mode`` and ``options`` included, with provenance tracking
 on and its caches off), warms up, and profiles the timed steps with torch.profiler. The region's own call
 stays eager (its module's hooks time it, as any module's); a module inside it gets its kernels' time (a
-kernel fused across modules split by its nodes' output bytes); the region's own row keeps the rest of its
-call (dynamo's guards, the graphs' own calls, code run eagerly between graphs, kernels no module's nodes
-account for). Where the block ends, the model is put back as the user made it: each region's compiled code
-where it was.
+kernel fused across modules split by its nodes' output bytes), and the time of the ops that compiled code
+ran eagerly between graphs in a frame of its call, with their backward nodes (rcnn.doctor.kernels.eager_ops);
+the region's own row keeps the rest of its call (dynamo's guards, the graphs' own calls, eager code no module
+could be named for, kernels no module's nodes account for). Where the block ends, the model is put back as
+the user made it: each region's compiled code where it was.
 
 Inductor alone names the modules its kernels compute; on CUDA the kernels are Triton's and their times the
 device's (that path is not verified on a GPU here).
@@ -34,7 +35,7 @@ from torch import nn
 from torch.profiler import profile
 
 from rcnn.doctor.columns import OUTSIDE, ROOT, inside, ran_in, under
-from rcnn.doctor.kernels import BACKWARD, FORWARD, KernelMap, running_module, split
+from rcnn.doctor.kernels import BACKWARD, EAGER, FORWARD, KernelMap, running_module, split
 from rcnn.measure.device import device_of
 from rcnn.measure.profiler import KERNEL, Session, Spent, chrome_trace
 from rcnn.rules import ValueNotAllowed
@@ -177,9 +178,10 @@ def compiled_regions(model: nn.Module) -> tuple[nn.Module, list[Region]]:
 
 class RecompileLimits(logging.Handler):
     """Dynamo's warnings, while attached to its logger (``attach``/``detach``), that a function hit its
-    recompile limit, after which dynamo runs it eagerly: in a region, its time is then the region's own row's,
-    not its module's. ``found``: each such function (``name (file:line)``) -> the innermost module of
-    ``modules`` (a module's id -> its name) whose call ran it."""
+    recompile limit, after which dynamo runs it eagerly: its ops are then its module's where
+    rcnn.doctor.kernels.eager_ops places them, else in its region's own row. ``found``: each such function
+    (``name (file:line)``) -> the innermost module of ``modules`` (a module's id -> its name) whose call ran
+    it."""
 
     LOGGER = "torch._dynamo.convert_frame"
 
@@ -357,34 +359,44 @@ class CompiledModel:
                 breaks[(reason.splitlines() or [""])[0]] += n - self._breaks.get(reason, 0)
         return dict(breaks.most_common())
 
-    def recompile_limited(self) -> dict[str, list[str]]:
-        """Each region (its name) -> the functions dynamo ran eagerly in its call after their recompile limit,
-        each with the module whose call ran it (their time is the region's own row's)."""
-        out: dict[str, list[str]] = {}
+    def recompile_limited(self, credited: set[str]) -> tuple[dict[str, list[str]], list[str]]:
+        """The functions dynamo ran eagerly in a region's call after their recompile limit, each with the
+        module whose call ran it (``ran_in``): by region (its name), those whose time is the region's own
+        row's; apart, those run in a module of ``credited`` (given the ops its call ran eagerly)."""
+        kept: dict[str, list[str]] = {}
+        given = []
         for function, module in self.limits.found.items():
+            if module in credited:
+                given.append(ran_in(function, module))
+                continue
             region = next((r for r in reversed(self.names) if under(module, r)), ROOT)
-            out.setdefault(region, []).append(ran_in(function, module))
-        return out
+            kept.setdefault(region, []).append(ran_in(function, module))
+        return kept, given
 
     def summary(self, kept: list[int], names: list[str]) -> dict[str, Any]:
         """What the printout and env.json say of the compiled run: the regions, graphs, breaks, compile time,
         and per step and phase over the ``kept`` timed steps (the middle half the table averages) the kernels'
-        time (``<phase>_kernels_ms``: every event inside the graphs' calls) and what of it went to the modules
-        of ``names`` inside the regions (``<phase>_module_kernels_ms``; the rest is the regions' own rows');
-        of both phases
-        together, the time split between modules, of kernels without a module, and of the graphs' other
-        events."""
+        time (``<phase>_kernels_ms``: every event inside the graphs' calls and every op the compiled frames
+        ran eagerly, rcnn.doctor.kernels.eager_ops), what of it went to the modules of ``names`` inside the
+        regions (``<phase>_module_kernels_ms``; the rest is the regions' own rows') and what of that was ops
+        run eagerly (``<phase>_eager_ms``); of both phases together, the time split between modules, of
+        kernels without a module, and of the graphs' other events."""
         phases = [g.phase for kernels in self.kernels for g in kernels.graphs]
         known = set(names)
         times, steps = self.times(kept), len(kept)
         parts, totals = split(times)
+        parts["module"] = [named(module, names) for module in parts["module"]]
+        parts = parts[
+            parts["module"].map(lambda module: module in known and self.inside(module)).astype(bool)
+        ]
+        eager = parts["kernel"].str.startswith(EAGER)
         kernels = {}
         for phase in (FORWARD, BACKWARD):
-            of_phase = parts[parts["phase"] == phase]
             kernels[f"{phase}_kernels_ms"] = times.loc[times["phase"] == phase, "ms"].sum() / steps
-            modules = [named(module, names) for module in of_phase["module"]]
-            given = [module in known and self.inside(module) for module in modules]
-            kernels[f"{phase}_module_kernels_ms"] = of_phase.loc[given, "ms"].sum() / steps
+            of_phase = parts["phase"] == phase
+            kernels[f"{phase}_module_kernels_ms"] = parts.loc[of_phase, "ms"].sum() / steps
+            kernels[f"{phase}_eager_ms"] = parts.loc[of_phase & eager, "ms"].sum() / steps
+        limited, given = self.recompile_limited(set(parts.loc[eager, "module"]))
         return {
             "compiled": "inductor",
             "compiled_modules": self.names,
@@ -392,7 +404,8 @@ class CompiledModel:
             "forward_graphs": phases.count(FORWARD),
             "backward_graphs": phases.count(BACKWARD),
             "graph_breaks": self.graph_breaks(),
-            "recompile_limited": self.recompile_limited(),
+            "recompile_limited": limited,
+            "recompile_limited_given": given,
             "compile_steps": len(self.compile_ms),
             "compile_s": sum(self.compile_ms) / 1e3,
             **{name: ms / steps for name, ms in totals.items()},

@@ -7,7 +7,9 @@ or calls (``cpp_fused_*``, ``triton_*``, extern kernels such as ``aten::mm``) is
 FX nodes it computes, and each node with its module (``nn_module_stack``; in the backward graph
 ``fwd_nn_module_stack``, which AOTAutograd copies from the forward). ``KernelMap.times`` reads the
 torch.profiler events of steps run after compiling (rcnn.measure.profiler.capture): each kernel call inside
-a graph's wrapper call, forward or backward. ``by_module`` gives each module its kernels' time; a kernel
+a graph's wrapper call, forward or backward, and each op a compiled frame ran eagerly between its graphs
+(``eager_ops``: a function dynamo would not compile, or stopped compiling at its recompile limit), given to
+the module whose call ran the frame. ``by_module`` gives each module its kernels' time; a kernel
 fused across several modules is split between them by its nodes' output bytes (evenly where none has a
 size); the time so split is a total of its own.
 
@@ -45,6 +47,9 @@ _HANDLE = re.compile(r"# \[Provenance debug handles\] (\S+)")  # the wrapper's k
 _WRAPPER = re.compile(r"graph_(\d+)_inductor_wrapper_call")
 FORWARD, BACKWARD = "forward", "backward"
 UNMATCHED = "(no kernel)"  # a wrapper call's child event that is none of its graph's kernels
+EAGER = "(eager)"  # a row of an op a compiled frame ran eagerly between its graphs (or of its backward node)
+_REGION = "Torch-Compiled Region: "  # dynamo's event around each call of a frame it compiled: its compile id
+_NODE = "autograd::engine::evaluate_function: "  # autograd's event around each backward node it runs
 
 
 @dataclass(frozen=True)
@@ -243,15 +248,21 @@ class KernelMap:
         for name, module in named:
             self.kinds.setdefault(type(module), []).append(name)
         self.modules = {id(module): name for name, module in named}
+        self.frames: dict[
+            str, str
+        ] = {}  # each frame compiled through ``backend``: compile id -> Frame.running
 
     def backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
         """A torch.compile backend: Inductor under SETTINGS, each graph's kernels recorded."""
+        from torch._guards import CompileContext
         from torch._inductor import config
         from torch._inductor.compile_fx import compile_fx
 
         bases = frame_bases(gm, self.owners, self.kinds)
         # the frame's own module (its self, placed by frame_bases), else its callers' innermost
         running = bases.get("L['self']") or running_module(self.modules)
+        if (compile_id := CompileContext.current_compile_id()) is not None:
+            self.frames[str(compile_id)] = running
         inner = functools.partial(self._inner, frame=Frame(bases, running))  # the backward's too
         with config.patch(_known(config)):
             return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=self.options or None)
@@ -287,7 +298,10 @@ class KernelMap:
         """Each kernel's time in profiled steps (torch.profiler's ``events()``): one row per kernel call
         kind, columns graph, phase, kernel, calls, ms (inclusive: an extern op's work runs in its children;
         on CUDA the device's time), bytes_by_module (Kernel.bytes_by_module; empty for a child event of the
-        wrapper call that is no kernel of its graph, an allocation or a view: kernel ``UNMATCHED <name>``)."""
+        wrapper call that is no kernel of its graph, an allocation or a view: kernel ``UNMATCHED <name>``).
+        An op a frame ran eagerly (``eager_ops``) is a row of graph -1, kernel ``EAGER <op>:<module>``, all of
+        it its module's."""
+        events = list(events)
         graphs = {(g.graph_id, g.phase): g for g in self.graphs}
         rows: dict[tuple, dict] = {}
         for event in events:
@@ -309,6 +323,8 @@ class KernelMap:
                 )
                 row["calls"] += 1
                 row["ms"] += _ms(child)
+        for (module, phase, op), row in eager_ops(events, self.frames).items():
+            rows[(-1, phase, f"{EAGER} {op}:{module}")] = {"bytes_by_module": {module: 1.0}, **row}
         return pd.DataFrame(
             [
                 {"graph": g, "phase": p, "kernel": k, **row}
@@ -316,6 +332,79 @@ class KernelMap:
             ],
             columns=["graph", "phase", "kernel", "calls", "ms", "bytes_by_module"],
         )
+
+
+def eager_ops(events: list[Any], frames: dict[str, str]) -> dict[tuple[str, str, str], dict[str, float]]:
+    """The ops the compiled frames of ``frames`` (compile id -> the module whose call ran the frame) ran
+    eagerly between their graphs, with their backward nodes: (module, phase, op or node name) -> calls, ms.
+    Such an op is a direct child of its frame's call's event (``_REGION``). A backward node is that op's where
+    the op (or one it called) was the forward's last to take the node's sequence number and the node is the
+    backward of such an op by name (``MulBackward0`` of ``aten::mul``); any other stays in its region's row,
+    as do the ops of a frame that compiled no graph (its compile id is not in ``frames``)."""
+    found: dict[tuple[str, str, str], dict[str, float]] = {}
+
+    def add(key: tuple[str, str, str], event: Any) -> None:
+        row = found.setdefault(key, {"calls": 0, "ms": 0.0})
+        row["calls"] += 1
+        row["ms"] += _ms(event)
+
+    last = _last_to_take(events)
+    owners: dict[int, tuple[str, set[str]]] = {}  # sequence number -> its op's module, the ops under it
+    for region in events:
+        module = frames.get(region.name.removeprefix(_REGION)) if region.name.startswith(_REGION) else None
+        if module is None:
+            continue
+        for op in region.cpu_children:
+            if "::" not in op.name:  # dynamo's and AOTAutograd's own events, the graphs' calls
+                continue
+            add((module, FORWARD, op.name), op)
+            under = list(_subtree(op))
+            names = {event.name for event in under}
+            for event in under:
+                if event.sequence_nr >= 0 and last.get(event.sequence_nr) is event:
+                    owners[event.sequence_nr] = (module, names)
+    for node in events:
+        owner = owners.get(node.sequence_nr) if node.name.startswith(_NODE) else None
+        if owner is not None and _backward_of(name := node.name.removeprefix(_NODE), owner[1]):
+            add((owner[0], BACKWARD, name), node)
+    return found
+
+
+def _subtree(event: Any) -> Iterator[Any]:
+    yield event
+    for child in event.cpu_children:
+        yield from _subtree(child)
+
+
+def _last_to_take(events: list[Any]) -> dict[int, Any]:
+    """Each sequence number autograd handed out in the forward -> the last event to take it (the op that
+    made its backward node, or one that op called): events inside a backward node are not the forward's."""
+    last: dict[int, Any] = {}
+    for event in events:
+        if event.sequence_nr < 0:
+            continue
+        parent = event
+        while parent is not None and not parent.name.startswith(_NODE):
+            parent = parent.cpu_parent
+        held = last.get(event.sequence_nr)
+        if parent is None and (held is None or event.time_range.start >= held.time_range.start):
+            last[event.sequence_nr] = event
+    return last
+
+
+def _backward_of(node: str, ops: set[str]) -> bool:
+    """Whether autograd's node ``node`` is the backward of one of ``ops`` by its name: ``MulBackward0`` of
+    ``aten::mul``, ``ToCopyBackward0`` of ``aten::_to_copy``, ``GeneratedBackwardFor_torchvision_roi_align_
+    defaultBackward`` of ``torchvision::roi_align`` (a custom op's)."""
+    made = re.sub(r"Backward\d*$", "", node)
+    for op in ops:
+        space, _, name = op.rpartition("::")
+        if made.startswith("GeneratedBackwardFor_"):
+            if f"_{space}_{name}_" in made:
+                return True
+        elif made.lower() == name.replace("_", "").lower():
+            return True
+    return False
 
 
 def _known(config: Any) -> dict[str, Any]:

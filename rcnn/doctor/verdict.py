@@ -55,8 +55,8 @@ NOTES = {  # under the table, for the rows that are no module of the model's own
     OUTSIDE: "work no module's forward created: the loss, the optimizer, autograd's own",
 }
 COMPILED_REGION_NOTE = (
-    "the compiled call's time beyond its modules' kernels: dynamo's guards, the graphs' own calls, code run "
-    "eagerly between graphs, kernels no module's nodes account for"
+    "the compiled call's time beyond its modules' kernels and eager ops: dynamo's guards, the graphs' own "
+    "calls, eager code no module could be named for, kernels no module's nodes account for"
 )
 WRAP = 110  # the printout's width for the why rows
 AUTOGRAD_EVENTS = ("torch::autograd::", "autograd::")
@@ -173,6 +173,18 @@ def _compiled_said(s: dict[str, Any]) -> str:
             f"; {s['unattributed_ms']:.2f} ms of kernels with no provenance and {s['unmatched_ms']:.2f} ms "
             "of the graphs' other events (allocations, views) stay in "
             + ("(model)" if regions == [ROOT] else "the compiled modules' own rows")
+        )
+    eager = {phase: s.get(f"{phase}_eager_ms") or 0.0 for phase in ("forward", "backward")}
+    if any(eager.values()):
+        said += (
+            f"; {eager['forward']:.2f} ms forward and {eager['backward']:.2f} ms backward a step of ops the "
+            "compiled code ran eagerly between its graphs are the modules' whose call ran them "
+            "((eager) in their compiled column)"
+        )
+    if given := s.get("recompile_limited_given"):
+        said += (
+            f"; dynamo hit its recompile limit for {', '.join(given)}, and ran it eagerly from then on: "
+            "its ops are that module's"
         )
     for region, functions in (s.get("recompile_limited") or {}).items():
         said += (

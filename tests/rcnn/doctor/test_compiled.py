@@ -17,6 +17,7 @@ from rcnn.doctor.columns import (
     ran_in,
 )
 from rcnn.doctor.compiled import compiled_regions, compiled_tables, eager_copy, kernel_tables, named
+from rcnn.doctor.kernels import EAGER
 from rcnn.doctor.watching import watch
 from rcnn.measure.device import compile_unavailable
 from rcnn.measure.stats import TimingPolicy
@@ -121,11 +122,19 @@ def _pooled(x):
     return F.adaptive_avg_pool2d(x, 7)
 
 
+@torch._dynamo.disable
+def _eagerly_scaled(x):
+    """Run eagerly wherever it is called from, as torchvision's ``roi_align`` once dynamo hit its recompile
+    limit."""
+    return x * 2.0
+
+
 class Pool(nn.Module):
-    """A module without weights whose work is the free function's, as torchvision's MultiScaleRoIAlign."""
+    """A module without weights whose work is free functions', as torchvision's MultiScaleRoIAlign: one of
+    them run eagerly between its frame's graphs."""
 
     def forward(self, x):
-        return _pooled(x)
+        return _pooled(_eagerly_scaled(x + 1.0))
 
 
 class Detectorish(nn.Module):
@@ -185,13 +194,19 @@ def test_a_compiled_models_modules_get_their_kernels_time_and_the_rows_add_up_to
         re.search(r"graph_\d+_inductor_wrapper_call", w.diagnosis.trace)
         and "compile_fx" not in w.diagnosis.trace
     )
-    # The body's and the pooling's graph breaks split the forward (and so the backward) into four graphs
-    assert summary["backward_graphs"] == summary["forward_graphs"] == 4 and summary["graph_breaks"]
+    # The body's and the pooling's graph breaks and the pooling's eager call split the forward (and so the
+    # backward) into five graphs
+    assert summary["backward_graphs"] == summary["forward_graphs"] == 5 and summary["graph_breaks"]
     # Named as in the model whichever frame compiled them: the body's own (its module L['self']), the
     # head's and the classifier's (held on the stack over the break)
     assert table.loc[["body.0", "box_head.fc7", "cls"], "backward_ms"].gt(0).all()
     # The free function's pooling: the module that called it, both ways
     assert table.loc["pool", ["forward_ms", "backward_ms"]].gt(0).all()
+    # The op its frame ran eagerly between graphs, and that op's backward node: the pooling's too
+    said = table.loc["pool", "compiled"]
+    assert f"{EAGER} aten::mul" in said.split("backward:")[0] and f"{EAGER} MulBackward0" in said
+    for phase in ("forward", "backward"):
+        assert 0 < summary[f"{phase}_eager_ms"] <= table.loc["pool", f"{phase}_ms"]
     head = table.loc["box_head.fc6"]  # the 7x7 conv: its own row, its backward the conv's
     assert head["backward_ms"] > 0 and "convolution_backward" in head["compiled"]
     assert head["backward_gflop"] > 0 and head["flag"].startswith("gemm-in-disguise")
@@ -221,10 +236,13 @@ def test_the_printout_says_what_compiled_and_how_the_kernels_time_was_given(watc
     text = str(w)
     assert text.startswith("Detectorish (torch.compile, Inductor) on cpu")
     assert re.search(
-        r"Compiled with Inductor: 4 forward and 4 backward graphs, graph breaks: \d+ \(\d+ x ", text
+        r"Compiled with Inductor: 5 forward and 5 backward graphs, graph breaks: \d+ \(\d+ x ", text
     )
     assert "fused across modules split by their nodes' output bytes" in text
-    assert "(model): the compiled call's time beyond its modules' kernels" in text
+    assert "(model): the compiled call's time beyond its modules' kernels and eager ops" in text
+    assert re.search(
+        r"[\d.]+ ms forward and [\d.]+ ms backward a step of ops the compiled code ran eagerly", text
+    )
     names = {p.name for p in w.save(tmp_path / "run")}
     assert {"modules.csv", "env.json", "trace.json"} <= names
     saved = pd.read_csv(tmp_path / "run" / "modules.csv")

@@ -16,6 +16,7 @@ from rcnn.doctor.kernels import (
     Frame,
     KernelMap,
     by_module,
+    eager_ops,
     extern_op,
     frame_bases,
     module_of,
@@ -100,6 +101,73 @@ def test_a_frames_locals_are_placed_in_the_model_by_the_weights_its_graph_reads(
     assert frame_bases(torch.fx.GraphModule(nn.Module(), pooled), owners, kinds) == {"L['self']": "head.act"}
     node.meta["nn_module_stack"] = {"p": ("L['self']", nn.Linear)}  # two of its type: not placed
     assert frame_bases(torch.fx.GraphModule(nn.Module(), pooled), owners, kinds) == {}
+
+
+class Event(SimpleNamespace):
+    """A torch.profiler event as ``eager_ops`` reads it: its name, sequence number, start and CPU time (us),
+    its parent and children."""
+
+    def __init__(self, name: str, start: int, us: float = 10.0, seq: int = -1, children=()) -> None:
+        super().__init__(name=name, sequence_nr=seq, cpu_time_total=us, device_time_total=0, cpu_parent=None)
+        self.time_range = SimpleNamespace(start=start)
+        self.cpu_children = list(children)
+        for child in self.cpu_children:
+            child.cpu_parent = self
+
+
+def _flat(*events: Event) -> list[Event]:
+    out = []
+    for event in events:
+        out += [event, *_flat(*event.cpu_children)]
+    return out
+
+
+def test_ops_a_compiled_frame_ran_eagerly_are_the_module_that_ran_it_with_their_backward_nodes():
+    node = "autograd::engine::evaluate_function: "
+    # A frame of the pooling's (compile id 1/0) runs its graph, then roi_align eagerly (sequence number 7,
+    # which a slice before it also took), then an add whose number a graph takes after it; a frame that
+    # compiled no graph (2/0) runs a mul eagerly
+    roi_align = Event("torchvision::roi_align", 30, 300.0, 7, [Event("GeneratedBackwardFor_x", 31, 1.0, 7)])
+    pooling = Event(
+        "Torch-Compiled Region: 1/0",
+        10,
+        children=[
+            Event("CompiledFunction", 11, seq=6),
+            Event("aten::slice", 20, 5.0, 7),
+            roi_align,
+            Event("aten::add", 40, 20.0, 8),
+        ],
+    )
+    unknown = Event("Torch-Compiled Region: 2/0", 50, children=[Event("aten::mul", 51, 40.0, 9)])
+    later = Event("CompiledFunction", 60, seq=8)  # made node 8: it is the graph's, not the add's
+    backward = [
+        Event(f"{node}GeneratedBackwardFor_torchvision_roi_align_defaultBackward", 100, 900.0, 7),
+        Event(f"{node}CompiledFunctionBackward", 200, 50.0, 8),
+        Event(f"{node}MulBackward0", 300, 70.0, 9),
+        Event(f"{node}CompiledFunctionBackward", 400, 60.0, 6),
+    ]
+    found = eager_ops(_flat(pooling, unknown, later, *backward), {"1/0": "pool", "0/0": ""})
+    assert found == {
+        ("pool", FORWARD, "aten::slice"): {"calls": 1, "ms": 0.005},
+        ("pool", FORWARD, "torchvision::roi_align"): {"calls": 1, "ms": 0.3},
+        ("pool", FORWARD, "aten::add"): {"calls": 1, "ms": 0.02},
+        ("pool", BACKWARD, "GeneratedBackwardFor_torchvision_roi_align_defaultBackward"): {
+            "calls": 1,
+            "ms": 0.9,
+        },
+    }
+
+
+def test_a_backward_node_is_an_ops_by_its_name():
+    from rcnn.doctor.kernels import _backward_of
+
+    assert _backward_of("MulBackward0", {"aten::mul"}) and _backward_of("ToCopyBackward0", {"aten::_to_copy"})
+    assert _backward_of("NativeBatchNormBackward0", {"aten::native_batch_norm", "aten::batch_norm"})
+    assert _backward_of(
+        "GeneratedBackwardFor_torchvision_roi_align_defaultBackward", {"torchvision::roi_align"}
+    )
+    assert not _backward_of("CompiledFunctionBackward", {"aten::mul", "aten::t"})
+    assert not _backward_of("AddBackward0", {"aten::addmm"})
 
 
 def test_fused_time_is_split_by_bytes_else_evenly_and_the_rest_is_totalled_apart():
