@@ -791,8 +791,8 @@ def _compiled_module_lines(
         )
     if len(given_none):
         words.append(
-            f"Given no compiled kernel: {', '.join(given_none['module'])} (their work ran in code between "
-            f"graphs or in kernels of no module: in {rest_row}, not a speed-up)."
+            f"Given no compiled kernel: {', '.join(given_none['module'])} (their work ran in kernels of no "
+            f"module or in code between graphs no module could be named for: in {rest_row}, not a speed-up)."
         )
     if root is not None:
         words.append(

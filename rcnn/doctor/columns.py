@@ -45,7 +45,9 @@ MODULE_COLUMNS = (
     "backward_peak_mb",  # MiB allocated at most during its backward (CUDA; NaN elsewhere)
     "backward_moved_mb",  # MiB its own backward's ops read and wrote, counted from their tensors
 )
-COMPILED = "compiled"  # a torch.compile'd model's table: each module's longest kernels per phase, ms per step
+# A torch.compile'd model's table: each module's longest kernels per phase, ms per step (an op run outside
+# the graphs: "(eager) <op>")
+COMPILED = "compiled"
 # In a compiled region's own row's COMPILED: the functions dynamo ran eagerly after their recompile limit,
 # each ``ran_in``'s words
 EAGER_AFTER_LIMIT = "run eagerly after dynamo's recompile limit:"

@@ -8,8 +8,9 @@ module's inputs as for an eager model. Then the watch compiles each region's for
 KernelMap (Inductor as the user asked for it, its ``mode`` and ``options`` included, with provenance tracking
 on and its caches off), warms up, and profiles the timed steps with torch.profiler. The region's own call
 stays eager (its module's hooks time it, as any module's); a module inside it gets its kernels' time (a
-kernel fused across modules split by its nodes' output bytes), and the time of the ops that compiled code
-ran eagerly between graphs in a frame of its call, with their backward nodes (rcnn.doctor.kernels.eager_ops);
+kernel fused across modules split by its nodes' output bytes), and the time of the ops a compiled frame
+its call ran outside its graphs, with their backward nodes (rcnn.doctor.kernels.eager_ops: code dynamo ran
+eagerly, and with it any module it called, goes to the frame's module);
 the region's own row keeps the rest of its call (dynamo's guards, the graphs' own calls, eager code no module
 could be named for, kernels no module's nodes account for). Where the block ends, the model is put back as
 the user made it: each region's compiled code where it was.
@@ -359,14 +360,17 @@ class CompiledModel:
                 breaks[(reason.splitlines() or [""])[0]] += n - self._breaks.get(reason, 0)
         return dict(breaks.most_common())
 
-    def recompile_limited(self, credited: set[str]) -> tuple[dict[str, list[str]], list[str]]:
+    def recompile_limited(self, eager_ops: dict[str, set[str]]) -> tuple[dict[str, list[str]], list[str]]:
         """The functions dynamo ran eagerly in a region's call after their recompile limit, each with the
-        module whose call ran it (``ran_in``): by region (its name), those whose time is the region's own
-        row's; apart, those run in a module of ``credited`` (given the ops its call ran eagerly)."""
+        module whose call ran it (``ran_in``): apart, those whose module was given an op of the function's
+        name (``eager_ops``: a module -> the ops outside graphs given it; torchvision's ``roi_align`` runs
+        ``torchvision::roi_align``); by region (its name), the others, whose time is then the region's own
+        row's or, where the profiler placed their ops, the module's under other names."""
         kept: dict[str, list[str]] = {}
         given = []
         for function, module in self.limits.found.items():
-            if module in credited:
+            name = function.split(" ", 1)[0]
+            if any(op.rpartition("::")[2] == name for op in eager_ops.get(module, ())):
                 given.append(ran_in(function, module))
                 continue
             region = next((r for r in reversed(self.names) if under(module, r)), ROOT)
@@ -377,10 +381,10 @@ class CompiledModel:
         """What the printout and env.json say of the compiled run: the regions, graphs, breaks, compile time,
         and per step and phase over the ``kept`` timed steps (the middle half the table averages) the kernels'
         time (``<phase>_kernels_ms``: every event inside the graphs' calls and every op the compiled frames
-        ran eagerly, rcnn.doctor.kernels.eager_ops), what of it went to the modules of ``names`` inside the
-        regions (``<phase>_module_kernels_ms``; the rest is the regions' own rows') and what of that was ops
-        run eagerly (``<phase>_eager_ms``); of both phases together, the time split between modules, of
-        kernels without a module, and of the graphs' other events."""
+        ran outside them, rcnn.doctor.kernels.eager_ops), what of it went to the modules of ``names`` inside
+        the regions (``<phase>_module_kernels_ms``; the rest is the regions' own rows') and what of that was
+        ops outside graphs (``<phase>_eager_ms``); of both phases together, the time split between modules,
+        of kernels without a module, and of the graphs' other events."""
         phases = [g.phase for kernels in self.kernels for g in kernels.graphs]
         known = set(names)
         times, steps = self.times(kept), len(kept)
@@ -396,7 +400,12 @@ class CompiledModel:
             of_phase = parts["phase"] == phase
             kernels[f"{phase}_module_kernels_ms"] = parts.loc[of_phase, "ms"].sum() / steps
             kernels[f"{phase}_eager_ms"] = parts.loc[of_phase & eager, "ms"].sum() / steps
-        limited, given = self.recompile_limited(set(parts.loc[eager, "module"]))
+        ops = (
+            parts.loc[eager]
+            .groupby("module")["kernel"]
+            .agg(lambda k: {n.removeprefix(EAGER).strip() for n in k})
+        )
+        limited, given = self.recompile_limited(ops.to_dict())
         return {
             "compiled": "inductor",
             "compiled_modules": self.names,

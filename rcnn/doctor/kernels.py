@@ -7,11 +7,11 @@ or calls (``cpp_fused_*``, ``triton_*``, extern kernels such as ``aten::mm``) is
 FX nodes it computes, and each node with its module (``nn_module_stack``; in the backward graph
 ``fwd_nn_module_stack``, which AOTAutograd copies from the forward). ``KernelMap.times`` reads the
 torch.profiler events of steps run after compiling (rcnn.measure.profiler.capture): each kernel call inside
-a graph's wrapper call, forward or backward, and each op a compiled frame ran eagerly between its graphs
-(``eager_ops``: a function dynamo would not compile, or stopped compiling at its recompile limit), given to
-the module whose call ran the frame. ``by_module`` gives each module its kernels' time; a kernel
-fused across several modules is split between them by its nodes' output bytes (evenly where none has a
-size); the time so split is a total of its own.
+a graph's wrapper call, forward or backward, and each op a compiled frame ran outside its graphs
+(``eager_ops``: a function dynamo would not compile, or stopped compiling at its recompile limit, and
+AOTAutograd's copies into inputs a graph mutates), given to the module whose call ran the frame.
+``by_module`` gives each module its kernels' time; a kernel fused across several modules is split between
+them by its nodes' output bytes (evenly where none has a size); the time so split is a total of its own.
 
 Private and version-bound: a cache hit, an older torch or another backend leaves a kernel without nodes,
 which ``by_module`` charges to nothing and counts as ``unattributed_ms``.
@@ -47,7 +47,7 @@ _HANDLE = re.compile(r"# \[Provenance debug handles\] (\S+)")  # the wrapper's k
 _WRAPPER = re.compile(r"graph_(\d+)_inductor_wrapper_call")
 FORWARD, BACKWARD = "forward", "backward"
 UNMATCHED = "(no kernel)"  # a wrapper call's child event that is none of its graph's kernels
-EAGER = "(eager)"  # a row of an op a compiled frame ran eagerly between its graphs (or of its backward node)
+EAGER = "(eager)"  # a row of an op a compiled frame ran outside its graphs (or of its backward node)
 _REGION = "Torch-Compiled Region: "  # dynamo's event around each call of a frame it compiled: its compile id
 _NODE = "autograd::engine::evaluate_function: "  # autograd's event around each backward node it runs
 
@@ -299,8 +299,8 @@ class KernelMap:
         kind, columns graph, phase, kernel, calls, ms (inclusive: an extern op's work runs in its children;
         on CUDA the device's time), bytes_by_module (Kernel.bytes_by_module; empty for a child event of the
         wrapper call that is no kernel of its graph, an allocation or a view: kernel ``UNMATCHED <name>``).
-        An op a frame ran eagerly (``eager_ops``) is a row of graph -1, kernel ``EAGER <op>:<module>``, all of
-        it its module's."""
+        An op a frame ran outside its graphs (``eager_ops``) is a row of graph -1, kernel
+        ``EAGER <op>:<module>``, all of it its module's."""
         events = list(events)
         graphs = {(g.graph_id, g.phase): g for g in self.graphs}
         rows: dict[tuple, dict] = {}
@@ -336,8 +336,9 @@ class KernelMap:
 
 def eager_ops(events: list[Any], frames: dict[str, str]) -> dict[tuple[str, str, str], dict[str, float]]:
     """The ops the compiled frames of ``frames`` (compile id -> the module whose call ran the frame) ran
-    eagerly between their graphs, with their backward nodes: (module, phase, op or node name) -> calls, ms.
-    Such an op is a direct child of its frame's call's event (``_REGION``). A backward node is that op's where
+    outside their graphs, with their backward nodes: (module, phase, op or node name) -> calls, ms. Such an op
+    (code dynamo ran eagerly, with whatever modules it called; AOTAutograd's copies into mutated inputs) is a
+    direct child of its frame's call's event (``_REGION``). A backward node is that op's where
     the op (or one it called) was the forward's last to take the node's sequence number and the node is the
     backward of such an op by name (``MulBackward0`` of ``aten::mul``); any other stays in its region's row,
     as do the ops of a frame that compiled no graph (its compile id is not in ``frames``)."""
@@ -355,7 +356,9 @@ def eager_ops(events: list[Any], frames: dict[str, str]) -> dict[tuple[str, str,
         if module is None:
             continue
         for op in region.cpu_children:
-            if "::" not in op.name:  # dynamo's and AOTAutograd's own events, the graphs' calls
+            if (
+                "::" not in op.name
+            ):  # dynamo's and AOTAutograd's marks, the graphs' calls, inner frames' calls
                 continue
             add((module, FORWARD, op.name), op)
             under = list(_subtree(op))

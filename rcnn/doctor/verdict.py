@@ -165,7 +165,8 @@ def _compiled_said(s: dict[str, Any]) -> str:
         f"graph breaks: {sum(breaks.values())}"
         + (" (" + "; ".join(f"{n} x {reason}" for reason, n in breaks.items()) + ")" if breaks else "")
         + f"; compiling took {s['compile_s']:.1f} s over {steps} step{'s' if steps != 1 else ''}, not timed. "
-        "Each compiled module's time is its kernels' in the timed steps (torch.profiler): "
+        "Each compiled module's time is its kernels' and its ops' outside graphs in the timed steps "
+        "(torch.profiler): "
         f"{s['split_ms']:.2f} ms a step of kernels fused across modules split by their nodes' output bytes"
     )
     if s["unattributed_ms"] or s["unmatched_ms"]:
@@ -177,19 +178,20 @@ def _compiled_said(s: dict[str, Any]) -> str:
     eager = {phase: s.get(f"{phase}_eager_ms") or 0.0 for phase in ("forward", "backward")}
     if any(eager.values()):
         said += (
-            f"; {eager['forward']:.2f} ms forward and {eager['backward']:.2f} ms backward a step of ops the "
-            "compiled code ran eagerly between its graphs are the modules' whose call ran them "
-            "((eager) in their compiled column)"
+            f"; {eager['forward']:.2f} ms forward and {eager['backward']:.2f} ms backward a step of ops "
+            "compiled frames ran outside their graphs (code dynamo ran eagerly, AOTAutograd's copies into "
+            "mutated inputs) are the modules' whose call ran the frame ((eager) in their compiled column)"
         )
     if given := s.get("recompile_limited_given"):
         said += (
             f"; dynamo hit its recompile limit for {', '.join(given)}, and ran it eagerly from then on: "
-            "its ops are that module's"
+            "its ops are that module's ((eager) in its compiled column)"
         )
     for region, functions in (s.get("recompile_limited") or {}).items():
         said += (
             f"; dynamo hit its recompile limit for {', '.join(functions)}, and ran it eagerly from then on: "
-            f"its time is in {region}'s own row, not its module's"
+            f"its time is in {region}'s own row, not its module's, but for ops the profiler placed in a "
+            "compiled frame of the module's call ((eager) in its compiled column)"
         )
     if s.get("cudagraphs_off"):
         said += "; CUDA graphs were off while watched (a graph's replay hides each kernel in it)"

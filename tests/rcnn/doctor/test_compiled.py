@@ -241,7 +241,8 @@ def test_the_printout_says_what_compiled_and_how_the_kernels_time_was_given(watc
     assert "fused across modules split by their nodes' output bytes" in text
     assert "(model): the compiled call's time beyond its modules' kernels and eager ops" in text
     assert re.search(
-        r"[\d.]+ ms forward and [\d.]+ ms backward a step of ops the compiled code ran eagerly", text
+        r"[\d.]+ ms forward and [\d.]+ ms backward a step of ops compiled frames ran outside their graphs",
+        text,
     )
     names = {p.name for p in w.save(tmp_path / "run")}
     assert {"modules.csv", "env.json", "trace.json"} <= names
@@ -498,3 +499,41 @@ def test_the_modules_a_recompile_limited_function_ran_in_are_read_back_from_its_
         "roi_heads.box_roi_pool",
         "heads.0.conv",
     }
+
+
+def test_a_recompile_limited_function_is_its_modules_only_where_an_op_of_its_name_was_given_to_it():
+    from rcnn.doctor.compiled import CompiledModel
+    from rcnn.doctor.verdict import _compiled_said
+
+    compiled = CompiledModel(torch.compile(Detectorish()))  # reads the model: nothing compiles
+    roi_align = "roi_align (torchvision/ops/roi_align.py:203)"
+    helper = "_scaled (tests/helpers.py:5)"
+    compiled.limits.found = {roi_align: "pool", helper: "box_head"}
+    # The pooling was given roi_align's op; the head ran ops outside graphs, none of the helper's name
+    given_ops = {"pool": {"torchvision::roi_align", "aten::cat"}, "box_head": {"aten::mul"}}
+    kept, given = compiled.recompile_limited(given_ops)
+    assert given == [ran_in(roi_align, "pool")] and kept == {ROOT: [ran_in(helper, "box_head")]}
+    said = _compiled_said(
+        {
+            "graph_breaks": {},
+            "compile_steps": 1,
+            "compile_s": 1.0,
+            "forward_graphs": 2,
+            "backward_graphs": 2,
+            "split_ms": 0.0,
+            "unattributed_ms": 0.0,
+            "unmatched_ms": 0.0,
+            "forward_eager_ms": 1.5,
+            "backward_eager_ms": 0.25,
+            "recompile_limited": kept,
+            "recompile_limited_given": given,
+        }
+    )
+    assert (
+        "1.50 ms forward and 0.25 ms backward a step of ops compiled frames ran outside their graphs" in said
+    )
+    assert f"{ran_in(roi_align, 'pool')}, and ran it eagerly from then on: its ops are that module's" in said
+    assert (
+        f"{ran_in(helper, 'box_head')}, and ran it eagerly from then on: its time is in (model)'s own row"
+        in said
+    )

@@ -136,6 +136,8 @@ def test_ops_a_compiled_frame_ran_eagerly_are_the_module_that_ran_it_with_their_
             Event("aten::slice", 20, 5.0, 7),
             roi_align,
             Event("aten::add", 40, 20.0, 8),
+            # a frame its call ran (the pooling's inner module's): its op is that module's, not the pooling's
+            Event("Torch-Compiled Region: 3/0", 45, children=[Event("aten::relu", 46, 8.0)]),
         ],
     )
     unknown = Event("Torch-Compiled Region: 2/0", 50, children=[Event("aten::mul", 51, 40.0, 9)])
@@ -146,8 +148,12 @@ def test_ops_a_compiled_frame_ran_eagerly_are_the_module_that_ran_it_with_their_
         Event(f"{node}MulBackward0", 300, 70.0, 9),
         Event(f"{node}CompiledFunctionBackward", 400, 60.0, 6),
     ]
-    found = eager_ops(_flat(pooling, unknown, later, *backward), {"1/0": "pool", "0/0": ""})
+    assert eager_ops([], {"1/0": "pool"}) == {}
+    found = eager_ops(
+        _flat(pooling, unknown, later, *backward), {"1/0": "pool", "0/0": "", "3/0": "pool.inner"}
+    )
     assert found == {
+        ("pool.inner", FORWARD, "aten::relu"): {"calls": 1, "ms": 0.008},
         ("pool", FORWARD, "aten::slice"): {"calls": 1, "ms": 0.005},
         ("pool", FORWARD, "torchvision::roi_align"): {"calls": 1, "ms": 0.3},
         ("pool", FORWARD, "aten::add"): {"calls": 1, "ms": 0.02},
