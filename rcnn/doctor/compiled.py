@@ -36,7 +36,7 @@ from torch import nn
 from torch.profiler import profile
 
 from rcnn.doctor.columns import OUTSIDE, ROOT, inside, ran_in, under
-from rcnn.doctor.kernels import BACKWARD, EAGER, FORWARD, KernelMap, running_module, split
+from rcnn.doctor.kernels import BACKWARD, EAGER, FORWARD, KernelMap, eager_times, running_module, split
 from rcnn.measure.device import device_of
 from rcnn.measure.profiler import KERNEL, Session, Spent, chrome_trace
 from rcnn.rules import ValueNotAllowed
@@ -327,9 +327,9 @@ class CompiledModel:
     def _read(self) -> None:
         while self._unread:  # one at a time: a read that raises leaves no step counted twice
             events = self._unread[0].events()
-            self._step_times.append(
-                pd.concat([kernels.times(events) for kernels in self.kernels], ignore_index=True)
-            )
+            frames = {i: module for kernels in self.kernels for i, module in kernels.frames.items()}
+            times = [kernels.times(events) for kernels in self.kernels]
+            self._step_times.append(pd.concat([*times, eager_times(events, frames)], ignore_index=True))
             if self._trace is None:
                 self._trace = chrome_trace(self._unread[0])
             self._unread.pop(0)

@@ -7,7 +7,7 @@ or calls (``cpp_fused_*``, ``triton_*``, extern kernels such as ``aten::mm``) is
 FX nodes it computes, and each node with its module (``nn_module_stack``; in the backward graph
 ``fwd_nn_module_stack``, which AOTAutograd copies from the forward). ``KernelMap.times`` reads the
 torch.profiler events of steps run after compiling (rcnn.measure.profiler.capture): each kernel call inside
-a graph's wrapper call, forward or backward, and each op a compiled frame ran outside its graphs
+a graph's wrapper call, forward or backward; ``eager_times`` each op a compiled frame ran outside its graphs
 (``eager_ops``: a function dynamo would not compile, or stopped compiling at its recompile limit, and
 AOTAutograd's copies into inputs a graph mutates), given to the module whose call ran the frame.
 ``by_module`` gives each module its kernels' time; a kernel fused across several modules is split between
@@ -248,9 +248,8 @@ class KernelMap:
         for name, module in named:
             self.kinds.setdefault(type(module), []).append(name)
         self.modules = {id(module): name for name, module in named}
-        self.frames: dict[
-            str, str
-        ] = {}  # each frame compiled through ``backend``: compile id -> Frame.running
+        # each frame compiled through ``backend``: compile id -> Frame.running (for ``eager_times``)
+        self.frames: dict[str, str] = {}
 
     def backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
         """A torch.compile backend: Inductor under SETTINGS, each graph's kernels recorded."""
@@ -299,9 +298,7 @@ class KernelMap:
         kind, columns graph, phase, kernel, calls, ms (inclusive: an extern op's work runs in its children;
         on CUDA the device's time), bytes_by_module (Kernel.bytes_by_module; empty for a child event of the
         wrapper call that is no kernel of its graph, an allocation or a view: kernel ``UNMATCHED <name>``).
-        An op a frame ran outside its graphs (``eager_ops``) is a row of graph -1, kernel
-        ``EAGER <op>:<module>``, all of it its module's."""
-        events = list(events)
+        The ops its frames ran outside their graphs are ``eager_times``'."""
         graphs = {(g.graph_id, g.phase): g for g in self.graphs}
         rows: dict[tuple, dict] = {}
         for event in events:
@@ -323,18 +320,33 @@ class KernelMap:
                 )
                 row["calls"] += 1
                 row["ms"] += _ms(child)
-        for (module, phase, op), row in eager_ops(events, self.frames).items():
-            rows[(-1, phase, f"{EAGER} {op}:{module}")] = {"bytes_by_module": {module: 1.0}, **row}
-        return pd.DataFrame(
-            [
-                {"graph": g, "phase": p, "kernel": k, **row}
-                for (g, p, k), row in sorted(rows.items(), key=lambda kv: -kv[1]["ms"])
-            ],
-            columns=["graph", "phase", "kernel", "calls", "ms", "bytes_by_module"],
-        )
+        return _times_table(rows)
 
 
-def eager_ops(events: list[Any], frames: dict[str, str]) -> dict[tuple[str, str, str], dict[str, float]]:
+def _times_table(rows: dict[tuple, dict]) -> pd.DataFrame:
+    """``KernelMap.times``' table of its rows: (graph, phase, kernel) -> calls, ms, bytes_by_module."""
+    return pd.DataFrame(
+        [
+            {"graph": g, "phase": p, "kernel": k, **row}
+            for (g, p, k), row in sorted(rows.items(), key=lambda kv: -kv[1]["ms"])
+        ],
+        columns=["graph", "phase", "kernel", "calls", "ms", "bytes_by_module"],
+    )
+
+
+def eager_times(events: Iterable[Any], frames: dict[str, str]) -> pd.DataFrame:
+    """``eager_ops`` as rows of ``KernelMap.times``' table: graph -1, kernel ``EAGER <op>:<module>``, all of
+    it its module's (``frames``: every kernel map's, so that a step's events are walked once)."""
+    found = eager_ops(events, frames)
+    return _times_table(
+        {
+            (-1, phase, f"{EAGER} {op}:{module}"): {"bytes_by_module": {module: 1.0}, **row}
+            for (module, phase, op), row in found.items()
+        }
+    )
+
+
+def eager_ops(events: Iterable[Any], frames: dict[str, str]) -> dict[tuple[str, str, str], dict[str, float]]:
     """The ops the compiled frames of ``frames`` (compile id -> the module whose call ran the frame) ran
     outside their graphs, with their backward nodes: (module, phase, op or node name) -> calls, ms. Such an op
     (code dynamo ran eagerly, with whatever modules it called; AOTAutograd's copies into mutated inputs) is a
@@ -343,6 +355,9 @@ def eager_ops(events: list[Any], frames: dict[str, str]) -> dict[tuple[str, str,
     backward of such an op by name (``MulBackward0`` of ``aten::mul``); any other stays in its region's row,
     as do the ops of a frame that compiled no graph (its compile id is not in ``frames``)."""
     found: dict[tuple[str, str, str], dict[str, float]] = {}
+    if not frames:  # no frame compiled: nothing to walk
+        return found
+    events = list(events)
 
     def add(key: tuple[str, str, str], event: Any) -> None:
         row = found.setdefault(key, {"calls": 0, "ms": 0.0})
@@ -356,9 +371,8 @@ def eager_ops(events: list[Any], frames: dict[str, str]) -> dict[tuple[str, str,
         if module is None:
             continue
         for op in region.cpu_children:
-            if (
-                "::" not in op.name
-            ):  # dynamo's and AOTAutograd's marks, the graphs' calls, inner frames' calls
+            # not an op: dynamo's and AOTAutograd's marks, the graphs' calls, inner frames' calls
+            if "::" not in op.name:
                 continue
             add((module, FORWARD, op.name), op)
             under = list(_subtree(op))

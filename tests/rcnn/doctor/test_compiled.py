@@ -472,7 +472,9 @@ def test_a_timed_steps_kernels_are_read_after_the_watched_steps_or_once_enough_w
             with open(path, "w") as f:
                 f.write(f'{{"step": {self.step}}}')
 
-    class Kernels:  # a KernelMap: the kernels' times in a step's events
+    class Kernels:  # a KernelMap: the kernels' times in a step's events (no frame compiled)
+        frames: dict = {}
+
         def times(self, events: int) -> pd.DataFrame:
             return pd.DataFrame({"step": [events]})
 
