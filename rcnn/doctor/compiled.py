@@ -287,8 +287,10 @@ class CompiledModel:
                 fullgraph=settings.fullgraph,
             )
 
-            def forward(*args: Any, _compiled: Callable = compiled, **kwargs: Any) -> Any:
-                with outside():
+            def forward(
+                *args: Any, _compiled: Callable = compiled, _kernels: KernelMap = kernels, **kwargs: Any
+            ) -> Any:
+                with outside(), _kernels.converting():
                     return _compiled(*args, **kwargs)
 
             self._put(region.module.__dict__, "forward", forward)

@@ -9,7 +9,8 @@ FX nodes it computes, and each node with its module (``nn_module_stack``; in the
 torch.profiler events of steps run after compiling (rcnn.measure.profiler.capture): each kernel call inside
 a graph's wrapper call, forward or backward; ``eager_times`` each op a compiled frame ran outside its graphs
 (``eager_ops``: a function dynamo would not compile, or stopped compiling at its recompile limit, and
-AOTAutograd's copies into inputs a graph mutates), given to the module whose call ran the frame.
+AOTAutograd's copies into inputs a graph mutates), given to the module whose call ran the frame (recorded
+by ``KernelMap.converting`` as dynamo starts converting it, whether or not it compiles a graph).
 ``by_module`` gives each module its kernels' time; a kernel fused across several modules is split between
 them by its nodes' output bytes (evenly where none has a size); the time so split is a total of its own.
 
@@ -140,12 +141,17 @@ def module_of(node: torch.fx.Node, frame: Frame | None = None) -> str:
 def running_module(modules: dict[int, str]) -> str:
     """The innermost module of the watched model with a method on the Python stack (``modules``: each
     module's id -> its qualified name, ``""`` the model's), ROOT where none is. Called while dynamo compiles
-    a frame, it is the module whose call runs that frame: the stack then holds the frame's callers. (A graph
-    reused from another caller keeps the module it compiled for.)"""
+    a frame, it is the module whose call runs that frame: the frame's own ``self`` (dynamo's ``_compile``
+    holds the frame's locals), else its callers' innermost. (A graph reused from another caller keeps the
+    module it compiled for.)"""
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
-        if code.co_argcount and code.co_varnames[0] == "self":
+        if code.co_name == "_compile" and code.co_filename.endswith("convert_frame.py"):
+            converting = frame.f_locals.get("locals")
+            if isinstance(converting, dict) and (name := modules.get(id(converting.get("self")))) is not None:
+                return name or ROOT
+        elif code.co_argcount and code.co_varnames[0] == "self":
             name = modules.get(id(frame.f_locals.get("self")))
             if name is not None:
                 return name or ROOT
@@ -248,8 +254,34 @@ class KernelMap:
         for name, module in named:
             self.kinds.setdefault(type(module), []).append(name)
         self.modules = {id(module): name for name, module in named}
-        # each frame compiled through ``backend``: compile id -> Frame.running (for ``eager_times``)
+        # each frame dynamo converted while ``converting``, or compiled through ``backend``: compile id ->
+        # the module whose call ran it (Frame.running; for ``eager_times``)
         self.frames: dict[str, str] = {}
+
+    @contextlib.contextmanager
+    def converting(self) -> Iterator[None]:
+        """Within, each frame dynamo starts converting is recorded in ``frames``, whether or not it compiles
+        a graph: one that compiles none (it only calls a function past its recompile limit, torchvision's
+        ``roi_align`` in MultiScaleRoIAlign's forward) still runs its eager ops under its compile id. A
+        torch without dynamo's compile callbacks records only the frames ``backend`` compiles."""
+        import torch._dynamo
+
+        handler = getattr(torch._dynamo, "callback_handler", None)
+        if handler is None:
+            yield
+            return
+        handler.register_start_callback(self._frame_started)
+        try:
+            yield
+        finally:
+            handler.remove_start_callback(self._frame_started)
+
+    def _frame_started(self, *args: Any) -> None:  # torch 2.4's callbacks take no arguments
+        from torch._guards import CompileContext
+
+        if (compile_id := CompileContext.current_compile_id()) is not None:
+            # the backend's own record, of a frame that compiles, replaces this one
+            self.frames.setdefault(str(compile_id), running_module(self.modules))
 
     def backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
         """A torch.compile backend: Inductor under SETTINGS, each graph's kernels recorded."""
@@ -353,7 +385,8 @@ def eager_ops(events: Iterable[Any], frames: dict[str, str]) -> dict[tuple[str, 
     direct child of its frame's call's event (``_REGION``). A backward node is that op's where
     the op (or one it called) was the forward's last to take the node's sequence number and the node is the
     backward of such an op by name (``MulBackward0`` of ``aten::mul``); any other stays in its region's row,
-    as do the ops of a frame that compiled no graph (its compile id is not in ``frames``)."""
+    as do the ops of a frame ``frames`` does not hold (KernelMap.converting records frames that compile no
+    graph; a torch without dynamo's compile callbacks leaves them out)."""
     found: dict[tuple[str, str, str], dict[str, float]] = {}
     if not frames:  # no frame compiled: nothing to walk
         return found

@@ -73,6 +73,69 @@ def test_the_running_module_is_the_innermost_of_the_models_modules_on_the_stack(
     assert running_module({}) == "(model)"
 
 
+def test_while_dynamo_converts_a_frame_its_own_module_runs_it_before_its_callers():
+    """Dynamo's ``_compile`` (convert_frame.py) holds the frame being converted's locals: its ``self``, the
+    frame's own module, comes before the callers' (a free function's frame, no ``self``, falls through)."""
+    model = nn.Sequential(nn.Identity(), nn.Sequential(Caller()))
+    dynamo = {}  # a stand-in for dynamo's _compile: its name and file are what running_module reads
+    exec(
+        compile("def _compile(modules, locals):\n    return find(modules)\n", "convert_frame.py", "exec"),
+        dynamo,
+    )
+    dynamo["find"] = running_module
+
+    class Converts(nn.Module):  # the caller: converting its callee's frame
+        def forward(self, converted: dict) -> str:
+            return dynamo["_compile"](modules, converted)
+
+    model[1].add_module("1", Converts())
+    modules = {id(module): name for name, module in model.named_modules()}
+    assert model[1][1]({"self": model[0], "x": 1}) == "0"  # the frame's own module
+    assert model[1][1]({"x": 1}) == "1.1"  # a free function's: its caller's
+    assert model[1][1]({"self": object()}) == "1.1"  # a self not of the model
+
+
+@torch._dynamo.disable
+def _scaled(x):
+    return x * 2.0
+
+
+def _pooled(x):
+    return _scaled(x)
+
+
+class Pooling(nn.Module):
+    """A module whose frame, and its free function's, compile no graph: all they do is call a function
+    dynamo will not compile (as MultiScaleRoIAlign's, once torchvision's ``roi_align`` hit its recompile
+    limit)."""
+
+    def forward(self, x):
+        return _pooled(x)
+
+
+@needs_compile
+def test_a_frame_that_compiles_no_graph_runs_its_eager_ops_for_its_module():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Pooling())
+    kernels = KernelMap(model=model)
+    compiled = torch.compile(model.forward, backend=kernels.backend)
+    x = torch.randn(2, 4)
+
+    def step():
+        with kernels.converting():
+            loss = compiled(x).sum()
+        loss.backward()
+
+    step()
+    # Recorded as dynamo starts converting them: the pooling's frame and its function's, graphs or none
+    assert sorted(kernels.frames.values()).count("1") == 2
+    handler = torch._dynamo.callback_handler
+    assert kernels._frame_started not in handler.start_callbacks  # off once the call returns
+    found = eager_ops(capture(step, torch.device("cpu"), 2), kernels.frames)
+    assert found[("1", FORWARD, "aten::mul")]["calls"] == 2
+    assert found[("1", BACKWARD, "MulBackward0")]["calls"] == 2
+
+
 def test_a_frames_locals_are_placed_in_the_model_by_the_weights_its_graph_reads():
     model = nn.Sequential(nn.Sequential(nn.Conv2d(1, 1, 1)), nn.Linear(1, 1))
     owners = {id(t): name.rpartition(".")[0] for name, t in model.named_parameters()}
