@@ -146,15 +146,14 @@ def running_module(modules: dict[int, str]) -> str:
     module it compiled for.)"""
     frame = sys._getframe(1)
     while frame is not None:
-        code = frame.f_code
+        code, held = frame.f_code, None  # a frame's locals are read only where they may hold the module
         if code.co_name == "_compile" and code.co_filename.endswith("convert_frame.py"):
-            converting = frame.f_locals.get("locals")
-            if isinstance(converting, dict) and (name := modules.get(id(converting.get("self")))) is not None:
-                return name or ROOT
+            held = frame.f_locals.get("locals")  # the converted frame's
         elif code.co_argcount and code.co_varnames[0] == "self":
-            name = modules.get(id(frame.f_locals.get("self")))
-            if name is not None:
-                return name or ROOT
+            held = frame.f_locals
+        # (a frame's f_locals is a proxy, not a dict, from Python 3.13)
+        if hasattr(held, "get") and (name := modules.get(id(held.get("self")))) is not None:
+            return name or ROOT
         frame = frame.f_back
     return ROOT
 
