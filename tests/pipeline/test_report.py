@@ -507,7 +507,8 @@ def test_the_box_heads_page_has_an_icicle_per_profiled_head_of_its_box_head_alon
         added=ADDED_MODULE_COLUMNS,
     )
     page = box_heads_page(modules)
-    heads = modules.groupby(["head", *[k for k in ("batch_size", "amp") if k in modules]]).ngroups
+    # One per profiled setting and head: this sweep profiled each head eager, head compiled, model compiled
+    heads = modules.groupby(["head", *[k for k in ("batch_size", "amp", "compile") if k in modules]]).ngroups
     assert page.count("<h2>") == heads == page.count("Plotly.newPlot")
     assert page.count("plotly.js v") == 1  # embedded once, for every icicle
     figures = [json.loads(m) for m in re.findall(r'Plotly\.newPlot\(\s*"[^"]+",\s*(\[.*?\]),\s*\{', page)]
