@@ -116,18 +116,26 @@ def scalars(value: dict, prefix: str = "") -> dict:
     return flat
 
 
-@pytest.mark.slow
-def test_the_readme_experiment_command_runs_one_that_dvc_exp_show_lists(tmp_path):
+@pytest.mark.slow  # dvc exp run of the pipeline on a scratch copy, then the env stage again
+def test_the_readme_experiment_command_on_a_models_spec_reports_in_its_own_folder_and_exp_show_lists_it(
+    tmp_path,
+):
     line = next(
         line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("make exp ")
     )
     target, args = shlex.split(line, comments=True)[1:]
     assert target == "exp" and args.startswith("ARGS=-S "), line
     project = scratch_project(tmp_path / "project")
-    # the README's command with one change the tiny grid runs; -o: never rebuild the shared .venv from here
-    argv = ["make", "-o", ".venv/bin/.installed", target, "ARGS=-S 'sweep.space.batch_size=[1]'"]
+    # The README's command with the changes the tiny grid runs, on a model's spec (one experiment, not two:
+    # each runs the whole pipeline); the head left as it is. -o: never rebuild the shared .venv from here.
+    spec, heads = "tests.fixtures.models:pooled", "[linear, conv, conv_as_linear]"
+    overrides = f"-S 'sweep.space.batch_size=[1]' -S model={spec} -S 'sweep.space.head={heads}'"
+    argv = ["make", "-o", ".venv/bin/.installed", target, f"ARGS={overrides}"]
     result = subprocess.run(argv, cwd=project, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (project / "reports" / "tests.fixtures.models-pooled" / "report.md").exists()
+    unchanged = subprocess.run(["git", "status", "--porcelain", "reports"], cwd=project, capture_output=True)
+    assert unchanged.stdout.decode().splitlines() == ["?? reports/tests.fixtures.models-pooled/"]
 
     shown = subprocess.run(
         [".venv/bin/dvc", "exp", "show", "--json"], cwd=project, capture_output=True, text=True, check=True
@@ -135,26 +143,9 @@ def test_the_readme_experiment_command_runs_one_that_dvc_exp_show_lists(tmp_path
     summary = json.loads((project / "results" / "summary.json").read_text())
     runs = experiments(json.loads(shown.stdout))
     assert len(runs) == 1, shown.stdout
-    assert runs[0]["params"]["params.yaml"]["data"]["sweep"]["space"]["batch_size"] == [1]
+    params = runs[0]["params"]["params.yaml"]["data"]
+    assert params["sweep"]["space"]["batch_size"] == [1] and params["model"] == spec
     assert summary and scalars(runs[0]["metrics"]["results/summary.json"]["data"]) == scalars(summary)
-
-
-@pytest.mark.slow  # dvc exp run of the pipeline on a scratch copy, then the env stage again
-def test_a_models_experiment_reports_in_its_own_folder_and_its_factory_is_a_dependency(tmp_path):
-    project = scratch_project(tmp_path / "project")
-    spec, heads = "tests.fixtures.models:pooled", "[linear, conv, conv_as_linear]"  # the head: left as it is
-    argv = [
-        "make",
-        "-o",
-        ".venv/bin/.installed",
-        "exp",
-        f"ARGS=-S model={spec} -S 'sweep.space.head={heads}'",
-    ]
-    result = subprocess.run(argv, cwd=project, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert (project / "reports" / "tests.fixtures.models-pooled" / "report.md").exists()
-    unchanged = subprocess.run(["git", "status", "--porcelain", "reports"], cwd=project, capture_output=True)
-    assert unchanged.stdout.decode().splitlines() == ["?? reports/tests.fixtures.models-pooled/"]
 
     # Editing the factory's module changes env.json's model_code, a params key of the sweep stage.
     with open(project / "tests" / "fixtures" / "models.py", "a") as module:
