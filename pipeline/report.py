@@ -420,6 +420,7 @@ def per_setting_lines(comparisons: pd.DataFrame, trials: pd.DataFrame) -> list[s
             f"{counts['undecided']}; "
             f"the point estimate at most {PAIR_AIM}x in {int((chosen['ratio'] <= PAIR_AIM).sum())}"
             + "".join(f"; {v}: {words}" for v, words in listed.items() if words)
+            + (_step_longer(numerator) if any(listed.values()) and (chosen["rounds"] > 0).any() else "")
         )
     same = _same_head_spread(rows[on], trials)
     if lines and same:
@@ -435,6 +436,16 @@ def per_setting_lines(comparisons: pd.DataFrame, trials: pd.DataFrame) -> list[s
             )
         )
     return [line + "." for line in lines]
+
+
+def _step_longer(numerator: str) -> str:
+    # A pairing stops at its first look whose CI decides (rcnn.measure.stats.against), so a verdict near the
+    # aim is wrong more often than a 95% test would be; a longer pairing of that setting settles it.
+    return (
+        f" (a pairing stops at its first look that decides, so a ratio near {PAIR_AIM}x is approximate: "
+        f"`python -m rcnn.bench --head linear --head {numerator}` with the setting's knobs and model and a "
+        "larger `--max-seconds` steps it longer)"
+    )
 
 
 def _ratios_read(comparisons: pd.DataFrame) -> str:
