@@ -439,12 +439,14 @@ def per_setting_lines(comparisons: pd.DataFrame, trials: pd.DataFrame) -> list[s
 
 
 def _step_longer(numerator: str) -> str:
-    # A pairing stops at its first look whose CI decides (rcnn.measure.stats.against), so a verdict near the
+    # A pairing stops at the first round whose CI decides (rcnn.measure.stats.against), so a verdict near the
     # aim is wrong more often than a 95% test would be; a longer pairing of that setting settles it.
+    linearize = " --linearize" if numerator == "conv" else ""  # conv's lines are all linearized
     return (
-        f" (a pairing stops at its first look that decides, so a ratio near {PAIR_AIM}x is approximate: "
-        f"`python -m rcnn.bench --head linear --head {numerator}` with the setting's knobs and model and a "
-        "larger `--max-seconds` steps it longer)"
+        f" (a pairing stops at the first round whose CI decides, so a ratio near {PAIR_AIM}x is approximate: "
+        f"`python -m rcnn.bench --head {numerator} --head linear{linearize} --max-seconds 180 "
+        "--max-iterations 300 --rel-precision 0.001`, with the setting's knobs and params.yaml's model "
+        "sizes, steps it longer)"
     )
 
 

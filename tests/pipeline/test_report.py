@@ -582,7 +582,8 @@ def test_per_setting_the_fixed_head_against_linear_how_it_was_paired_and_the_tri
     # conv_as_linear: 1.08 beyond, 1.04 [1.03, 1.05] within (at the aim), 1.01 and 1.00 within
     assert "within 1.05x (the CI wholly at or under it) in 3 of 4 settings, beyond it" in hand
     assert "beyond: oneDNN on, amp off, NCHW, bs 1 1.080x [1.07, 1.09] (9 rounds)" in hand
-    assert "`python -m rcnn.bench --head linear --head conv_as_linear` with the setting's knobs" in hand
+    assert "`python -m rcnn.bench --head conv_as_linear --head linear --max-seconds 180 " in hand
+    assert "`python -m rcnn.bench --head conv --head linear --linearize --max-seconds 180 " in fixed
     assert "rcnn.bench" not in per_setting_lines(comparisons[comparisons["ratio"] < 1.05], trials)[0]
     comparisons["ci_low"] = comparisons["ratio"] - 0.1  # CIs across the aim: undecided, not beyond
     fixed = per_setting_lines(comparisons, trials)[0]
