@@ -420,7 +420,11 @@ def per_setting_lines(comparisons: pd.DataFrame, trials: pd.DataFrame) -> list[s
             f"{counts['undecided']}; "
             f"the point estimate at most {PAIR_AIM}x in {int((chosen['ratio'] <= PAIR_AIM).sum())}"
             + "".join(f"; {v}: {words}" for v, words in listed.items() if words)
-            + (_step_longer(numerator) if any(listed.values()) and (chosen["rounds"] > 0).any() else "")
+            + (
+                _step_longer(numerator, bool(skip))
+                if any(listed.values()) and (chosen["rounds"] > 0).any()
+                else ""
+            )
         )
     same = _same_head_spread(rows[on], trials)
     if lines and same:
@@ -438,10 +442,11 @@ def per_setting_lines(comparisons: pd.DataFrame, trials: pd.DataFrame) -> list[s
     return [line + "." for line in lines]
 
 
-def _step_longer(numerator: str) -> str:
+def _step_longer(numerator: str, linearized: bool) -> str:
     # A pairing stops at the first round whose CI decides (rcnn.measure.stats.against), so a verdict near the
     # aim is wrong more often than a 95% test would be; a longer pairing of that setting settles it.
-    linearize = " --linearize" if numerator == "conv" else ""  # conv's lines are all linearized
+    # ``linearized``: every setting of the line is, so its labels leave the knob out and the command says it.
+    linearize = " --linearize" if linearized else ""
     return (
         f" (a pairing stops at the first round whose CI decides, so a ratio near {PAIR_AIM}x is approximate: "
         f"`python -m rcnn.bench --head {numerator} --head linear{linearize} --max-seconds 180 "
