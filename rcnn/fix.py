@@ -41,7 +41,7 @@ MODES = ("auto", "always")
 
 
 def _covers_input(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if channels_last(weight):  # flatten both in (spatial, channel) order: free views of channels-last memory
+    if channels_last(x):  # flatten both in (spatial, channel) order: free views of channels-last memory
         x, weight = x.movedim(1, -1), weight.movedim(1, -1)
     out = F.linear(x.flatten(1), weight.flatten(1), bias)
     return out.view(*out.shape, *[1] * (weight.dim() - 2))
@@ -71,6 +71,14 @@ def _patches(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     return out if channels_last(given) else out.contiguous()  # the conv's layout: as its input's
 
 
+def laid_out_as(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``weight`` in ``x``'s memory order, contiguous or channels-last (itself where it already is): the order
+    in which ``covers-input`` flattens both without a copy."""
+    if weight.dim() < 3 or channels_last(weight) == channels_last(x):
+        return weight
+    return weight.movedim(1, -1).contiguous().movedim(-1, 1) if channels_last(x) else weight.contiguous()
+
+
 GEMMS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]] = {
     "covers-input": _covers_input,
     "pointwise": _pointwise,
@@ -93,7 +101,24 @@ class AsLinear:
         if key not in shapes:
             found = gemm_kind(self, key[0])
             shapes[key] = found is not None and found[0] == self.gemm
-        return GEMMS[self.gemm](x, self.weight, self.bias) if shapes[key] else super().forward(x)
+        if not shapes[key]:
+            return super().forward(x)
+        if self.gemm == "covers-input":
+            self._lay_out_weight_as(x)
+        return GEMMS[self.gemm](x, self.weight, self.bias)
+
+    def _lay_out_weight_as(self, x: torch.Tensor) -> None:
+        """Store the weight in its input's memory order, in place (the same Parameter, the same values), where
+        they differ: a weight is read every step and copied here once, where flattening a mismatched pair
+        copies the input forward and its gradient backward on every step. The question's box head under
+        ``.to(memory_format=torch.channels_last)`` has a channels-last weight but contiguous RoIAlign
+        features: that copy made its backward 1.04-1.05x the linear head's (benchmarks/layout_copy.py). Not
+        while torch.compile traces (a parameter's storage swapped inside a graph): there the copy stays."""
+        weight = self.weight
+        if isinstance(weight, nn.Parameter) and not torch.compiler.is_compiling():
+            data = weight.data
+            if (laid := laid_out_as(data, x)) is not data:
+                weight.data = laid
 
 
 class Conv1dAsLinear(AsLinear, nn.Conv1d):
@@ -272,6 +297,9 @@ def _conv_path(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return functools.partial(type(module).forward, module)
 
 
+_Path = tuple[Callable[[torch.Tensor], torch.Tensor], list[torch.Tensor]]  # what a path computes, what w.r.t.
+
+
 def time_paths(
     module: nn.Module,
     seen: Seen,
@@ -291,15 +319,25 @@ def time_paths(
     x = example_input(seen, device).requires_grad_(seen.input_requires_grad)
     params = [p for p in module.parameters() if p.requires_grad]
     wrt = [x] * seen.input_requires_grad + params
+    gemm_weight = module.weight
+    if kind == "covers-input":  # as the swapped module runs it: its weight laid out as its input (AsLinear)
+        gemm_weight = laid_out_as(module.weight.detach(), x).requires_grad_(module.weight.requires_grad)
+    gemm_wrt = [x] * seen.input_requires_grad + [
+        p for p in (gemm_weight, module.bias) if p is not None and p.requires_grad
+    ]
     clock = Clock(device)
-    paths = {"conv": _conv_path(module), "gemm": lambda x: GEMMS[kind](x, module.weight, module.bias)}
+    paths = {
+        "conv": (_conv_path(module), wrt),
+        "gemm": (lambda x: GEMMS[kind](x, gemm_weight, module.bias), gemm_wrt),
+    }
     autocasts = seen.autocasts(module)
 
-    def forward_backward(path: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def forward_backward(path: _Path) -> None:
+        computes, grads_of = path
         with torch.autocast(device.type, dtype=seen.output_dtype, enabled=autocasts):
-            out = path(x)
-        if wrt:
-            torch.autograd.grad(out, wrt, torch.ones_like(out))
+            out = computes(x)
+        if grads_of:
+            torch.autograd.grad(out, grads_of, torch.ones_like(out))
 
     grad_was = torch.is_grad_enabled()
     try:
@@ -312,7 +350,7 @@ def time_paths(
             rounds_s = 2 * (DECISION_POLICY.max_warmup + DECIDING_ROUNDS) * 2 * calls * once / 1e3
             deadline = max(deadline, time.monotonic() + rounds_s)
 
-        def step(path: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], dict[str, float]]:
+        def step(path: _Path) -> Callable[[], dict[str, float]]:
             return lambda: {"ms": clock.time(lambda: [forward_backward(path) for _ in range(calls)]) / calls}
 
         def decided(samples: Mapping[str, Mapping[str, Sequence[float]]]) -> bool:

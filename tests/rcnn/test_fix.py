@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from rcnn.fix import KEEP_ABOVE, Conv2dAsLinear, PathTiming, as_linear_class, linearize
+from rcnn.measure.inputs import channels_last
 from tests.fixtures.question_heads import conv as question_conv
 
 # (conv, input shape, kind): each kind, in 1, 2 and 3 dimensions
@@ -112,6 +113,33 @@ def test_same_parameters_state_dict_and_optimizer():
     plain = nn.Conv2d(6, 10, 7)
     plain.load_state_dict(conv.state_dict())  # checkpoints load both ways
     conv.load_state_dict(plain.state_dict())
+
+
+@pytest.mark.parametrize("weight_layout, input_layout", [("channels_last", None), (None, "channels_last")])
+def test_a_covers_input_weight_is_laid_out_as_its_input_once(weight_layout, input_layout):
+    # .to(channels_last) makes the box head's 7x7 weight channels-last while RoIAlign's features stay
+    # contiguous: the GEMM would copy the input (and its gradient) every step; the weight is copied once
+    conv, fixed = both(lambda: nn.Conv2d(6, 10, 7))
+    if weight_layout:
+        conv, fixed = conv.to(memory_format=torch.channels_last), fixed.to(memory_format=torch.channels_last)
+    x = torch.randn(3, 6, 7, 7, dtype=torch.float64)
+    if input_layout:
+        x = x.contiguous(memory_format=torch.channels_last)
+    weight = fixed.weight
+    optimizer = torch.optim.SGD(fixed.parameters(), lr=0.1)
+    timed = copy.deepcopy(fixed)
+    linearize(timed, x, mode="auto")
+    assert channels_last(timed.weight) == bool(weight_layout)  # timing it copied nothing of the module's
+    linearize(fixed, x, mode="always")
+    for a, b in zip(outputs_and_grads(conv, x), outputs_and_grads(fixed, x)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    assert fixed.weight is weight and channels_last(fixed.weight) == bool(input_layout)
+    storage = fixed.weight.data_ptr()
+    fixed(x)
+    assert fixed.weight.data_ptr() == storage  # laid out once, not on every call
+    before = fixed.weight.detach().clone()
+    optimizer.step()  # built before, it still moves the module's weight
+    assert not torch.equal(fixed.weight, before)
 
 
 def test_convolutions_that_are_not_gemms_are_left_alone():
