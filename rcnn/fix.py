@@ -112,7 +112,7 @@ class AsLinear:
         they differ: a weight is read every step and copied here once, where flattening a mismatched pair
         copies the input forward and its gradient backward on every step. The question's box head under
         ``.to(memory_format=torch.channels_last)`` has a channels-last weight but contiguous RoIAlign
-        features: that copy made its backward 1.04-1.05x the linear head's (benchmarks/layout_copy.py). Not
+        features: that copy made its backward 1.02-1.05x the linear head's (benchmarks/layout_check.py). Not
         while torch.compile traces (a parameter's storage swapped inside a graph): there the copy stays."""
         weight = self.weight
         if isinstance(weight, nn.Parameter) and not torch.compiler.is_compiling():
@@ -317,18 +317,19 @@ def time_paths(
     the module is left as it was."""
     device = module.weight.device
     x = example_input(seen, device).requires_grad_(seen.input_requires_grad)
-    params = [p for p in module.parameters() if p.requires_grad]
-    wrt = [x] * seen.input_requires_grad + params
     gemm_weight = module.weight
     if kind == "covers-input":  # as the swapped module runs it: its weight laid out as its input (AsLinear)
         gemm_weight = laid_out_as(module.weight.detach(), x).requires_grad_(module.weight.requires_grad)
-    gemm_wrt = [x] * seen.input_requires_grad + [
-        p for p in (gemm_weight, module.bias) if p is not None and p.requires_grad
-    ]
+
+    def wrt(weight: torch.Tensor) -> list[torch.Tensor]:
+        return [x] * seen.input_requires_grad + [
+            p for p in (weight, module.bias) if p is not None and p.requires_grad
+        ]
+
     clock = Clock(device)
     paths = {
-        "conv": (_conv_path(module), wrt),
-        "gemm": (lambda x: GEMMS[kind](x, gemm_weight, module.bias), gemm_wrt),
+        "conv": (_conv_path(module), wrt(module.weight)),
+        "gemm": (lambda x: GEMMS[kind](x, gemm_weight, module.bias), wrt(gemm_weight)),
     }
     autocasts = seen.autocasts(module)
 
