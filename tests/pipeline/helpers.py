@@ -26,6 +26,9 @@ SLOW = {
     "timing": {"warmup": 1, "max_warmup": 1, "iterations": 15, "max_iterations": 15, "max_seconds": 60},
     "sweep": {"profile_steps": 0, "cross_check": False},
 }
+# Four points of the linear head alone, for tests that stop or share trials rather than compare heads: no
+# other head is stepped in turn with it, so a trial is its own timed steps.
+FOUR_POINTS = {"head": ["linear"], "batch_size": [1, 2], "channels_last": [False, True]}
 # The sweep stage's options, files under tmp_path
 SWEEP_FILES = {
     "data": "data",

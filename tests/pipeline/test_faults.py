@@ -20,7 +20,7 @@ from pipeline.results import read_trials
 from pipeline.tracking import EXPERIMENT_ATTEMPTS, connect_tracking
 from tests import launcher
 from tests.conftest import ROOT
-from tests.pipeline.helpers import SLOW, kill_mid_trial, prepare
+from tests.pipeline.helpers import FOUR_POINTS, SLOW, kill_mid_trial, prepare
 
 
 def journal_study(folder) -> optuna.Study | None:
@@ -45,7 +45,7 @@ def runs(tmp_path):
 
 @pytest.mark.slow
 def test_killed_sweep_resumes_without_losing_or_repeating_a_trial(tmp_path, tiny_params):
-    args = prepare(tmp_path, tiny_params, SLOW | {"sweep": SLOW["sweep"] | {"space": {"batch_size": [1, 2]}}})
+    args = prepare(tmp_path, tiny_params, SLOW | {"sweep": SLOW["sweep"] | {"space": FOUR_POINTS}})
     proc = launcher.start([sys.executable, "-m", "pipeline.sweep", *args], cwd=ROOT)  # forked warm
     seen = kill_mid_trial(proc, lambda: journal_trials(tmp_path))
     before = sum(t.state == optuna.trial.TrialState.COMPLETE for t in seen)
@@ -53,7 +53,7 @@ def test_killed_sweep_resumes_without_losing_or_repeating_a_trial(tmp_path, tiny
     assert sweep.main(args) == 0
     trials = read_trials(tmp_path / "trials.csv")
     done = trials[trials["status"] == "complete"]
-    assert len(done) == 4 and not done.duplicated(["head", "batch_size"]).any()  # every point once
+    assert len(done) == 4 and not done.duplicated(list(FOUR_POINTS)).any()  # every point once
     interrupted = trials[trials["status"] == "failed"]
     assert len(interrupted) == 1 and interrupted["error"].str.contains("interrupted").all()
     children = runs(tmp_path)
@@ -66,7 +66,7 @@ def test_killed_sweep_resumes_without_losing_or_repeating_a_trial(tmp_path, tiny
     print(
         f"killed with {before} trial(s) complete; after the resume {len(done)} complete, "
         f"{len(interrupted)} interrupted, {len(children)} child runs, "
-        f"{done.duplicated(['head', 'batch_size']).sum()} duplicates"
+        f"{done.duplicated(list(FOUR_POINTS)).sum()} duplicates"
     )
 
 
@@ -103,11 +103,11 @@ def group_ended(group: int, wait_s: float = 10.0) -> bool:
 def test_a_stop_signal_ends_with_one_line_and_the_rerun_resumes(
     tmp_path, tiny_params, capsys, workers, send, cause, rerun
 ):
-    # 4 points
+    # FOUR_POINTS
     args = prepare(
         tmp_path,
         tiny_params,
-        SLOW | {"sweep": SLOW["sweep"] | {"workers": workers, "space": {"batch_size": [1, 2]}}},
+        SLOW | {"sweep": SLOW["sweep"] | {"workers": workers, "space": FOUR_POINTS}},
     )
     proc = launcher.start(  # forked warm, in a session of its own
         [sys.executable, "-m", "pipeline.sweep", *args],
@@ -151,7 +151,7 @@ def test_a_stop_signal_ends_with_one_line_and_the_rerun_resumes(
     assert "was interrupted" not in capsys.readouterr().out  # nothing left running for recover_interrupted
     trials = read_trials(tmp_path / "trials.csv")
     done = trials[trials["status"] == "complete"]
-    assert len(done) == 4 and not done.duplicated(["head", "batch_size"]).any()  # every point once
+    assert len(done) == 4 and not done.duplicated(list(FOUR_POINTS)).any()  # every point once
     assert trials.loc[trials["status"] == "failed", "error"].eq(f"interrupted ({cause})").sum() == len(
         stopped
     )
@@ -168,7 +168,7 @@ def test_ctrl_c_while_workers_start_stops_them_at_once(tmp_path, tiny_params):
     args = prepare(
         tmp_path,
         tiny_params,
-        SLOW | {"sweep": SLOW["sweep"] | {"workers": 2, "space": {"batch_size": [1, 2]}}},
+        SLOW | {"sweep": SLOW["sweep"] | {"workers": 2, "space": FOUR_POINTS}},
     )
     proc = subprocess.Popen(
         [sys.executable, "-m", "pipeline.sweep", *args],

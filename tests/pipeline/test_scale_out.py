@@ -3,6 +3,7 @@ tracking server, where a worker killed mid-trial has its point re-run through Op
 servers ask for passwords, which reach the processes through the environment only and are written nowhere."""
 
 import base64
+import functools
 import os
 import subprocess
 import sys
@@ -20,13 +21,11 @@ from pipeline import sweep
 from pipeline.results import read_trials
 from tests import launcher
 from tests.conftest import ROOT
-from tests.pipeline.helpers import SLOW, SWEEP_FILES, kill_mid_trial, prepare
+from tests.pipeline.helpers import FOUR_POINTS, SLOW, SWEEP_FILES, kill_mid_trial, prepare
 from tests.services import mlflow_server, postgres
 
 GRID = {"head": ["linear", "conv"], "batch_size": [1, 2], "channels_last": [False, True]}  # 8 points
 POINTS = 8
-# Workers on one host start together: 4 points give each of the two a trial.
-ONE_HOST_GRID = {"head": ["linear", "conv"], "batch_size": [1, 2], "channels_last": [False]}
 
 
 def points(trials):
@@ -36,7 +35,7 @@ def points(trials):
 @pytest.mark.slow
 def test_workers_on_one_host_run_exactly_the_grid(tmp_path, tiny_params):
     args = prepare(
-        tmp_path, tiny_params, SLOW | {"sweep": SLOW["sweep"] | {"workers": 2, "space": ONE_HOST_GRID}}
+        tmp_path, tiny_params, SLOW | {"sweep": SLOW["sweep"] | {"workers": 2, "space": FOUR_POINTS}}
     )
     assert sweep.main(args) == 0
     trials = read_trials(tmp_path / "trials.csv")
@@ -54,10 +53,15 @@ def test_workers_on_one_host_run_exactly_the_grid(tmp_path, tiny_params):
     )
 
 
+@functools.cache
+def polled_storage(url: str) -> optuna.storages.RDBStorage:
+    """One storage per database for the polling below: making one checks (and creates) every table, CPU the
+    measured trials beside it would lose. No pool: each query's connection closes once answered."""
+    return optuna.storages.RDBStorage(url, engine_kwargs={"poolclass": sqlalchemy.pool.NullPool})
+
+
 def study_trials(url):
-    # No pool: this is polled, and every engine's pooled connection would stay open until garbage collected,
-    # running the server out of connections on a slow machine.
-    storage = optuna.storages.RDBStorage(url, engine_kwargs={"poolclass": sqlalchemy.pool.NullPool})
+    storage = polled_storage(url)
     names = optuna.get_all_study_names(storage)
     return optuna.load_study(study_name=names[0], storage=storage).get_trials(deepcopy=False) if names else []
 
@@ -98,10 +102,14 @@ def test_two_machines_on_postgresql_and_an_mlflow_server(tmp_path, tiny_params, 
                 "tracking": {"mlflow_uri": tracking.uri},
             },
         )
-        # Two "machines": the sweep stage, and a second worker joining its study.
+        # Two "machines": the sweep stage, and a second worker joining its study. Each has a CPU thread of its
+        # own, as each machine has its cores: two processes of all this host's threads would spin against each
+        # other for most of their time.
+        machine_env = os.environ | {"OMP_NUM_THREADS": "1"}
         first = subprocess.Popen(
             [sys.executable, "-m", "pipeline.sweep", *args],
             cwd=ROOT,
+            env=machine_env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -110,6 +118,7 @@ def test_two_machines_on_postgresql_and_an_mlflow_server(tmp_path, tiny_params, 
             second = subprocess.Popen(
                 [sys.executable, "-m", "pipeline.sweep", *args[:6], "--join", "--wait-s", "120"],
                 cwd=ROOT,
+                env=machine_env,
                 stdout=second_log,
                 stderr=subprocess.STDOUT,
             )
