@@ -928,12 +928,18 @@ def _batch_size_or_auto(text: str) -> int | str:
     return AUTO if text == AUTO else KNOB["batch_size"].rule.arg(int)(text)
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends an option's default to its help, unless the help says it already or the default is None (the
+    help says what stands in for it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = Parser(
-        prog="python -m rcnn.bench",
-        description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = Parser(prog="python -m rcnn.bench", description=__doc__, formatter_class=_DefaultsHelp)
     head = KNOB["head"]
     p.add_argument(
         head.flag,

@@ -3,7 +3,6 @@
 import json
 import re
 import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -13,6 +12,7 @@ import pytest
 from pipeline import compare, report
 from pipeline.results import comparisons_table, fastest, summarize_trials, write_table, write_trials
 from rcnn.detector.schema import KERNEL_COLUMNS
+from tests import launcher
 from tests.conftest import ROOT, fake_trials, write_tiny_params
 
 SECTIONS = [
@@ -175,12 +175,10 @@ def test_settings_are_ranked_by_time_per_image_not_per_step(tmp_path, tiny_param
 def test_missing_or_malformed_results_give_one_line(tmp_path, tiny_params, damage, message):
     folder = write_results(tmp_path / "results")
     damage(folder)
-    result = subprocess.run(
+    result = launcher.run(
         [sys.executable, "-m", "pipeline.report", "--params", str(tiny_params())]
         + report_args(folder, tmp_path / "out"),
         cwd=ROOT,
-        capture_output=True,
-        text=True,
     )
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out" / "report.md").exists()

@@ -166,7 +166,7 @@ def test_two_machines_on_postgresql_and_an_mlflow_server(tmp_path, tiny_params, 
         # The report, attached to the sweep's parent run: the artifact store gets report.html, figures,
         # trials.
         res = {key: str(tmp_path / name) for key, name in SWEEP_FILES.items()}
-        report = subprocess.run(
+        report = launcher.run(
             [
                 sys.executable,
                 "-m",
@@ -181,8 +181,6 @@ def test_two_machines_on_postgresql_and_an_mlflow_server(tmp_path, tiny_params, 
                 *(f"--{key}={res[key]}" for key in ("trials", "comparisons", "kernels", "summary", "env")),
             ],
             cwd=ROOT,
-            capture_output=True,
-            text=True,
             timeout=300,
         )
         assert report.returncode == 0, report.stderr

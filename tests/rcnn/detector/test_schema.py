@@ -64,6 +64,7 @@ def test_every_knobs_help_reads_in_the_bench_commands_help_as_written():
 
     shown = " ".join(_parser().format_help().split())  # argparse wraps lines and formats %
     assert "option_strings" not in shown  # a bare % in a help text prints the option's whole dict
+    assert "(default: None)" not in shown and shown.count("(default: resnet18_fpn)") == 1  # each said once
     for knob in KNOBS:
         assert " ".join(knob.help.split()) in shown, knob.name
 
