@@ -44,7 +44,7 @@ def test_the_wheel_installs_and_runs_from_anywhere(tmp_path):
     (wheel,) = (tmp_path / "wheels").glob("roi_head_sweep-*.whl")
 
     env = tmp_path / "env"
-    venv.create(env, with_pip=True)
+    venv.create(env, with_pip=False)  # this environment's pip installs into it (--python): no ensurepip
     python = env / "bin" / "python"
     site = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -56,7 +56,10 @@ def test_the_wheel_installs_and_runs_from_anywhere(tmp_path):
     (tmp_path / "env" / site.split(str(env) + "/")[1] / "reuse.pth").write_text(
         sysconfig.get_paths()["purelib"] + "\n"
     )
-    subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "-q", str(wheel)], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
+        check=True,
+    )
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
