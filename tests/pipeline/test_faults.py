@@ -103,7 +103,6 @@ def group_ended(group: int, wait_s: float = 10.0) -> bool:
 def test_a_stop_signal_ends_with_one_line_and_the_rerun_resumes(
     tmp_path, tiny_params, capsys, workers, send, cause, rerun
 ):
-    # FOUR_POINTS
     args = prepare(
         tmp_path,
         tiny_params,

@@ -34,6 +34,7 @@ def points(trials):
 
 @pytest.mark.slow
 def test_workers_on_one_host_run_exactly_the_grid(tmp_path, tiny_params):
+    # The two workers start together: four points give each a trial.
     args = prepare(
         tmp_path, tiny_params, SLOW | {"sweep": SLOW["sweep"] | {"workers": 2, "space": FOUR_POINTS}}
     )
