@@ -21,8 +21,8 @@ from mlflow import MlflowClient
 
 from pipeline import data, env
 
-# Trials long enough (15 timed steps: 0.7 s or more of measuring, the tiny linear head at batch 1 on a 2-core
-# AMD EPYC) for a process to be stopped in the middle of one.
+# Trials long enough (15 timed steps: 0.66-0.78 s of measuring for the tiny linear head at batch 1 on a 2-core
+# AMD EPYC, more at batch 2) for a process to be stopped in the middle of one.
 SLOW = {
     "timing": {"warmup": 1, "max_warmup": 1, "iterations": 15, "max_iterations": 15, "max_seconds": 60},
     "sweep": {"profile_steps": 0, "cross_check": False},

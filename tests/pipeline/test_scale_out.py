@@ -56,8 +56,8 @@ def test_workers_on_one_host_run_exactly_the_grid(tmp_path, tiny_params):
 
 @functools.cache
 def polled_storage(url: str) -> optuna.storages.RDBStorage:
-    """One storage per database for the polling below: making one checks (and creates) every table, CPU the
-    measured trials beside it would lose. No pool: each query's connection closes once answered."""
+    """One storage per database for the polling below, not a new one each poll (making one checks, and
+    creates, every table). No pool: each query's connection closes once answered."""
     return optuna.storages.RDBStorage(url, engine_kwargs={"poolclass": sqlalchemy.pool.NullPool})
 
 
