@@ -701,20 +701,20 @@ def test_cli_refuses_a_model_spec_that_names_nothing_with_one_line(capsys):
 
 @pytest.mark.slow  # the model built and stepped at each batch size tried: seconds
 def test_the_batch_size_search_finds_the_largest_batch_under_a_memory_limit(capsys):
-    limit = hungry_limit(5.5)  # batch 5 fits, 6 does not
-    search = find_batch_size(HUNGRY, knobs_for(CPU), image_size=16, device=CPU, limit_mb=limit)
-    assert search.largest == 5
-    assert [(t.batch_size, t.fits) for t in search.tried] == [
-        (1, True), (2, True), (4, True), (8, False), (6, False), (5, True)
-    ]  # fmt: skip
     with pytest.raises(ValueNotAllowed, match="memory_limit_mb: none set; a batch size search on cpu needs"):
         find_batch_size(HUNGRY, knobs_for(CPU), image_size=16, device=CPU, limit_mb=None)
 
+    limit = hungry_limit(5.5)  # batch 5 fits, 6 does not
     argv = ["--model", HUNGRY, "--image-size", "16", "--batch-size", "auto", "--memory-limit-mb", f"{limit}",
             "--warmup", "1", "--iterations", "2", "--max-iterations", "2", "--device", "cpu"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "the largest batch that fits is 5; tried 1 fits (peak " in out, out
+    # The search the command printed, every size it tried in order: doubling, then bisecting.
+    tried = re.search(r"the largest batch that fits is (\d+); tried (.*)", out)
+    assert tried and tried[1] == "5", out
+    assert re.findall(r"(\d+) (fits|does not) \(peak", tried[2]) == [
+        ("1", "fits"), ("2", "fits"), ("4", "fits"), ("8", "does not"), ("6", "does not"), ("5", "fits")
+    ], out  # fmt: skip
     assert "3 batch sizes stepped in turn, 2 rounds, fastest per sample first:" in out, out
     rows = re.findall(r"^ +(\d+) +[\d.]+ +[\d.]+ \[[\w.]+, [\w.]+\] +([\d.]+) \[", out, re.M)
     assert sorted(int(size) for size, _ in rows) == [1, 2, 5] and rows[0][1] == "1.00", out
