@@ -34,7 +34,17 @@ import types
 from pathlib import Path
 
 # What the warm interpreter imports before any fork: the third-party libraries the commands start with.
-PRELOADED = ("numpy", "pandas", "yaml", "torch", "torchvision.models.detection", "optuna", "mlflow")
+PRELOADED = (
+    "numpy",
+    "pandas",
+    "scipy.stats",
+    "tabulate",
+    "yaml",
+    "torch",
+    "torchvision.models.detection",
+    "optuna",
+    "mlflow",
+)
 PYTHONS = ("python", "python3")  # argv[0] names that mean "the interpreter", besides sys.executable's path
 # Read once, as an interpreter or a preloaded library starts: a command whose value differs from the warm
 # interpreter's runs cold.
