@@ -37,6 +37,7 @@ from pathlib import Path
 PRELOADED = (
     "numpy",
     "pandas",
+    "matplotlib.pyplot",
     "scipy.stats",
     "tabulate",
     "yaml",
@@ -58,6 +59,8 @@ STARTUP_KEYS = (
     "LANG",
     "OMP_NUM_THREADS",
     "MKL_NUM_THREADS",
+    "MPLBACKEND",
+    "MPLCONFIGDIR",
     "CUDA_VISIBLE_DEVICES",
 )
 
