@@ -1,3 +1,5 @@
+import time
+
 import pytest
 import torch
 
@@ -85,6 +87,35 @@ def test_what_no_module_created_is_outside_and_small(monkeypatch, one_thread):
     assert table.loc[ROOT, "backward_inclusive_ms"] + outside == pytest.approx(totals["backward_ms"])
     timer.remove()
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in workload.model.modules())
+
+
+class SlowGradients(torch.nn.Module):
+    """Two Linears whose weights' gradient hooks sleep: the work of their AccumulateGrad nodes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+        self.first.weight.register_hook(lambda grad: time.sleep(0.02))
+        self.second.weight.register_hook(lambda grad: time.sleep(0.01))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+
+def test_a_parameters_gradient_accumulation_is_charged_to_its_module_unhooked(one_thread):
+    model = SlowGradients()
+    timer = ModuleTimer(model, Clock(CPU))
+    for _ in range(2):
+        with timer.forward():
+            loss = model(torch.randn(4, 8)).sum()
+        with timer.backward():  # the first's weight accumulates last, after every hooked node
+            loss.backward()
+        table, totals = timer.step_table()
+    backward = table["backward_ms"]
+    assert 0.98 * 20 <= backward["first"] < 20 + 6 and 0.98 * 10 <= backward["second"] < 10 + 6
+    assert 0 < backward[OUTSIDE] < 0.05 * totals["backward_ms"]
+    assert backward.sum() == pytest.approx(totals["backward_ms"])
+    timer.remove()
 
 
 def test_flops_by_module_match_flop_counter_mode(monkeypatch):
