@@ -7,13 +7,13 @@ starts and ends. Autograd may interleave the nodes of different branches, so tim
 backward hooks would charge one module's work to another; per-node marks cannot. Node hooks also leave
 tensors alone, unlike module full-backward hooks, which break on ``ReLU(inplace=True)``.
 
-A parameter's ``AccumulateGrad`` node is the one node not hooked: it outlives the step (the next forward
-reuses it while the last graph is alive, and a training loop keeps its last loss until the next forward), and
-a Python hook, even once removed, leaves a wrapper on it that takes the GIL for every parameter in every later
-backward: slow once another Python thread runs. The engine runs it as soon as its gradient is ready, so its
-work is charged as the time from the end of the node that fed it to the next node's start on that thread.
-Other time between nodes (the autograd engine's own work, hooks on tensors) and nodes created outside every
-module (a loss computed after the model) form the ``OUTSIDE`` row, so the rows add up to the step's backward.
+Time between nodes (the autograd engine's own work: summing the gradients of a tensor used twice, hooks on
+tensors, accumulating each parameter's gradient into ``.grad``) and nodes created outside every module (a loss
+computed after the model) form the ``OUTSIDE`` row, so the rows add up to the step's backward. A parameter's
+``AccumulateGrad`` node is left unhooked because it outlives the step: the next forward reuses it while the
+last graph is alive (a training loop holds its last loss until the next forward), and a Python hook removed
+from a node leaves a wrapper there that takes the GIL in every later backward, which waits milliseconds for
+it once another Python thread runs (a data loader's, a logger's).
 
 Activation memory: while the model runs forward, a saved-tensors hook (``torch.autograd.graph``) sees every
 tensor autograd saves for backward and charges its storage, once, to the innermost module running; the
@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
@@ -81,7 +80,7 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int | None, int] | None:
 
 
 def _accumulates(node: Any) -> bool:
-    """Whether an autograd node is a leaf's (a parameter's) AccumulateGrad node."""
+    """Whether an autograd node is a leaf's (a parameter's) AccumulateGrad node: never hooked (module doc)."""
     return type(node).__name__ == "AccumulateGrad"
 
 
@@ -185,10 +184,6 @@ class ModuleTimer:
         self._calls: list[_Call] = []
         self._owners: dict[Any, tuple[str, ...]] = {}  # autograd node -> module stack at its creation
         self._starts: dict[Any, Any] = {}  # autograd node -> the mark of its backward's start
-        self._feeds_leaves: set[Any] = set()  # the recorded nodes with an AccumulateGrad node next
-        # thread -> (owner, end, profiler range) of the last node run there that fed AccumulateGrad nodes,
-        # until the next node starts there
-        self._fed_leaves: dict[int, tuple[tuple[str, ...], Any, record_function | None]] = {}
         self._spans: list[tuple[tuple[str, ...], Any, Any]] = []  # (owner, start, end) of each node run
         self._peaks: Counter[str] = Counter()  # module -> peak bytes allocated during its backward (CUDA)
         self._node_handles: list = []
@@ -263,8 +258,6 @@ class ModuleTimer:
             if node is None or node in self._owners:
                 continue
             self._owners[node] = owner
-            if any(_accumulates(next_node) for next_node, _ in node.next_functions):
-                self._feeds_leaves.add(node)
             self._node_handles += [
                 node.register_prehook(functools.partial(self._node_start, node)),
                 node.register_hook(functools.partial(self._node_end, node)),
@@ -310,9 +303,7 @@ class ModuleTimer:
             return
         if self.clock.cuda:
             torch.cuda.reset_peak_memory_stats()
-        start = self._starts[node] = self.clock.mark()
-        if (fed := self._fed_leaves.pop(threading.get_ident(), None)) is not None:
-            self._leaves_accumulated(*fed, start)
+        self._starts[node] = self.clock.mark()
         self._running = self._owners[node]
         if self.ranges:
             self._node_ranges[node] = _range(f"backward: {self._running[-1] if self._running else OUTSIDE}")
@@ -321,23 +312,14 @@ class ModuleTimer:
         start = self._starts.pop(node, None)
         if start is None:
             return
-        owner, end = self._owners[node], self.clock.mark()
-        self._spans.append((owner, start, end))
+        owner = self._owners[node]
+        self._spans.append((owner, start, self.clock.mark()))
         if (opened := self._node_ranges.pop(node, None)) is not None:
             opened.__exit__(None, None, None)
-        if node in self._feeds_leaves:  # its AccumulateGrad nodes run next, on this thread
-            leaves = _range(f"backward: {owner[-1] if owner else OUTSIDE}") if self.ranges else None
-            self._fed_leaves[threading.get_ident()] = (owner, end, leaves)
         if self.clock.cuda:
             name = owner[-1] if owner else OUTSIDE
             self._peaks[name] = max(self._peaks[name], torch.cuda.max_memory_allocated())
         self._running = ()
-
-    def _leaves_accumulated(self, owner: tuple[str, ...], start: Any, range_: Any, end: Any) -> None:
-        """Book the AccumulateGrad runs from ``start`` (the end of the node that fed them) to ``end``."""
-        self._spans.append((owner, start, end))
-        if range_ is not None:
-            range_.__exit__(None, None, None)
 
     def _cells(self) -> list[tuple[str, str]]:
         """The (module, column) cells of the FLOP table a count made now goes to: in forward, the innermost
@@ -377,14 +359,10 @@ class ModuleTimer:
         """Backward runs of the step's recorded nodes so far: more after a backward that ran the model's."""
         return len(self._spans)
 
-    def backward_ended(self, end: Any, consumed: bool = True) -> None:
-        """After a backward that ended at the mark ``end``; ``consumed``: it ran the model's graph (else
-        another's: nothing to book)."""
+    def backward_ended(self, consumed: bool = True) -> None:
+        """After a backward; ``consumed``: it ran the model's graph (else another's: nothing to book)."""
         self._in_backward = False
         self._starts.clear()
-        fed, self._fed_leaves = self._fed_leaves, {}
-        for owner, after, range_ in fed.values():  # the backward's last AccumulateGrad runs
-            self._leaves_accumulated(owner, after, range_, end)
         if not consumed:
             return
         # The graph just consumed is freed: what the next forwards save is another graph's.
@@ -402,7 +380,7 @@ class ModuleTimer:
         for handle in getattr(self, "_node_handles", []):
             handle.remove()
         self._node_handles = []
-        self._owners, self._feeds_leaves = {}, set()
+        self._owners = {}
 
     # -- the step
 
@@ -426,13 +404,12 @@ class ModuleTimer:
         """Run the step's backward inside this."""
         start = self.clock.mark()
         self.backward_started()
-        with self.phase_range("backward"):  # which holds the profiler range of the last AccumulateGrad runs
-            try:
+        try:
+            with self.phase_range("backward"):
                 yield
-            finally:
-                end = self.clock.mark()
-                self.record_phase("backward", start, end)
-                self.backward_ended(end)
+        finally:
+            self.record_phase("backward", start, self.clock.mark())
+            self.backward_ended()
             self.release_nodes()
 
     @contextlib.contextmanager

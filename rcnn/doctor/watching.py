@@ -231,16 +231,16 @@ class Watch:
         before = timer.node_runs()
         start = self.clock.mark()
         timer.backward_started()
-        with (
-            self._counting if self._counting is not None else contextlib.nullcontext(),
-            timer.phase_range("backward"),  # which holds the profiler range of the last AccumulateGrad runs
-        ):
-            try:
+        try:
+            with (
+                self._counting if self._counting is not None else contextlib.nullcontext(),
+                timer.phase_range("backward"),
+            ):
                 out = run()
-            finally:
-                end = self.clock.mark()
-                ran = timer.node_runs() > before  # else some other graph's: the step's forward goes on
-                timer.backward_ended(end, consumed=ran)
+        finally:
+            end = self.clock.mark()
+            ran = timer.node_runs() > before  # else some other graph's: the step's forward goes on
+            timer.backward_ended(consumed=ran)
         if ran:
             if self._forward_start is not None:
                 timer.record_phase("forward", self._forward_start, start)

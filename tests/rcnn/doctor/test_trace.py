@@ -1,4 +1,5 @@
-"""The trace: torch.profiler's own, with every backward op inside the range of the module that made it."""
+"""The trace: torch.profiler's own, with every backward op inside the range of the module that made it (but
+accumulating the weights' gradients, the engine's)."""
 
 import json
 import re
@@ -16,6 +17,7 @@ from rcnn.measure.clock import Clock
 CPU = torch.device("cpu")
 # An autograd node's own event: AddmmBackward0, ..., and the leaves' AccumulateGrad
 NODE = re.compile(r"^([A-Za-z0-9_]+Backward\d*|torch::autograd::AccumulateGrad)$")
+ACCUMULATE = "torch::autograd::AccumulateGrad"
 
 
 class Twice(nn.Module):
@@ -61,6 +63,11 @@ def test_every_backward_op_lies_in_exactly_one_module_range_the_one_that_made_it
     owner = {}
     for node in nodes:
         around = [r for r in ranges if r["tid"] == node["tid"] and inside(node, r)]
+        if (
+            node["name"] == ACCUMULATE
+        ):  # unhooked (rcnn.doctor.attribution): the engine's, as (outside modules)
+            assert not around
+            continue
         assert len(around) == 1, node["name"]
         owner.setdefault(node["name"], set()).add(around[0]["name"].removeprefix(BACKWARD))
     assert owner["ConvolutionBackward0"] == {"conv"}
@@ -68,7 +75,7 @@ def test_every_backward_op_lies_in_exactly_one_module_range_the_one_that_made_it
     assert owner["AddmmBackward0"] == {"shared", "score"}
     assert owner["TanhBackward0"] == {ROOT}  # torch.tanh in the model's own forward
     assert owner["PowBackward0"] == owner["MeanBackward0"] == {OUTSIDE}  # the loss, after the model
-    assert owner["torch::autograd::AccumulateGrad"] == {"conv", "shared", "score"}  # each weight's module
+    assert sum(node["name"] == ACCUMULATE for node in nodes) >= 3  # the weights of conv, shared, score
     # The shared Linear's two calls: two nodes, each in a range of its own.
     assert sum(r["name"] == f"{BACKWARD}shared" for r in ranges) >= 2
     # And the modules ranged are those the doctor charges backward time to.
