@@ -1,11 +1,12 @@
 """Forward and backward time of every module of any model in a training step, with its FLOPs.
 
-Backward work is charged to the module whose forward created it. While the model runs forward, each
-autograd node is recorded with the stack of modules active when it was created (``torch.utils.module_tracker``
-knows the active module the same way, but not per node); in backward, hooks on every node mark when it
-starts and ends. Autograd may interleave the nodes of different branches, so timing between module-level
-backward hooks would charge one module's work to another; per-node marks cannot. Node hooks also leave
-tensors alone, unlike module full-backward hooks, which break on ``ReLU(inplace=True)``.
+Backward work is charged to the module whose forward created it. While the model runs forward, each autograd
+node is recorded with the stack of modules active when it was created (``torch.utils.module_tracker`` knows
+the active module the same way, but not per node); in backward, hooks on every node (but a parameter's
+AccumulateGrad, below) mark when it starts and ends. Autograd may interleave the nodes of different branches,
+so timing between module-level backward hooks would charge one module's work to another; per-node marks
+cannot. Node hooks also leave tensors alone, unlike module full-backward hooks, which break on
+``ReLU(inplace=True)``.
 
 Time between nodes (the autograd engine's own work: summing the gradients of a tensor used twice, hooks on
 tensors, accumulating each parameter's gradient into ``.grad``) and nodes created outside every module (a loss
@@ -500,8 +501,9 @@ class ModuleTimer:
 
     def remove(self) -> None:
         """Take every hook off the model and its autograd nodes: it runs as if never timed."""
-        for handle in [*self._handles, *self._node_handles]:
+        for handle in self._handles:
             handle.remove()
-        self._handles, self._node_handles = [], []
+        self._handles = []
+        self.release_nodes()  # also a step cut short: its graph is let go of
         self._stop_saving()
         self.active = False

@@ -3,7 +3,8 @@
 torch.profiler's trace shows backward ops with no module: a ``record_function`` opened in a module's forward
 does not cover the backward kernels it leads to, and ``with_modules`` is TorchScript's only. The doctor knows,
 for every autograd node, the module whose forward created it (rcnn.doctor.attribution), so it opens a
-profiler range in each node's pre-hook and closes it in its post-hook: ``backward: <module>`` around the
+profiler range in each node's pre-hook and closes it in its post-hook (a parameter's AccumulateGrad, which
+gets no hook, stays outside every module's range): ``backward: <module>`` around the
 node's ops (and, on CUDA, their kernels, which the profiler correlates with the ops that launched them).
 Forward ops sit in ``forward: <module>`` ranges, one per call, nested as the modules are; the step's phases
 are ``step: forward`` and ``step: backward``. The file is Chrome trace-event JSON: it opens in

@@ -101,8 +101,8 @@ def _graph(node: Any) -> list:
 
 
 class SlowGradients(torch.nn.Module):
-    """Two Linears whose weights' gradient hooks sleep: work of the engine's that runs with each weight's
-    AccumulateGrad node."""
+    """Two Linears whose weights' gradient hooks sleep: work the engine runs between nodes, with each weight's
+    AccumulateGrad node, whose time was once charged to the module that fed it."""
 
     def __init__(self) -> None:
         super().__init__()

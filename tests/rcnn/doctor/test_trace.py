@@ -63,10 +63,8 @@ def test_every_backward_op_lies_in_exactly_one_module_range_the_one_that_made_it
     owner = {}
     for node in nodes:
         around = [r for r in ranges if r["tid"] == node["tid"] and inside(node, r)]
-        if (
-            node["name"] == ACCUMULATE
-        ):  # unhooked (rcnn.doctor.attribution): the engine's, as (outside modules)
-            assert not around
+        if node["name"] == ACCUMULATE:
+            assert not around  # unhooked (rcnn.doctor.attribution): the engine's, as (outside modules)
             continue
         assert len(around) == 1, node["name"]
         owner.setdefault(node["name"], set()).add(around[0]["name"].removeprefix(BACKWARD))
