@@ -132,7 +132,7 @@ def test_the_hooks_come_off_after_the_steps_and_the_loop_then_runs_as_unwatched(
     watching, _, _ = median_ratio(on["busy"]["step"], on["plain"]["step"])
     detached, _, _ = median_ratio(off["watched"]["backward"], off["plain"]["backward"])
     assert watching > 1.3  # the hooks cost this much on tiny layers: the check below can see them
-    assert detached == pytest.approx(1.0, abs=0.12)
+    assert 0.8 < detached < 1.12  # what a hook left behind would add (1.4-2.2x seen); below 1 is noise alone
 
 
 def test_two_watches_at_once_detach_each_in_its_optimizer_hook():
