@@ -15,9 +15,9 @@ from rcnn.doctor.workloads import Workload
 from rcnn.measure.clock import Clock
 
 CPU = torch.device("cpu")
-# An autograd node's own event: AddmmBackward0, ..., and the leaves' AccumulateGrad
-NODE = re.compile(r"^([A-Za-z0-9_]+Backward\d*|torch::autograd::AccumulateGrad)$")
 ACCUMULATE = "torch::autograd::AccumulateGrad"
+# An autograd node's own event: AddmmBackward0, ..., and the leaves' AccumulateGrad
+NODE = re.compile(rf"^([A-Za-z0-9_]+Backward\d*|{ACCUMULATE})$")
 
 
 class Twice(nn.Module):
