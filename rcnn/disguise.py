@@ -7,6 +7,9 @@ A convolution with one group, no padding and no dilation is one GEMM when it reu
 - ``patches``: stride equal to the kernel (a ViT's patch embedding): a matrix product over non-overlapping
   patches.
 Convolution kernels are tuned for reused pixels; run as GEMMs these get the matmul kernels of nn.Linear.
+
+And one pooling that is a sparse matrix product: torchvision's ``RoIAlign`` and ``MultiScaleRoIAlign``
+(``roi-align``), whose every output bin is a fixed bilinear sum of feature positions (rcnn.fix.roi_align).
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from __future__ import annotations
 from torch import nn
 
 FIX = "run it as a matrix product (rcnn.fix.linearize)"
+SPARSE_FIX = "compute it as a sparse matrix product (rcnn.fix.linearize)"
+# torchvision's poolings that are sparse matrix products, by qualified class name (no torchvision import here)
+ROI_ALIGNS = ("torchvision.ops.poolers.MultiScaleRoIAlign", "torchvision.ops.roi_align.RoIAlign")
 # Each kind as one matrix product written by hand: for a convolution rcnn.fix cannot swap (rcnn.fix.GEMMS
 # holds the same, channels-last memory included).
 BY_HAND = {
@@ -50,3 +56,17 @@ def gemm_kind(conv: nn.Module, input_shape: tuple[int, ...]) -> tuple[str, str] 
             f"{_shape(spatial)} input",
         )
     return None
+
+
+def sparse_kind(module: nn.Module) -> tuple[str, str] | None:
+    """(kind, evidence) for torchvision's RoIAlign or MultiScaleRoIAlign (or a subclass of one), a sparse
+    matrix product in disguise whatever its input; None for any other module."""
+    names = {f"{c.__module__}.{c.__qualname__}" for c in type(module).__mro__}
+    if not names & set(ROI_ALIGNS):
+        return None
+    ratio = getattr(module, "sampling_ratio", None)
+    return (
+        "roi-align",
+        "RoIAlign is linear in its features: each output bin a fixed bilinear sum of at most 4 x "
+        f"sampling_ratio^2 positions (sampling_ratio {ratio})",
+    )

@@ -166,9 +166,9 @@ def _print_compared(compared: pd.DataFrame, top: int) -> None:
 def _print_fix(fixed: Fixed, top: int) -> None:
     s = fixed.summary
     print(
-        f"\nThe fix (rcnn.fix.linearize, mode auto): {s['swapped']} of {s['eligible']} eligible convolutions "
-        "swapped unless the convolution was shown over 5% faster; forward + backward ms of either path at "
-        "each one's input, stepped in turn, and GEMM / conv with its 95% CI:"
+        f"\nThe fix (rcnn.fix.linearize, mode auto): {s['swapped']} of {s['eligible']} eligible modules "
+        "swapped unless the module as written was shown over 5% faster; forward + backward ms as written and "
+        "as the fix at each one's input, stepped in turn, and fixed / original with its 95% CI:"
     )
     if len(fixed.swaps):
         print(fixed.swaps.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
@@ -275,7 +275,7 @@ def _run(args: argparse.Namespace) -> None:
     paths = matmul_paths(device, DTYPES[dtype])
     copy_peak(device)  # measured once per process: the diagnosis's why rows then read it, outside the bound
     policy = timing_policy(args, defaults=POLICY)  # its deadline, --max-seconds from now, bounds the rest
-    timings: dict = {}  # the flags' GEMM timings, which the fix's swaps then read: one decision each
+    timings: dict = {}  # the flags' timings, which the fix's swaps then read: one decision each
     compared = None
     if args.eager_too:  # --fix is refused with --compile: the whole bound is the diagnosis's
         diagnosis, compared = diagnose_beside_eager(

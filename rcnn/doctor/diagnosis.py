@@ -90,7 +90,7 @@ def diagnose(
         peak_tflops: the measured matmul peak for the dtype ``amp`` computes in; None leaves peak fractions
             NaN.
         explain: profile a step and build the why table (rcnn.doctor.verdict); False leaves it empty.
-        timings: the flags' GEMM timings, shared with ``fix`` (rcnn.fix.gemm_timing): a dict to fill, or
+        timings: the flags' timings, shared with ``fix`` (rcnn.fix.fix_timing): a dict to fill, or
             None for the diagnosis's own.
 
     Returns:
@@ -214,7 +214,7 @@ FIX_SHARES = {"linearize": 0.3, "after": 0.5}
 
 @dataclass(frozen=True)
 class Fixed:
-    swaps: pd.DataFrame  # rcnn.fix.Swap fields: one row per eligible convolution
+    swaps: pd.DataFrame  # rcnn.fix.Swap fields: one row per eligible module
     after: Diagnosis | None
     summary: dict[str, Any]  # per phase: the after/before ratio of medians with its paired bootstrap 95% CI
 

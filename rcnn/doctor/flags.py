@@ -1,9 +1,10 @@
 """The doctor's flags. A flag is a claim that fixing the module saves time, so each is measured: a convolution
-that is a matrix product at the shape it saw (rcnn.disguise) is flagged ``gemm-in-disguise:<kind>`` only where
-its GEMM, timed in turn with the convolution at that input, is faster with a 95% CI that excludes 1
-(rcnn.fix.gemm_timing: the timing rcnn.fix.linearize decides its swaps by, shared through one ``timings``
+that is a matrix product at the shape it saw (rcnn.disguise) is flagged ``gemm-in-disguise:<kind>``, and
+torchvision's RoIAlign (a sparse matrix product whatever its input) ``spmm-in-disguise:roi-align``, only where
+the fix, timed in turn with the module as written at its input, is faster with a 95% CI that excludes 1
+(rcnn.fix.fix_timing: the timing rcnn.fix.linearize decides its swaps by, shared through one ``timings``
 dict, so every flagged module is one linearize swaps; it also swaps those where no difference was shown or the
-convolution's lead was not shown beyond 5%, which no flag claims). Each flag carries what the fix saves per
+original's lead was not shown beyond 5%, which no flag claims). Each flag carries what the fix saves per
 step, with its CI; flags rank by it."""
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ from dataclasses import dataclass
 import pandas as pd
 from torch import nn
 
-from rcnn.disguise import BY_HAND, FIX, gemm_kind
+from rcnn.disguise import BY_HAND, FIX, SPARSE_FIX, gemm_kind, sparse_kind
 from rcnn.doctor.attribution import ModuleTimer, modules_by_name
-from rcnn.fix import CONVS, AsLinear, PathTiming, as_linear_class, gemm_timing
+from rcnn.fix import CONVS, AsLinear, PathTiming, as_linear_class, fix_timing, sparse_class
+from rcnn.fix.roi_align import SPARSE_CLASSES
+from rcnn.measure.inputs import Seen
 
 GEMM_FLAG = "gemm-in-disguise"
-LINEARIZED = "linearized"  # the evidence of a swapped convolution that runs as a matrix product: no flag
-CHECKED = "checked"  # the evidence of an eligible convolution whose GEMM was not shown faster: no flag
+SPARSE_FLAG = "spmm-in-disguise"
+LINEARIZED = "linearized"  # the evidence of a swapped module that runs as a matrix product: no flag
+CHECKED = "checked"  # the evidence of an eligible module whose fix was not shown faster: no flag
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,14 @@ def _runs_as_gemm(module: nn.Module, input_shape: tuple[int, ...]) -> bool:
 
 
 def _fix_for(module: nn.Module, kind: str) -> str:
-    """What fixes a GEMM in disguise: rcnn.fix.linearize, or for a subclass it leaves alone, what would."""
+    """What fixes a disguise: rcnn.fix.linearize, or for a subclass it leaves alone, what would."""
+    if kind == "roi-align":
+        if sparse_class(type(module)) is not None:
+            return f"fix: {SPARSE_FIX}"
+        return (
+            f"a subclass with its own forward ({type(module).__name__}): rcnn.fix.linearize leaves it alone; "
+            "fix: pool with rcnn.fix.roi_align.roi_align, torchvision's function as a sparse matrix product"
+        )
     if as_linear_class(type(module)) is not None:
         return f"fix: {FIX}"
     base = next(c for c in type(module).__mro__ if c in CONVS)
@@ -58,6 +69,16 @@ def _fix_for(module: nn.Module, kind: str) -> str:
     )
 
 
+def _candidates(timer: ModuleTimer, modules: Mapping[str, nn.Module]) -> dict[str, object]:
+    """Each module the doctor checks for a disguise, with what it saw: a convolution with weights its Seen, a
+    pooling its first call's inputs."""
+    seen: dict[str, object] = dict(timer.seen)
+    for name, call in timer.inputs.items():
+        if sparse_kind(modules[name]) is not None:
+            seen[name] = call
+    return seen
+
+
 def flags(
     model: nn.Module,
     timer: ModuleTimer,
@@ -66,14 +87,14 @@ def flags(
     timings: dict | None = None,
     deadline: float | None = None,
 ) -> dict[str, Finding]:
-    """module name -> Finding for every convolution that is a GEMM in disguise at the shape it saw: flagged
-    where its GEMM is shown faster (rcnn.fix.gemm_timing, measured now, or found in ``timings``), its saving
+    """module name -> Finding for every module that is a matrix product in disguise at what it saw: flagged
+    where its fix is shown faster (rcnn.fix.fix_timing, measured now, or found in ``timings``), its saving
     per step from the calls a step ``table`` holds; else no flag, the evidence saying what was checked. A
-    convolution rcnn.fix swapped that runs as its matrix product: no flag, evidence ``linearized: ...``.
+    module rcnn.fix swapped that runs as its matrix product: no flag, evidence ``linearized: ...``.
 
     ``timings``: the dict rcnn.fix.linearize_with shares its timings through (None: this call's own);
     ``deadline`` (``time.monotonic()`` seconds): the timings take fewer rounds where theirs would end past it,
-    but for the longest convolution's, which the deadline moves for as far as a decision needs.
+    but for the longest module's, which the deadline moves for as far as a decision needs.
     """
     out: dict[str, Finding] = {}
     modules = modules_by_name(model)
@@ -81,31 +102,36 @@ def flags(
     # the longest first: where a deadline cuts the timings short, those that matter most are decided, and
     # the longest of all whatever the deadline (its timing gets the rounds a decision needs)
     own = table["forward_ms"] + table["backward_ms"] if "forward_ms" in table else table["calls"]
+    candidates = _candidates(timer, modules)
     first = True
-    for name in sorted(timer.seen, key=lambda n: -float(own.get(n, 0.0))):
-        seen = timer.seen[name]
+    for name in sorted(candidates, key=lambda n: -float(own.get(n, 0.0))):
+        seen = candidates[name]
         module = modules[name]
-        if _runs_as_gemm(module, seen.input_shape):
+        if isinstance(module, SPARSE_CLASSES):
+            out[name] = Finding("", f"{LINEARIZED}: runs as a sparse matrix product (roi-align, rcnn.fix)")
+            continue
+        if isinstance(seen, Seen) and _runs_as_gemm(module, seen.input_shape):
             out[name] = Finding("", f"{LINEARIZED}: runs as one matrix product ({module.gemm}, rcnn.fix)")
             continue
-        found = gemm_kind(module, seen.input_shape)
+        found = gemm_kind(module, seen.input_shape) if isinstance(seen, Seen) else sparse_kind(module)
         if found is None:
             continue
         kind, evidence = found
-        timing = gemm_timing(module, seen, timings=timings, deadline=deadline, decide=first)
+        flag = f"{GEMM_FLAG if isinstance(seen, Seen) else SPARSE_FLAG}:{kind}"
+        timing = fix_timing(module, seen, timings=timings, deadline=deadline, decide=first)
         first = False
-        assert timing is not None  # gemm_kind found it: a GEMM in disguise at this input
-        if not timing.gemm_faster:
-            checked = f"{CHECKED} as {GEMM_FLAG}:{kind}: {evidence}; {timing.describe()}"
+        assert timing is not None  # a disguise at this input
+        if not timing.fix_faster:
+            checked = f"{CHECKED} as {flag}: {evidence}; {timing.describe()}"
             out[name] = Finding("", checked, timing=timing)
             continue
         calls = float(table.loc[name, "calls"])
-        timed = float(timer.calls_as_seen.get(name, calls) or calls)
+        timed = float(timer.calls_as_seen.get(name, calls) or calls) if isinstance(seen, Seen) else calls
         # what it saves at the input it was timed at: a call at another shape (an RPN head on the other FPN
         # levels) was not timed, so it counts for nothing
         at = f" ({timed:.3g} of its {calls:.3g} calls a step are at that input)" if timed < calls else ""
         out[name] = Finding(
-            f"{GEMM_FLAG}:{kind}",
+            flag,
             f"{evidence}; {timing.describe()}{at}; {_fix_for(module, kind)}",
             saves_ms=timing.saves_ms * timed,
             saves_ci_low=timing.saves_ci_low * timed,

@@ -594,7 +594,7 @@ def _fix(fix: dict | None, swaps: pd.DataFrame | None) -> str:
             )
     if swaps is not None:
         parts.append("<h3>Swaps</h3>")
-        parts.append(_table(swaps, "swaps") if len(swaps) else '<p class="note">No eligible convolution.</p>')
+        parts.append(_table(swaps, "swaps") if len(swaps) else '<p class="note">No eligible module.</p>')
     return "".join(parts)
 
 

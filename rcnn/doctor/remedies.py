@@ -8,7 +8,9 @@ The entries:
   ``roi_align`` adds each output bin's gradient at ``sampling_ratio`` x ``sampling_ratio`` points, four
   bilinear weights each, into the features' gradient; torchvision's CPU kernel does it in one serial loop
   (``torchvision/csrc/ops/cpu/roi_align_kernel.cpp``: no parallel_for), its CUDA kernel with atomic adds.
-  Measured: ``sampling_ratio`` 1, half the RoIs, and one thread where torch computes with more.
+  Measured: ``sampling_ratio`` 1, half the RoIs, and one thread where torch computes with more. The same
+  function computed as a sparse matrix product is rcnn.fix's (``linearize``; the doctor's flag
+  ``spmm-in-disguise:roi-align`` says what it saves); once swapped, its own entry says so.
 """
 
 from __future__ import annotations
@@ -101,7 +103,21 @@ def _roi_align_variants(module: nn.Module, inputs: Inputs) -> dict[str, Variant]
     return variants
 
 
-REMEDIES = (
+_ROI_LEVERS = (
+    "a smaller sampling_ratio and fewer RoIs change what it computes (fewer samples per bin, fewer boxes "
+    "learned from)"
+)
+REMEDIES = (  # the first whose classes a module's class is, or derives from, applies
+    Remedy(
+        classes=("rcnn.fix.roi_align.SparseMultiScaleRoIAlign", "rcnn.fix.roi_align.SparseRoIAlign"),
+        does=(
+            "computed as a sparse matrix product (rcnn.fix.roi_align): its backward multiplies the output's "
+            "gradient by the transposed sampling matrix, every feature position's sum in parallel and in one "
+            "fixed order; its cost grows with RoIs x channels x output_size^2 x the positions each bin reads"
+        ),
+        variants=_roi_align_variants,
+        meaning=f"{_ROI_LEVERS}; it is computed as a sparse matrix product already",
+    ),
     Remedy(
         classes=("torchvision.ops.poolers.MultiScaleRoIAlign", "torchvision.ops.roi_align.RoIAlign"),
         does=(
@@ -111,8 +127,8 @@ REMEDIES = (
             "torchvision's CPU kernel runs it in one serial loop"
         ),
         variants=_roi_align_variants,
-        meaning="a smaller sampling_ratio and fewer RoIs change what it computes (fewer samples per bin, "
-        "fewer boxes learned from): no same-function fix is known",
+        meaning=f"{_ROI_LEVERS}; the same function computed as a sparse matrix product is "
+        "rcnn.fix.linearize's (rcnn.fix.SparseMultiScaleRoIAlign)",
     ),
 )
 

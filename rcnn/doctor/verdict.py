@@ -439,21 +439,28 @@ def _remedy(
     deadline: float | None,
 ) -> str:
     """What would make it faster: the flag's fix and its saving; for a known kind of module its measured
-    levers (rcnn.doctor.remedies); a convolution checked as a GEMM says so; else NO_FIX."""
+    levers (rcnn.doctor.remedies), after the flag where it has one; a module checked as a disguise says so;
+    else NO_FIX."""
+    known = remedies.remedy_for(module)
+    levers = (
+        remedies.measure(known, module, timer.inputs[name], device, deadline)
+        if known and name in timer.inputs
+        else None
+    )
     if finding and finding.flag:
-        return (
+        saving = (
             f"{finding.evidence}: saves {finding.saves_ms:.2f} ms a step [95% CI {finding.saves_ci_low:.2f}, "
             f"{finding.saves_ci_high:.2f}]"
         )
-    known = remedies.remedy_for(module)
-    if known and name in timer.inputs:
-        return remedies.measure(known, module, timer.inputs[name], device, deadline)
+        return f"{saving}. {levers}" if levers else saving
+    if levers:
+        return levers
     if finding and finding.evidence.startswith(LINEARIZED):  # fixed already
         return finding.evidence
     if finding and finding.timing and finding.timing.swaps:
-        if finding.timing.ci_low > 1:  # the conv faster, by under the 5% the fix aims at
+        if finding.timing.ci_low > 1:  # the original faster, by under the 5% the fix aims at
             return f"{finding.evidence}; linearize would swap it (a slowdown of under 5%, within its aim)"
         return f"{finding.evidence}; linearize would swap it (no saving shown)"
-    if finding:  # checked as a GEMM and shown slower
+    if finding:  # checked as a disguise and shown slower
         return f"{finding.evidence}; {remedies.NO_FIX}"
     return remedies.NO_FIX

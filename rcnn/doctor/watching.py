@@ -92,7 +92,7 @@ class Watch:
         # With a deadline, the steps get STEPS_SHARE of the time to it, the verdict (flags, why rows) the rest
         self._steps_policy = policy
         self.peak_tflops, self.explain = peak_tflops, explain
-        self.timings = {} if timings is None else timings  # the flags' GEMM timings (rcnn.fix.gemm_timing)
+        self.timings = {} if timings is None else timings  # the flags' timings (rcnn.fix.fix_timing)
         self.device = device_of(model)
         self.clock = Clock(self.device)
         self.detached = False
@@ -600,7 +600,7 @@ def watch(
         explain: profile the step after warm-up (what each module's backward ran; trace.json) and build a
             why row for each module that matters and each flag, after the loop: their backward alone, their
             bound, the measured remedies (rcnn.doctor.verdict). False: the table and flags only.
-        timings: a dict shared with rcnn.fix.linearize_with (the flags' GEMM timings, so that a flag and a
+        timings: a dict shared with rcnn.fix.linearize_with (the flags' timings, so that a flag and a
             swap come from one timing); None: the watch's own.
 
     Returns:

@@ -641,7 +641,7 @@ def test_any_models_trial_times_its_steps_under_the_knobs(monkeypatch):
     monkeypatch.setattr(bench, "build_workload", recording)
     # The 1x1 conv's GEMM timed faster, whatever this CPU's kernels say: the swap recorded is linearize's.
     gemm_faster = PathTiming(1.0, 0.5, 0.5, 0.45, 0.55, 0.5, 0.45, 0.55, DECIDING_ROUNDS)
-    monkeypatch.setattr(fix, "time_paths", lambda *args, **kwargs: gemm_faster)
+    monkeypatch.setattr(fix.conv, "time_paths", lambda *args, **kwargs: gemm_faster)
     monkeypatch.setattr(bench, "LINEARIZE_TIMINGS", {})
     knobs = knobs_for(CPU, batch_size=3, channels_last=True, linearize=True)
     result = run_model_trial(

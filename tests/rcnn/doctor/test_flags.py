@@ -39,21 +39,21 @@ def timing(ratio, low, high, saves=1.0):
 
 @pytest.fixture
 def timed(monkeypatch):
-    """gemm_timing answering from a name -> PathTiming map set by the test (by the module's out_channels)."""
+    """fix_timing answering from a name -> PathTiming map set by the test (by the module's out_channels)."""
     answers = {}
 
-    def gemm_timing(module, seen, *, timings=None, deadline=None, decide=False):
+    def fix_timing(module, seen, *, timings=None, deadline=None, decide=False):
         answers.setdefault("decided", []).append((module.out_channels, decide))
         return answers[module.out_channels]
 
-    monkeypatch.setattr(doctor_flags, "gemm_timing", gemm_timing)
+    monkeypatch.setattr(doctor_flags, "fix_timing", fix_timing)
     return answers
 
 
 def test_a_flag_needs_the_gemm_shown_faster_and_carries_its_saving_per_step(timed):
     model = nn.Sequential(nn.Conv2d(8, 4, 7), nn.Conv2d(8, 5, 7), nn.Conv2d(8, 6, 7))
     timed |= {4: timing(0.4, 0.35, 0.45, saves=1.5), 5: timing(0.98, 0.9, 1.05), 6: timing(1.3, 1.2, 1.4)}
-    timer = SimpleNamespace(calls_as_seen={}, seen={name: seen(2, 8, 7, 7) for name in "012"})
+    timer = SimpleNamespace(inputs={}, calls_as_seen={}, seen={name: seen(2, 8, 7, 7) for name in "012"})
     found = flags(model, timer, table({"0": 2, "1": 1, "2": 1}))
     assert found["0"].flag == "gemm-in-disguise:covers-input"
     assert (found["0"].saves_ms, found["0"].saves_ci_low, found["0"].saves_ci_high) == pytest.approx(
@@ -77,20 +77,24 @@ def test_a_swapped_convolution_reads_as_fixed_and_its_twin_is_flagged(timed):
     timed[8] = timing(0.5, 0.4, 0.6)
     linearize(model[1], torch.randn(2, 8, 7, 7), mode="always")
     assert type(model[1]).__name__ == "Conv2dAsLinear"
-    timer = SimpleNamespace(calls_as_seen={}, seen={"0": seen(2, 8, 7, 7), "1": seen(2, 8, 7, 7)})
+    timer = SimpleNamespace(inputs={}, calls_as_seen={}, seen={"0": seen(2, 8, 7, 7), "1": seen(2, 8, 7, 7)})
     found = flags(model, timer, table({"0": 1, "1": 1}))
     assert found["0"].flag == "gemm-in-disguise:covers-input"
     assert found["1"].flag == "" and found["1"].evidence.startswith("linearized: runs as one matrix product")
     assert rank(found) == ["0"]
     # Where its input no longer qualifies it runs as the conv: what it then is, it is flagged as.
-    found = flags(model, SimpleNamespace(calls_as_seen={}, seen={"1": seen(2, 8, 1, 1)}), table({"1": 1}))
+    found = flags(
+        model, SimpleNamespace(inputs={}, calls_as_seen={}, seen={"1": seen(2, 8, 1, 1)}), table({"1": 1})
+    )
     assert "1" not in found  # a 7x7 kernel on a 1x1 input is no GEMM
 
 
 def test_a_subclass_with_its_own_forward_is_told_what_would_fix_it(timed):
     model = nn.Sequential(Scaled(8, 8, 7))
     timed[8] = timing(0.5, 0.4, 0.6)
-    found = flags(model, SimpleNamespace(calls_as_seen={}, seen={"0": seen(2, 8, 7, 7)}), table({"0": 1}))
+    found = flags(
+        model, SimpleNamespace(inputs={}, calls_as_seen={}, seen={"0": seen(2, 8, 7, 7)}), table({"0": 1})
+    )
     assert found["0"].flag == "gemm-in-disguise:covers-input"
     evidence = found["0"].evidence
     assert "a Conv2d subclass with its own forward (Scaled): rcnn.fix.linearize leaves it alone" in evidence
@@ -114,10 +118,11 @@ def test_what_is_flagged_linearize_swaps_from_one_timing(monkeypatch):
     model = nn.Sequential(nn.Conv2d(8, 32, 7), nn.Conv2d(32, 32, 1), nn.Conv2d(32, 32, 1))
     x = torch.randn(4, 8, 7, 7)
     calls = []
-    real = fix.time_paths
-    monkeypatch.setattr(fix, "time_paths", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    real = fix.conv.time_paths
+    monkeypatch.setattr(fix.conv, "time_paths", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
     # what each saw in a training forward: the images need no gradient
     timer = SimpleNamespace(
+        inputs={},
         calls_as_seen={},
         seen={"0": seen(4, 8, 7, 7, requires_grad=False), "1": seen(4, 32, 1, 1), "2": seen(4, 32, 1, 1)},
     )
@@ -138,7 +143,7 @@ def test_a_saving_counts_only_the_calls_at_the_input_it_was_timed_at(timed):
     timing ran at count toward what the flag saves."""
     model = nn.Sequential(nn.Conv2d(8, 4, 1))
     timed[4] = timing(0.5, 0.4, 0.6, saves=2.0)
-    timer = SimpleNamespace(calls_as_seen={"0": 1}, seen={"0": seen(2, 8, 40, 40)})
+    timer = SimpleNamespace(inputs={}, calls_as_seen={"0": 1}, seen={"0": seen(2, 8, 40, 40)})
     found = flags(model, timer, table({"0": 5}))
     assert found["0"].saves_ms == pytest.approx(2.0) and "(1 of its 5 calls a step are at that input)" in (
         found["0"].evidence

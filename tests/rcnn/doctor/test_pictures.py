@@ -97,7 +97,7 @@ def synthetic_why() -> pd.DataFrame:
 
 def swaps() -> pd.DataFrame:
     swap = {"module": "encoder.0", "kind": "covers-input", "input_shape": (2, 8, 7, 7), "swapped": True}
-    return pd.DataFrame([swap | {"conv_ms": 7.5, "gemm_ms": 1.25}])
+    return pd.DataFrame([swap | {"original_ms": 7.5, "fixed_ms": 1.25}])
 
 
 def trace(figure) -> dict[str, list]:
@@ -229,7 +229,7 @@ def test_report_holds_the_tree_flags_why_and_fix():
     phases = table(page, "fix-phases")
     assert list(phases["phase"]) == ["forward", "backward", "forward + backward"]
     assert list(phases["ci_low"]) == [0.85, 0.69, 0.75] and list(phases["after_ms"]) == [9.25, 15.5, 24.75]
-    assert table(page, "swaps")["gemm_ms"].tolist() == [1.25]
+    assert table(page, "swaps")["fixed_ms"].tolist() == [1.25]
     top = table(page, "top")
     assert top["module"].tolist()[:2] == ["encoder.0", "encoder.1"] and top["module"].iloc[-1] == OUTSIDE
     assert table(page, "phases")["ms"].tolist() == [10.5, 22.0]

@@ -8,6 +8,7 @@ from torch import nn
 from torchvision.ops import MultiScaleRoIAlign, RoIAlign
 
 from rcnn.doctor import remedies
+from rcnn.fix import SparseMultiScaleRoIAlign
 
 CPU = torch.device("cpu")
 
@@ -39,8 +40,22 @@ def test_the_levers_are_measured_alone_in_turn_with_the_module_as_it_is(monkeypa
     assert text.startswith("its backward (torchvision's roi_align backward) adds every RoI's")
     assert "sampling_ratio 1 (was 2): " in text and "half the RoIs (8 -> 4): " in text
     assert "1 thread (of 2): " in text and text.count("[95% CI") == 3
-    assert text.endswith("no same-function fix is known.")
+    # the fix that keeps its function is named: rcnn.fix's sparse product
+    assert text.endswith("the same function computed as a sparse matrix product is rcnn.fix.linearize's "
+                         "(rcnn.fix.SparseMultiScaleRoIAlign).")  # fmt: skip
     assert pooler.sampling_ratio == 2  # the module as it was
+
+
+def test_the_sparse_pooler_has_its_own_entry_that_says_what_it_computes(monkeypatch):
+    pooler = SparseMultiScaleRoIAlign(["0", "1"], 7, sampling_ratio=2)
+    inputs = roi_inputs()
+    pooler(*inputs[0])
+    remedy = remedies.remedy_for(pooler)
+    assert remedy is not remedies.remedy_for(MultiScaleRoIAlign(["0"], 7, 2))
+    text = remedies.measure(remedy, pooler, inputs, CPU)
+    assert text.startswith("computed as a sparse matrix product (rcnn.fix.roi_align)")
+    assert "serial" not in text and "sampling_ratio 1 (was 2): " in text
+    assert text.endswith("it is computed as a sparse matrix product already.")
 
 
 def test_past_the_deadline_nothing_is_run():

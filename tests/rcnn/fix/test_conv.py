@@ -158,7 +158,7 @@ def test_mode_auto_times_both_paths_in_turn_and_keeps_the_conv_only_where_it_is_
     model = nn.Sequential(nn.Conv2d(16, 32, 7), nn.Flatten())
     swaps = linearize(model, torch.randn(8, 16, 7, 7))
     (swap,) = swaps
-    assert swap.kind == "covers-input" and swap.conv_ms > 0 and swap.gemm_ms > 0 and swap.rounds >= 6
+    assert swap.kind == "covers-input" and swap.original_ms > 0 and swap.fixed_ms > 0 and swap.rounds >= 6
     assert swap.ci_low <= swap.ratio <= swap.ci_high  # GEMM / conv, paired over the rounds
     assert swap.swapped == (swap.ci_low <= KEEP_ABOVE)
     assert isinstance(model[0], Conv2dAsLinear) == swap.swapped
@@ -176,7 +176,7 @@ def timing(ratio, low, high):
 def test_the_conv_stays_only_where_it_is_shown_faster(monkeypatch, low, high, swapped):
     from rcnn import fix
 
-    monkeypatch.setattr(fix, "time_paths", lambda *a, **k: timing((low + high) / 2, low, high))
+    monkeypatch.setattr(fix.conv, "time_paths", lambda *a, **k: timing((low + high) / 2, low, high))
     model = nn.Sequential(nn.Conv2d(4, 8, 7))
     (swap,) = linearize(model, torch.randn(2, 4, 7, 7))
     assert swap.swapped == swapped == isinstance(model[0], Conv2dAsLinear)
@@ -286,12 +286,12 @@ def test_a_declined_or_failed_swap_leaves_the_module_exactly_as_it_was(monkeypat
 
     model = nn.Sequential(nn.Conv2d(4, 8, 7), Conv2dAsLinear(8, 8, 1))
     model[1].gemm = None  # a user's choice: always the conv
-    monkeypatch.setattr(fix, "time_paths", lambda *a, **k: timing(2.0, 1.8, 2.2))  # the GEMM slower
+    monkeypatch.setattr(fix.conv, "time_paths", lambda *a, **k: timing(2.0, 1.8, 2.2))  # the GEMM slower
     swaps = linearize(model, torch.randn(2, 4, 7, 7))
     assert [s.swapped for s in swaps] == [False, False]
     assert type(model[0]) is nn.Conv2d and "gemm" not in vars(model[0])
     assert model[1].gemm is None
-    monkeypatch.setattr(fix, "time_paths", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(fix.conv, "time_paths", lambda *a, **k: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         linearize(model, torch.randn(2, 4, 7, 7))
     assert type(model[0]) is nn.Conv2d and model[1].gemm is None
@@ -302,7 +302,7 @@ def test_no_grad_unbatched_inputs_and_buffers():
     running = model[1].running_mean.clone()
     with torch.no_grad():  # the backward is timed all the same
         (swap,) = linearize(model, torch.randn(2, 4, 7, 7))
-    assert swap.conv_ms > 0 and swap.gemm_ms > 0
+    assert swap.original_ms > 0 and swap.fixed_ms > 0
     assert torch.equal(model[1].running_mean, running)  # the example's forward left no trace
     conv = nn.Conv2d(4, 8, 7)
     assert linearize(conv, torch.randn(4, 7, 7), mode="always") == []  # unbatched: not a GEMM as such
@@ -326,9 +326,9 @@ def test_timings_kept_by_the_caller_time_each_convolution_once(monkeypatch):
     import rcnn.fix as fix
 
     calls = []
-    real = fix.time_paths
+    real = fix.conv.time_paths
     monkeypatch.setattr(
-        fix, "time_paths", lambda *args, **kwargs: calls.append(args[1]) or real(*args, **kwargs)
+        fix.conv, "time_paths", lambda *args, **kwargs: calls.append(args[1]) or real(*args, **kwargs)
     )
     timings: dict = {}
     x = torch.randn(4, 16, 7, 7)
@@ -339,7 +339,7 @@ def test_timings_kept_by_the_caller_time_each_convolution_once(monkeypatch):
     models = [nn.Sequential(nn.Conv2d(16, 32, 7), nn.Flatten(), nn.Linear(32, 2)) for _ in range(3)]
     swaps = [fix.linearize_with(m, lambda m=m: m(x), timings=timings) for m in models[:2]]
     assert len(calls) == 1 and len(timings) == 1  # the second model's identical conv: the first's timings
-    assert swaps[0][0].conv_ms == swaps[1][0].conv_ms and swaps[0][0].swapped == swaps[1][0].swapped
+    assert swaps[0][0].original_ms == swaps[1][0].original_ms and swaps[0][0].swapped == swaps[1][0].swapped
     with torch.autocast("cpu", dtype=torch.bfloat16):  # another dtype seen: timed anew
         fix.linearize_with(models[2], lambda: models[2](x), timings=timings)
     assert len(calls) == 2 and len(timings) == 2
@@ -351,11 +351,11 @@ def test_identical_convolutions_in_one_call_share_one_timing_and_one_decision(mo
     calls = []
     # would the second be timed, it would be declined
     times = iter([timing(0.9, 0.8, 0.95), timing(1.2, 1.1, 1.3), timing(0.9, 0.8, 0.95)])
-    monkeypatch.setattr(fix, "time_paths", lambda *args, **kwargs: calls.append(args[1]) or next(times))
+    monkeypatch.setattr(fix.conv, "time_paths", lambda *args, **kwargs: calls.append(args[1]) or next(times))
     model = nn.Sequential(*[nn.Conv2d(16, 16, 1) for _ in range(3)])  # one shape, dtype and layout
     swaps = linearize(model, torch.randn(2, 16, 5, 5, requires_grad=True))  # each sees what the others see
     assert len(calls) == 1 and [s.swapped for s in swaps] == [True] * 3
-    assert len({(s.conv_ms, s.gemm_ms) for s in swaps}) == 1
+    assert len({(s.original_ms, s.fixed_ms) for s in swaps}) == 1
 
 
 def test_a_deadline_cuts_the_timings_rounds_down_to_three():
@@ -373,7 +373,7 @@ def test_a_deadline_cuts_the_timings_rounds_down_to_three():
         swap.ci_low <= KEEP_ABOVE
     )  # too few rounds to flag; the conv stays only if shown over 5% faster
     # The timing that must decide (the doctor's longest convolution) gets its rounds past the deadline
-    (seen,) = fix._seen_by_module(model, lambda: model(x)).values()
+    (seen,) = fix.swap._seen_by_module(model, lambda: model(x)).values()
     deciding = fix.time_paths(model[0], seen, "covers-input", deadline=time.monotonic() - 1, decide=True)
     assert deciding.rounds >= fix.DECIDING_ROUNDS
 
@@ -402,7 +402,7 @@ def test_a_flag_needs_the_gemm_shown_faster_a_kept_conv_the_conv(
     low, high, rounds, flagged, swapped, verdict
 ):
     timed = replace(timing((low + high) / 2, low, high), rounds=rounds)
-    assert (timed.gemm_faster, timed.swaps, timed.verdict) == (flagged, swapped, verdict)
+    assert (timed.fix_faster, timed.swaps, timed.verdict) == (flagged, swapped, verdict)
 
 
 @pytest.mark.parametrize(
