@@ -28,8 +28,8 @@ from rcnn.fix.conv import (
     laid_out_as,
     time_paths,
 )
-from rcnn.fix.swap import MODES, SWAP_TIMING, Swap, fix_timing, linearize, linearize_with
 from rcnn.fix.roi_align import SparseMultiScaleRoIAlign, SparseRoIAlign, sparse_class, time_pool
+from rcnn.fix.swap import MODES, SWAP_TIMING, Swap, fix_timing, linearize, linearize_with
 from rcnn.fix.timing import DECIDING_ROUNDS, DECISION_POLICY, KEEP_ABOVE, PathTiming, settled
 
 __all__ = [
