@@ -177,15 +177,15 @@ def sampling_matrix(
     bins = output_size[0] * output_size[1]
     if bins * 4 * int(grids.prod(dim=1).sum()) > MAX_ENTRIES:  # its entries before merging
         return None
-    groups = [grids[:1]] if sampling_ratio > 0 else torch.unique(grids, dim=0).split(1)
+    # one group of RoIs per sampling grid (one in all at a fixed sampling_ratio)
+    grid_list = (grids[:1] if sampling_ratio > 0 else torch.unique(grids, dim=0)).tolist()
     counts = torch.zeros(len(rois), bins, dtype=torch.long, device=device)
-    parts = []
-    for grid in groups:
-        grid_h, grid_w = grid[0].tolist()
-        members = (grids == grid).all(dim=1).nonzero().flatten()
-        if grid_h * grid_w == 0 or not len(members):  # an empty RoI's bins: no entries, zeros
+    groups, index, weight = [], [], []
+    for grid_h, grid_w in grid_list:
+        members = (grids == grids.new_tensor([grid_h, grid_w])).all(dim=1).nonzero().flatten()
+        if grid_h * grid_w == 0:  # an empty RoI's bins: no entries, zeros
             continue
-        counts[members], index, weight = _group_entries(
+        counts[members], group_index, group_weight = _group_entries(
             x1[members],
             y1[members],
             width[members],
@@ -195,21 +195,26 @@ def sampling_matrix(
             output_size,
             (grid_h, grid_w),
         )
-        parts.append((members, index, weight))
+        groups.append(members)
+        index.append(group_index)
+        weight.append(group_weight)
     counts = counts.flatten()
     offsets = counts.cumsum(0) - counts
-    if len(parts) == 1 and len(parts[0][0]) == len(rois):  # one grid: the entries are in S's row order
-        _, index, weight = parts[0]
-    else:  # each group's entries in row order; the groups' interleaved by row
-        row_of = [
-            torch.repeat_interleave(
-                (m[:, None] * bins + torch.arange(bins, device=device)).flatten(), counts_of
-            )
-            for m, counts_of in ((m, counts.view(-1, bins)[m].flatten()) for m, _, _ in parts)
-        ]
-        order = torch.argsort(torch.cat(row_of), stable=True) if parts else torch.zeros(0, dtype=torch.long)
-        index = torch.cat([i for _, i, _ in parts])[order] if parts else torch.zeros(0, dtype=torch.long)
-        weight = torch.cat([w for _, _, w in parts])[order] if parts else torch.zeros(0, dtype=dtype)
+    if len(groups) == 1:  # one group: its entries are in S's row order already
+        return Sampling(index[0], weight[0], offsets, int(starts[-1]))
+    if not groups:
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return Sampling(empty, empty.to(dtype), offsets, int(starts[-1]))
+    # the groups' entries interleaved by row, each row's in its order
+    arange = torch.arange(bins, device=device)
+    rows = [
+        torch.repeat_interleave(
+            (members[:, None] * bins + arange).flatten(), counts.view(-1, bins)[members].flatten()
+        )
+        for members in groups
+    ]
+    order = torch.argsort(torch.cat(rows), stable=True)
+    index, weight = torch.cat(index)[order], torch.cat(weight)[order]
     return Sampling(index, weight, offsets, int(starts[-1]))
 
 
