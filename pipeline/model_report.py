@@ -16,7 +16,7 @@ from pipeline.results import at_defaults, complete, fastest_and_defaults, ms_per
 from rcnn.detector.schema import DETECTOR, OTHER_KNOBS, setting_label
 from rcnn.doctor.columns import OUTSIDE
 from rcnn.doctor.specs import spec_slug
-from rcnn.measure.cores import CONTENDED_BELOW
+from rcnn.measure import cores
 from rcnn.outputs import CSV, PNG, Kind, text_start, write_atomic
 
 TITLE = "# Which knob setting trains"
@@ -37,7 +37,7 @@ SHOWN = [
     "step_ci_high_ms",
     "peak_mem_mb",
     "iterations",
-    "core_share",
+    *cores.RECORD,
     "swapped",
     "error",
 ]
@@ -148,11 +148,11 @@ def verdict(trials: pd.DataFrame, summary: dict) -> list[str]:
         else:
             said = f"**no faster than {defaults} within the 95% CI**: {ratio} per sample"
         lines.append(f"- {said}; {how}.")
-        if (share := against.get("core_share")) is not None and share < CONTENDED_BELOW:
+        if cores.contended(against):
             lines.append(
-                f"- **caution**: the rounds in turn had {share:.0%} of their CPU cores (under "
-                f"{CONTENDED_BELOW:.0%}: another process shared the machine); measure again on a quiet "
-                "machine before quoting the speed-up."
+                f"- **caution**: the rounds in turn did not have their CPU cores ({cores.said(against)}: "
+                "another process shared the machine); measure again on a quiet machine before quoting the "
+                "speed-up."
             )
     elif at_defaults(done).empty:
         lines.append("- PyTorch's defaults did not complete (or were not swept): no speed-up against them.")

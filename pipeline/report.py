@@ -77,7 +77,7 @@ from rcnn.doctor.columns import (
     modules_ran_in,
 )
 from rcnn.doctor.pictures import icicle_html, require_plotly
-from rcnn.measure.cores import CONTENDED_BELOW
+from rcnn.measure import cores
 from rcnn.measure.settings import machine_name, peak_dtype
 from rcnn.measure.stats import against
 from rcnn.outputs import CSV, PNG, Kind, check_folder, check_writable, project_root, text_start, write_atomic
@@ -937,14 +937,17 @@ def drift_caution(summary: dict) -> list[str]:
 def contention_caution(done: pd.DataFrame) -> list[str]:
     """A verdict line when trials waited for their CPU cores (another process held them): their step times
     snap to the scheduler's slices, so they are no measurement of the model."""
-    waited = done["core_share"] < CONTENDED_BELOW  # NaN (CUDA, older tables) is not under
-    if not waited.any():
+    rows = done.reindex(columns=list(cores.RECORD)).to_dict(
+        "records"
+    )  # an older table's: NaN, judged without
+    waited = [row for row in rows if cores.contended(row)]
+    if not waited:
         return []
+    worst = max(waited, key=cores.severity)
     return [
-        f"- **caution**: {int(waited.sum())} of {len(done)} complete trials did not have their CPU cores "
-        f"(their threads' CPU time under {CONTENDED_BELOW:.0%} of wall time x threads, lowest "
-        f"{done['core_share'].min():.0%}: another process shared the machine). Their times are not facts: "
-        "measure again on a quiet machine before quoting them."
+        f"- **caution**: {len(waited)} of {len(done)} complete trials did not have their CPU cores (at worst "
+        f"{cores.said(worst)}: another process shared the machine). Their times are not facts: measure again "
+        "on a quiet machine before quoting them."
     ]
 
 

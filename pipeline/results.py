@@ -27,6 +27,7 @@ from rcnn.detector.schema import (
     ResultsError,
 )
 from rcnn.doctor.columns import COMPILED
+from rcnn.measure.cores import RECORD as CORE_RECORD
 from rcnn.measure.stats import Comparison, compare, compare_paired, geomean_ratio
 from rcnn.outputs import csv_with, json_object, write_atomic
 
@@ -127,7 +128,7 @@ def read_table(
 
 
 # Columns newer than the committed reports' tables: unknown (NaN) there
-ADDED_TRIAL_COLUMNS = ("core_share", "wall_paired_s", "model")  # model: NaN, the detector
+ADDED_TRIAL_COLUMNS = (*CORE_RECORD, "wall_paired_s", "model")  # model: NaN, the detector
 ADDED_COMPARISON_COLUMNS = ("rounds",)  # NaN: the two trials' own steps, as every table then compared
 ADDED_MODULE_COLUMNS = (
     "saved_mb",
@@ -136,6 +137,7 @@ ADDED_MODULE_COLUMNS = (
     "saves_ci_low",
     "saves_ci_high",
     "backward_moved_mb",
+    "backward_cores",
     COMPILED,
 )
 
@@ -383,7 +385,8 @@ def versus_defaults(
         "ci_high": c.ci_high,
         "p_value": c.p_value,
         "rounds": rounds,
-        "core_share": (in_turn or {}).get("core_share") if rounds else None,  # of the rounds in turn
+        # of the rounds in turn (rcnn.measure.cores)
+        **{key: (in_turn or {}).get(key) if rounds else None for key in CORE_RECORD},
         "in_turn_error": (in_turn or {}).get("error"),
     }
 

@@ -384,7 +384,7 @@ class Sweep:
                         frames=model.frames,
                         cores=cores,
                     )
-                out["core_share"] = cores.share
+                out |= cores.record()
             except Exception as err:  # the two trials' own steps still compare them
                 out["error"] = first_line(err)
                 mlflow.set_tag("error", out["error"])

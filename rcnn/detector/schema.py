@@ -238,7 +238,9 @@ MEASURED_COLUMNS = (
     "iterations",
     "precision",
     "precision_met",
-    "core_share",  # the measured steps' share of their threads' CPU time: under 0.75, it waited for cores
+    "core_share",  # the measured steps' share of their threads' CPU time (rcnn.measure.cores)
+    "core_waited",  # ... of their core time spent waiting on a run queue: over 0.05, they shared their cores
+    "core_pressure",  # ... of the time some task waited for a core (where no run-queue delay is kept)
     "rois",
     "head_forward_gflop",
     "head_backward_gflop",

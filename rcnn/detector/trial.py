@@ -64,6 +64,7 @@ from rcnn.doctor.workloads import Loss, ModelError, Workload, build_workload, de
 from rcnn.fix import linearize_with
 from rcnn.measure.batch import BatchSearch, batches_below, largest_batch
 from rcnn.measure.clock import BACKWARD_RANGE, Clock, ModuleSpanProbe, PeakMemory, Stopwatch
+from rcnn.measure.cores import RECORD as CORE_RECORD
 from rcnn.measure.cores import CoreUse
 from rcnn.measure.device import autocast, compile_forward, grad_scaler, resolve_device
 from rcnn.measure.loop import in_turn, warm_up_then_measure
@@ -84,6 +85,10 @@ from rcnn.rules import UserError, ValueNotAllowed, first_line
 K = TypeVar("K", bound=Hashable)  # what names each setting stepped side by side
 
 
+def _nan_if_none(value: float | None) -> float:
+    return float("nan") if value is None else value
+
+
 @dataclass(frozen=True)
 class TrialResult:
     """Per-step times of one trial (ms) with their statistics, and how the measurement went."""
@@ -102,8 +107,8 @@ class TrialResult:
     # rcnn.measure.profiler table when the trial was profiled
     kernels: list[dict] = field(default_factory=list)
     modules: list[dict] = field(default_factory=list)  # rcnn.doctor's table (MODULE_COLUMNS rows), idem
-    # The measured steps' share of the CPU time their threads could use (rcnn.measure.cores; None on CUDA)
-    core_share: float | None = None
+    # Whether the measured steps had their cores (rcnn.measure.cores' record; empty on CUDA)
+    cores: dict[str, float | None] = field(default_factory=dict)
     # With ``paired_with``: this head and that one stepped in turn, head -> phase -> one time per round (ms)
     paired: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     paired_error: str = ""  # why the paired steps failed (their error's first line); empty when they did not
@@ -127,7 +132,7 @@ class TrialResult:
                 "iterations": self.iterations,
                 "precision": self.precision,
                 "precision_met": self.precision_met,
-                "core_share": float("nan") if self.core_share is None else self.core_share,
+                **{key: _nan_if_none(self.cores.get(key)) for key in CORE_RECORD},
                 "rois": self.rois,
                 "swapped": self.swapped,
             }
@@ -578,7 +583,7 @@ def measure_trial(
         wall_s=wall.seconds,
         kernels=kernels,
         modules=modules,
-        core_share=measured.core_share,
+        cores=measured.cores,
         paired=paired,
         paired_error=paired_error,
     )

@@ -22,13 +22,19 @@ model's own parameters are no activations and are left out. On CUDA each node's 
 allocator's peak (reset when the node starts), so each module gets the peak allocated during its backward.
 A step may hold several forwards and backwards (several forwards per step, gradient accumulation): its
 table sums them, and its saved bytes are those of its largest graph (what is held at once).
+
+On the CPU each node's run also reads the process's CPU time, so each module's backward has the CPU ms its
+threads spent over its wall ms: the cores it kept busy (about 1 for a serial kernel, whatever torch's thread
+count).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import re
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
@@ -185,7 +191,9 @@ class ModuleTimer:
         self._calls: list[_Call] = []
         self._owners: dict[Any, tuple[str, ...]] = {}  # autograd node -> module stack at its creation
         self._starts: dict[Any, Any] = {}  # autograd node -> the mark of its backward's start
-        self._spans: list[tuple[tuple[str, ...], Any, Any]] = []  # (owner, start, end) of each node run
+        self._cpu_starts: dict[Any, float] = {}  # autograd node -> the process's CPU time then (CPU)
+        # (owner, start, end, CPU seconds) of each node run
+        self._spans: list[tuple[tuple[str, ...], Any, Any, float]] = []
         self._peaks: Counter[str] = Counter()  # module -> peak bytes allocated during its backward (CUDA)
         self._node_handles: list = []
         self._open_ranges: list[record_function] = []  # the profiler ranges of the module calls running
@@ -305,6 +313,8 @@ class ModuleTimer:
         if self.clock.cuda:
             torch.cuda.reset_peak_memory_stats()
         self._starts[node] = self.clock.mark()
+        if not self.clock.cuda:
+            self._cpu_starts[node] = time.process_time()
         self._running = self._owners[node]
         if self.ranges:
             self._node_ranges[node] = _range(f"backward: {self._running[-1] if self._running else OUTSIDE}")
@@ -314,7 +324,9 @@ class ModuleTimer:
         if start is None:
             return
         owner = self._owners[node]
-        self._spans.append((owner, start, self.clock.mark()))
+        end = self.clock.mark()
+        cpu = time.process_time() - self._cpu_starts.pop(node) if node in self._cpu_starts else math.nan
+        self._spans.append((owner, start, end, cpu))
         if (opened := self._node_ranges.pop(node, None)) is not None:
             opened.__exit__(None, None, None)
         if self.clock.cuda:
@@ -448,11 +460,12 @@ class ModuleTimer:
             row["calls"] += 1
             row["forward_inclusive_ms"] += spent
             row["forward_ms"] += spent - within
-        for stack, start, end in self._spans:
+        for stack, start, end, cpu in self._spans:
             if not stack:
                 continue  # created outside every module: the OUTSIDE row
             spent = ms(start, end)
             times[stack[-1]]["backward_ms"] += spent
+            times[stack[-1]]["backward_cpu_ms"] += cpu * 1e3
             for name in set(stack):
                 times[name]["backward_inclusive_ms"] += spent
         totals = {
@@ -461,7 +474,12 @@ class ModuleTimer:
         }
         names = list(self.types)
         table = pd.DataFrame([{"module": n, **times.get(n, {})} for n in names]).set_index("module")
-        table = table.reindex(columns=["calls", *TIME_COLUMNS]).fillna(0.0)
+        table = table.reindex(columns=["calls", *TIME_COLUMNS, "backward_cpu_ms"])
+        table[["calls", *TIME_COLUMNS]] = table[["calls", *TIME_COLUMNS]].fillna(0.0)
+        if self.clock.cuda:
+            table["backward_cpu_ms"] = math.nan  # the host's time is its launches'
+        else:
+            table["backward_cpu_ms"] = table["backward_cpu_ms"].fillna(0.0)
         outside_forward = totals["forward_ms"] - table["forward_ms"].sum()
         outside_backward = totals["backward_ms"] - table["backward_ms"].sum()
         table.loc[OUTSIDE] = {

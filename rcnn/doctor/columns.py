@@ -44,6 +44,7 @@ MODULE_COLUMNS = (
     "saved_mb",  # MiB autograd saved for the module's backward (its own forward's tensors, each storage once)
     "backward_peak_mb",  # MiB allocated at most during its backward (CUDA; NaN elsewhere)
     "backward_moved_mb",  # MiB its own backward's ops read and wrote, counted from their tensors
+    "backward_cores",  # the cores its own backward kept busy: its threads' CPU ms / its wall ms (NaN on CUDA)
 )
 # A torch.compile'd model's table: each module's longest kernels per phase, ms per step (an op run outside
 # the graphs: "(eager) <op>")

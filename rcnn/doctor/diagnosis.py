@@ -282,7 +282,8 @@ def fix(
         "eligible": len(swaps),
         "swapped": int(swaps["swapped"].sum()),
         "paired_steps": len(times["after"]["backward_ms"]),
-        "core_share": cores.share,
+        **cores.record(),
+        "core_judged_by": cores.judged_by,
     }
     for phase in ("forward", "backward", "forward_backward"):
         series = {

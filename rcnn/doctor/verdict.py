@@ -31,7 +31,7 @@ from rcnn.doctor.columns import (
 )
 from rcnn.doctor.explain import backward_alone, per_run
 from rcnn.doctor.flags import LINEARIZED, Finding, flags, rank
-from rcnn.measure.cores import contended
+from rcnn.measure import cores
 from rcnn.measure.profiler import KERNEL, Spent
 from rcnn.measure.stats import median_precision, partway
 
@@ -59,6 +59,9 @@ COMPILED_REGION_NOTE = (
     "calls, eager code no module could be named for, kernels no module's nodes account for"
 )
 WRAP = 110  # the printout's width for the why rows
+# A module's backward that keeps fewer cores than this busy (its CPU ms over its wall ms) ran serially, where
+# torch computes with two threads or more: torchvision's CPU RoIAlign backward keeps 1.0 busy of 2.
+SERIAL_BELOW = 1.5
 AUTOGRAD_EVENTS = ("torch::autograd::", "autograd::")
 
 
@@ -85,12 +88,14 @@ class Diagnosis:
             lines.append(_compiled_said(s))
         if s.get("warmup_cut"):
             lines.append("Warm-up ended at the --max-seconds bound before the step times settled.")
-        if contended(share := s.get("core_share")):
+        if cores.contended(s):
             lines.append(
-                f"The steps got {share:.0%} of the CPU time their threads could use: the cores were shared "
-                "with other work, so times are the scheduler's, not the modules'; what bounds a module is "
-                "not judged. Rerun on an idle machine, or with fewer threads (OMP_NUM_THREADS)."
+                f"The cores were shared with other work: {cores.said(s)}, so times are the scheduler's, not "
+                "the modules'; what bounds a module is not judged. Rerun on an idle machine, or with fewer "
+                "threads (OMP_NUM_THREADS)."
             )
+        elif cores.judged_by(s):
+            lines.append(f"The cores were not shared: {cores.said(s)}.")
         modules = self.modules
         shown = modules[modules["module"] != OUTSIDE].nlargest(top, "backward_ms")
         shown = pd.concat([shown, modules[modules["module"] == OUTSIDE]])
@@ -262,9 +267,17 @@ def ceiling(peak_tflops: float | None, table: pd.DataFrame) -> tuple[float | Non
     return peak_tflops, ""
 
 
-def bound(peak_fraction: float, bandwidth_fraction: float, shared_cores: bool) -> str:
+def bound(
+    peak_fraction: float,
+    bandwidth_fraction: float,
+    shared_cores: bool,
+    *,
+    cores_busy: float = math.nan,
+    threads: int | None = None,
+) -> str:
     """What bounds a module's backward, from the fraction of the matmul peak its FLOPs reached and of the copy
-    bandwidth its bytes did."""
+    bandwidth its bytes did; first, where torch computes with several threads and its backward kept fewer than
+    SERIAL_BELOW cores busy (``cores_busy``: CPU ms / wall ms), that it ran serially."""
     if shared_cores:
         return "not judged: the steps shared their cores"
     reached = []
@@ -272,6 +285,13 @@ def bound(peak_fraction: float, bandwidth_fraction: float, shared_cores: bool) -
         reached.append(f"{peak_fraction:.0%} of the matmul peak")
     if not math.isnan(bandwidth_fraction):
         reached.append(f"{bandwidth_fraction:.0%} of the copy bandwidth")
+    threads = torch.get_num_threads() if threads is None else threads
+    if threads > 1 and cores_busy == cores_busy and cores_busy < SERIAL_BELOW:
+        return (
+            f"ran on 1 of {threads} threads: serial ({cores_busy:.2f} cores busy through its backward"
+            + "".join(f", {r}" for r in reached)
+            + ")"
+        )
     if not reached:
         return "not judged: no ceiling measured"
     if peak_fraction >= BOUND_FRACTION:
@@ -303,7 +323,7 @@ def tabulate(
     explain: bool,
     device: torch.device,
     precision_met: bool,
-    core_share: float | None = None,
+    cores_used: dict[str, float | None] | None = None,
     deadline: float | None = None,
     ran: dict[str, Spent] | None = None,
     timings: dict | None = None,
@@ -328,6 +348,9 @@ def tabulate(
     )
     peak, raised_by = ceiling(peak_tflops, table)
     table["peak_fraction"] = table["backward_tflops"] / peak if peak else math.nan
+    # the cores a module's backward kept busy: its threads' CPU ms over its wall ms (CPU timers only)
+    cpu_ms = table.get("backward_cpu_ms", math.nan)
+    table["backward_cores"] = (cpu_ms / table["backward_ms"]).where(table["backward_ms"] > 0)
     # The flags' timings get half the time left; the why rows (their remedies) the rest
     found = flags(model, timer, table, timings=timings, deadline=partway(deadline, 0.5))
     for column in ("flag", "evidence"):
@@ -336,7 +359,8 @@ def tabulate(
         table[column] = pd.Series({name: getattr(f, column) for name, f in found.items()}, dtype=float)
     table[["flag", "evidence"]] = table[["flag", "evidence"]].fillna("")
     modules = table.rename_axis("module").reset_index()[list(MODULE_COLUMNS)]
-    shared = contended(core_share)
+    recorded = {key: (cores_used or {}).get(key) for key in cores.RECORD}
+    shared = cores.contended(recorded)
     why = (
         why_table(model, timer, modules, found, peak, copy_gbps, device, ran, deadline, shared)
         if explain
@@ -360,7 +384,8 @@ def tabulate(
         "flagged": sum(1 for f in found.values() if f.flag),
         "saved_mb": float(table["saved_mb"].sum()),
         "backward_peak_mb": float(peaks.max()) if peaks.notna().any() else math.nan,
-        "core_share": core_share,
+        **recorded,
+        "core_judged_by": cores.judged_by(recorded),
         **extra,
     }
     return Diagnosis(modules, why, summary, trace)
@@ -406,7 +431,7 @@ def why_table(
             "backward_moved_mb": row["backward_moved_mb"],
             "peak_fraction": row["peak_fraction"],
             "bandwidth_fraction": bandwidth,
-            "bound": bound(row["peak_fraction"], bandwidth, shared_cores),
+            "bound": bound(row["peak_fraction"], bandwidth, shared_cores, cores_busy=row["backward_cores"]),
             "remedy": _remedy(named[name], name, finding, timer, device, deadline),
             "matters": name in chosen,
         }

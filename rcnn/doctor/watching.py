@@ -448,7 +448,7 @@ class Watch:
             explain=self.explain,
             device=self.device,
             precision_met=self.policy.precision_met([self._totals["backward_ms"]]),
-            core_share=self._cores.share,
+            cores_used=self._cores.record(),
             deadline=self.policy.deadline,
             ran=ran,
             timings=self.timings,

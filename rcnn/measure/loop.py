@@ -48,14 +48,26 @@ def _check_watched(sample: Sample, watched: Sequence[str], who: object = "the st
 class Measurement:
     """What ``warm_up_then_measure`` ran: the warm-up steps' settle values (those given first included), the
     measured steps' values by name (one per measured step), the steps that were no sample; whether warm-up
-    ended at the policy's deadline before the times settled, and the share of the CPU time the measured steps'
-    threads could have used that they got (rcnn.measure.cores; None on CUDA or without a device)."""
+    ended at the policy's deadline before the times settled, and whether the measured steps' threads had their
+    cores: their share of the CPU time they could have used, of their core time waited on a run queue, and of
+    the time some task waited for a core (rcnn.measure.cores; None on CUDA or without a device)."""
 
     warmup: list[float]
     samples: dict[str, list[float]]
     skipped: int
     warmup_cut: bool = False
     core_share: float | None = None
+    core_waited: float | None = None
+    core_pressure: float | None = None
+
+    @property
+    def cores(self) -> dict[str, float | None]:
+        """Its rcnn.measure.cores numbers, as ``CoreUse.record()`` gives them."""
+        return {
+            "core_share": self.core_share,
+            "core_waited": self.core_waited,
+            "core_pressure": self.core_pressure,
+        }
 
     def series(self, name: str) -> list[float]:
         """One value per measured step (empty when nothing was measured)."""
@@ -118,7 +130,7 @@ def warm_up_then_measure(
             continue
         for name, value in _check_watched(sample, watched).items():
             samples.setdefault(name, []).append(value)
-    return Measurement(warmup, samples, skipped, cut, cores.share if cores else None)
+    return Measurement(warmup, samples, skipped, cut, **(cores.record() if cores else {}))
 
 
 def in_turn(

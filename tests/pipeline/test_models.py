@@ -251,19 +251,38 @@ def test_the_fastest_per_sample_against_the_defaults_reads_the_rounds_in_turn_wh
     assert unpaired["ci_low"] < 1.25 < unpaired["ci_high"] and unpaired["defaults"]["batch_size"] == 2
     # Stepped in turn, the pair's rounds decide: here the fastest is 1.5x per sample
     in_turn = {"fastest": {"step": [24.0] * 6 + [24.4] * 6}, "defaults": {"step": [18.0] * 6 + [18.4] * 6}}
-    record = {"fastest_trial": 3, "defaults_trial": 0, "in_turn": in_turn, "core_share": 0.5}
+    record = {
+        "fastest_trial": 3,
+        "defaults_trial": 0,
+        "in_turn": in_turn,
+        "core_share": 0.6,
+        "core_waited": 0.4,
+    }
     paired = versus_defaults(trials, own, in_turn=record)
     assert paired["rounds"] == 12 and paired["speedup"] == pytest.approx(1.5, rel=0.01)
-    assert paired["core_share"] == 0.5
+    assert paired["core_share"] == 0.6 and paired["core_waited"] == 0.4
     # The verdict in words, each case
     said = "\n".join(model_report.verdict(trials, {"versus_defaults": paired}))
     assert "**1.50x [" in said
     assert "faster per sample than PyTorch's defaults" in said
     assert (
         "stepped in turn after the sweep (12 rounds" in said
-        and "**caution**: the rounds in turn had 50%" in said
+        and "**caution**: the rounds in turn did not have their CPU cores (the threads waited 40% of their "
+        "core time for a core (their run-queue delay"
+        in said
     )
-    slower = paired | {"speedup": 0.8, "ci_low": 0.75, "ci_high": 0.85, "core_share": None}
+    # an older record, no run-queue delay: the CPU share decides, and the caution says so
+    older = paired | {"core_waited": None, "core_share": 0.5}
+    assert "got 50% of the CPU time their threads could use (no run-queue delay or CPU pressure to read)" in (
+        "\n".join(model_report.verdict(trials, {"versus_defaults": older}))
+    )
+    slower = paired | {
+        "speedup": 0.8,
+        "ci_low": 0.75,
+        "ci_high": 0.85,
+        "core_share": None,
+        "core_waited": None,
+    }
     assert "**not faster than PyTorch's defaults" in "\n".join(
         model_report.verdict(trials, {"versus_defaults": slower})
     )

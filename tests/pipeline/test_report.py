@@ -461,15 +461,23 @@ def test_the_verdict_cautions_when_trials_did_not_have_their_cores(tmp_path):
 
     trials, samples = fake_trials()
     done = trials[trials["status"] == "complete"].copy()
-    done["core_share"] = 0.97
+    done["core_share"], done["core_waited"] = 0.97, 0.001
     assert contention_caution(done) == []
-    done.loc[done.index[:2], "core_share"] = [0.41, 0.6]
+    done.loc[done.index[:2], "core_waited"] = [0.41, 0.2]
     (line,) = contention_caution(done)
     assert line.startswith(
-        f"- **caution**: 2 of {len(done)} complete trials did not have their CPU cores (their threads' CPU "
-        "time under 75% of wall time x threads, lowest 41%"
+        f"- **caution**: 2 of {len(done)} complete trials did not have their CPU cores (at worst the threads "
+        "waited 41% of their core time for a core (their run-queue delay"
     )
     assert line in verdict_of(done, samples)
+    # a serial stretch's low CPU share, the threads waiting for nothing: no caution
+    done["core_share"], done["core_waited"] = 0.55, 0.0
+    assert contention_caution(done) == []
+    # a table with the CPU share alone: judged by it, as said
+    done["core_share"], done["core_waited"] = 0.97, float("nan")
+    done.loc[done.index[:1], "core_share"] = 0.41
+    (line,) = contention_caution(done)
+    assert "at worst the steps got 41% of the CPU time their threads could use (no run-queue delay" in line
     # A table from before the column: read with it unknown, and no caution.
     trials.drop(columns="core_share", errors="ignore").to_csv(tmp_path / "trials.csv", index=False)
     older = read_trials(tmp_path / "trials.csv")

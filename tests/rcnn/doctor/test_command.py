@@ -181,7 +181,7 @@ def test_the_modules_that_matter_get_a_why_row_whatever_their_flops(monkeypatch)
     import rcnn.doctor.verdict
 
     # As if the steps had their cores: on a loaded machine what bounds a module is not judged (said so)
-    monkeypatch.setattr(rcnn.doctor.verdict, "contended", lambda share: False)
+    monkeypatch.setattr(rcnn.doctor.verdict.cores, "contended", lambda record: False)
 
     from rcnn.doctor.diagnosis import diagnose
     from rcnn.doctor.workloads import build_workload
@@ -198,7 +198,10 @@ def test_the_modules_that_matter_get_a_why_row_whatever_their_flops(monkeypatch)
     assert "pool" in why.index and why.loc["pool", "backward_gflop"] == 0
     assert "aten::_adaptive_avg_pool2d_backward" in why.loc["pool", "ran"]
     assert why.loc["pool", "backward_moved_mb"] > 0 and why.loc["pool", "remedy"] == "no known fix"
-    assert why["bound"].str.contains("compute-bound|memory-bound|bound by neither").all()
+    # small ops run on one thread of torch's: named so, with their fractions
+    assert why["bound"].str.contains("compute-bound|memory-bound|bound by neither|: serial \\(").all()
+    serial = why[why["bound"].str.contains("serial")]
+    assert (modules.loc[serial.index, "backward_cores"] < 1.5).all()
     assert diagnosis.summary["copy_gbps"] > 0 and diagnosis.trace  # the profiled step's trace
 
 
@@ -308,7 +311,7 @@ def test_the_rows_that_are_no_module_are_explained_under_the_table(project, caps
     assert f"{OUTSIDE}: work no module's forward created" in printed
 
 
-def _diagnosis(saves, core_share=None):
+def _diagnosis(saves, core_share=None, core_waited=None, core_pressure=None):
     """A Diagnosis of modules named by ``saves`` (name -> what its flag saves a step, ms; None: no flag),
     backward time falling in that order; a step of 100 ms."""
     from rcnn.doctor.verdict import Diagnosis
@@ -336,6 +339,8 @@ def _diagnosis(saves, core_share=None):
         "peak_tflops": 1.0,
         "dtype": "fp32",
         "core_share": core_share,
+        "core_waited": core_waited,
+        "core_pressure": core_pressure,
     }
     return Diagnosis(modules, why, summary)
 
@@ -365,15 +370,31 @@ def test_no_fraction_of_the_peak_above_one_is_printed(capsys):
     )
 
 
-def test_contended_cores_are_said_in_one_line(capsys):
+def test_contended_cores_are_said_in_one_line_with_what_said_so(capsys):
+    # the run-queue delay decides where there is one: a serial stretch's low CPU share is no contention
+    doctor._print(_diagnosis({"a": None}, core_share=0.45, core_waited=0.4), top=5, title="t")
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("The cores were")]
+    assert lines == [
+        "The cores were shared with other work: the threads waited 40% of their core time for a core (their "
+        "run-queue delay, /proc/self/task/*/schedstat), so times are the scheduler's, not the modules'; what "
+        "bounds a module is not judged. Rerun on an idle machine, or with fewer threads (OMP_NUM_THREADS)."
+    ]
+    doctor._print(_diagnosis({"a": None}, core_share=0.45, core_waited=0.001), top=5, title="t")
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("The cores were")]
+    assert lines == [
+        "The cores were not shared: the threads waited 0% of their core time for a core (their run-queue "
+        "delay, /proc/self/task/*/schedstat)."
+    ]
+    # no run-queue delay: the CPU pressure, then the CPU share, and the printout says which
+    doctor._print(_diagnosis({"a": None}, core_share=0.95, core_pressure=0.3), top=5, title="t")
+    assert "some task waited for a core 30% of the time (the system's CPU pressure" in capsys.readouterr().out
     doctor._print(_diagnosis({"a": None}, core_share=0.45), top=5, title="t")
-    lines = [line for line in capsys.readouterr().out.splitlines() if "of the CPU time" in line]
-    assert len(lines) == 1 and lines[0].startswith(
-        "The steps got 45% of the CPU time their threads could use"
+    assert (
+        "the steps got 45% of the CPU time their threads could use (no run-queue delay or CPU pressure "
+        in (capsys.readouterr().out)
     )
-    for share in (0.95, None):  # had its cores; CUDA, where it does not apply
-        doctor._print(_diagnosis({"a": None}, core_share=share), top=5, title="t")
-        assert "of the CPU time" not in capsys.readouterr().out
+    doctor._print(_diagnosis({"a": None}, core_share=None), top=5, title="t")  # CUDA: nothing applies
+    assert "The cores were" not in capsys.readouterr().out
 
 
 def test_max_seconds_bounds_the_measuring_the_fix_included(project, monkeypatch):

@@ -41,6 +41,24 @@ def test_what_bounds_a_backward(peak, bandwidth, said):
     assert bound(peak, bandwidth, shared_cores=True) == "not judged: the steps shared their cores"
 
 
+NEITHER = "bound by neither FLOPs nor bytes (0% of the matmul peak, 3% of the copy bandwidth)"
+
+
+@pytest.mark.parametrize(
+    "busy, threads, said",
+    [
+        (1.02, 2, "ran on 1 of 2 threads: serial (1.02 cores busy through its backward, 0% of the matmul "
+                  "peak, 3% of the copy bandwidth)"),
+        (1.9, 2, NEITHER),
+        (1.0, 1, NEITHER),  # torch's one thread
+        (math.nan, 2, NEITHER),  # CUDA: no CPU time
+    ],
+)  # fmt: skip
+def test_a_backward_that_kept_one_core_busy_of_several_ran_serially(busy, threads, said):
+    """torchvision's CPU RoIAlign backward: one thread of two; its own bound, not contention."""
+    assert bound(0.001, 0.03, shared_cores=False, cores_busy=busy, threads=threads) == said
+
+
 def test_the_ceiling_is_raised_to_the_fastest_module_and_never_by_the_outside_row():
     modules = pd.DataFrame({"backward_tflops": [0.2, 0.5, 9.0]}, index=["a", "b", OUTSIDE])
     assert ceiling(0.3, modules) == (0.5, "b")

@@ -135,7 +135,7 @@ def test_half_features_under_autocast_as_torchvisions_autocast(dtype, tol):
 
 
 def test_gradcheck():
-    x = torch.rand(2, 3, 6, 7, dtype=torch.float64, requires_grad=True)
+    x = torch.rand(2, 2, 5, 6, dtype=torch.float64, requires_grad=True)
     rois = torch.tensor(
         [[0, 0.5, 0.2, 5.0, 4.0], [1, 1.0, 1.0, 6.5, 5.5], [0, -2.0, 3.0, 3.0, 9.0]], dtype=torch.float64
     )
@@ -183,6 +183,7 @@ def batch(dtype=torch.float32):
     return images, [{"boxes": boxes, "labels": torch.tensor([1, 2])} for _ in range(2)]
 
 
+@pytest.mark.slow  # a detector's step, twice
 def test_a_detector_step_gives_the_same_loss_and_gradients_with_the_swap():
     model = small_detector().double().train()
     images, targets = batch(torch.float64)
@@ -203,6 +204,7 @@ def test_a_detector_step_gives_the_same_loss_and_gradients_with_the_swap():
         torch.testing.assert_close(grads_a[name], grads_b[name], rtol=EXACT, atol=EXACT, msg=name)
 
 
+@pytest.mark.slow  # a detector's forward, and its pool timed both ways
 def test_linearize_swaps_the_pool_with_its_timing_and_leaves_the_state_dict():
     model = small_detector().train()
     state = {k: v.clone() for k, v in model.state_dict().items()}

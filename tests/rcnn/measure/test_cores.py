@@ -1,40 +1,104 @@
+"""Whether a measurement had its cores: the scheduler's run-queue delay, else the CPU pressure, else the CPU
+share, and a serial kernel is no contention."""
+
+import subprocess
+import sys
 import time
 
 import pytest
+import torch
 
 from rcnn.measure import cores
-from rcnn.measure.cores import CONTENDED_BELOW, CoreUse
+from rcnn.measure.cores import CONTENDED_BELOW, CPU_SHARE, PRESSURE, RUN_QUEUE, CoreUse
 
 
-def test_cpu_time_against_wall_time_times_threads(monkeypatch):
-    clock = {"cpu": 0.0, "wall": 0.0}
+def test_cpu_time_run_queue_and_pressure_against_wall_time(monkeypatch):
+    clock = {"cpu": 0.0, "wall": 0.0, "queue": 0.0, "pressure": 0.0}
     monkeypatch.setattr(cores.time, "process_time", lambda: clock["cpu"])
     monkeypatch.setattr(cores.time, "perf_counter", lambda: clock["wall"])
+    monkeypatch.setattr(cores, "run_queue_seconds", lambda: clock["queue"])
+    monkeypatch.setattr(cores, "pressure_seconds", lambda: clock["pressure"])
     use = CoreUse("cpu", threads=2)
-    assert use.share is None and not use.contended  # nothing measured yet
-    for cpu in (2.0, 1.0):  # two blocks, 1 s of wall each: 2 threads busy, then half their time
+    assert use.share is None and use.waited is None and not use.contended  # nothing measured yet
+    for cpu, queued in ((2.0, 0.0), (1.0, 0.8)):  # two blocks, 1 s of wall each
         with use:
             clock["cpu"] += cpu
             clock["wall"] += 1.0
+            clock["queue"] += queued
+            clock["pressure"] += queued
         clock["cpu"] += 5.0  # between blocks: not counted
         clock["wall"] += 5.0
-    assert use.share == pytest.approx(3.0 / (2.0 * 2))
-    assert not use.contended and CONTENDED_BELOW == 0.75  # at the threshold: not under it
-    assert not cores.contended(0.9) and cores.contended(0.5) and not cores.contended(None)
+        clock["queue"] += 5.0
+    assert use.share == pytest.approx(3.0 / 4) and use.waited == pytest.approx(0.8 / 4)
+    assert use.pressure == pytest.approx(0.8 / 2)
+    assert use.judged_by == RUN_QUEUE and use.contended  # 20% of the core time waiting
+    assert use.record() == pytest.approx({"core_share": 0.75, "core_waited": 0.2, "core_pressure": 0.4})
 
 
-def test_a_thread_that_waits_has_no_share_and_cuda_none():
+@pytest.mark.parametrize(
+    "record, contended, source",
+    [
+        ({"core_share": 0.5, "core_waited": 0.01}, False, RUN_QUEUE),  # a serial stretch: no wait
+        ({"core_share": 0.95, "core_waited": 0.3}, True, RUN_QUEUE),
+        ({"core_share": 0.5, "core_waited": float("nan"), "core_pressure": 0.02}, False, PRESSURE),
+        ({"core_share": 0.95, "core_waited": None, "core_pressure": 0.5}, True, PRESSURE),
+        ({"core_share": 0.5}, True, CPU_SHARE),  # neither file: today's check, named
+        ({"core_share": CONTENDED_BELOW}, False, CPU_SHARE),  # at the threshold: not under it
+        ({"core_share": None}, False, None),  # CUDA: nothing applies
+    ],
+)
+def test_the_verdict_reads_the_run_queue_then_the_pressure_then_the_share(record, contended, source):
+    assert cores.contended(record) == contended and cores.judged_by(record) == source
+
+
+def test_without_the_kernels_files_the_cpu_share_decides(monkeypatch, tmp_path):
+    monkeypatch.setattr(cores, "TASKS", tmp_path / "no-tasks")
+    monkeypatch.setattr(cores, "PRESSURE_FILE", tmp_path / "no-pressure")
     use = CoreUse("cpu", threads=1)
     with use:
-        time.sleep(0.05)  # a core-starved thread waits as a sleeping one does
-    assert use.share < 0.2 and use.contended
-    busy = CoreUse("cpu", threads=1)
-    with busy:
-        end = time.perf_counter() + 0.05
-        while time.perf_counter() < end:
-            pass
-    assert busy.share > use.share
+        time.sleep(0.05)  # a thread that waits has no share
+    assert use.waited is None and use.pressure is None and use.judged_by == CPU_SHARE and use.contended
     cuda = CoreUse("cuda", threads=1)
     with cuda:
         pass
-    assert cuda.share is None and not cuda.contended
+    assert cuda.share is None and cuda.judged_by is None and not cuda.contended
+
+
+needs_schedstat = pytest.mark.skipif(
+    cores.run_queue_seconds() is None, reason="no /proc/self/task/*/schedstat"
+)
+
+
+@needs_schedstat
+@pytest.mark.slow  # a second of a serial kernel, then a second beside a competing process
+def test_a_serial_kernel_on_an_idle_machine_is_not_contention_a_competing_process_is():
+    """A one-thread kernel of about a second under two threads: its CPU share is about one half (the misread
+    of today's check), its threads wait for nothing. A process spinning on every core: they wait."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        serial = CoreUse("cpu")
+        with serial:
+            _serial_kernel(seconds=1.0)
+        assert serial.share < 0.75 and serial.waited < cores.WAITED_ABOVE and not serial.contended
+        spin = "import time\nend = time.time() + 3\nwhile time.time() < end: pass\n"
+        spinners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
+        try:
+            time.sleep(0.3)
+            shared = CoreUse("cpu")
+            with shared:
+                _serial_kernel(seconds=1.0)
+        finally:
+            for p in spinners:
+                p.wait()
+        assert shared.waited > cores.WAITED_ABOVE and shared.contended and shared.judged_by == RUN_QUEUE
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _serial_kernel(seconds: float) -> None:
+    """torch's work on one thread of two: a loop of small ops, each under the size torch parallelizes."""
+    x = torch.randn(64)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        x = (x * 1.0001).sin()
