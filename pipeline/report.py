@@ -343,6 +343,7 @@ def verdict(r: Results, effects: pd.DataFrame) -> list[str]:
             f"{best['batch_size']} image{'s' if best['batch_size'] > 1 else ''})."
         )
     lines += linearize_lines(r.trials)
+    lines += linearize_gain_lines(s)
     lines += per_setting_lines(r.comparisons, r.trials)
     lines += by_value_lines(r.comparisons, complete(r.trials))
     lines += drift_caution(s)
@@ -620,11 +621,15 @@ FIRST_LAYER = {
     "conv": "roi_heads.box_head.0",
     "linear": "roi_heads.box_head.1",
 }
+POOL = (
+    "roi_heads.box_roi_pool"  # the detector's RoIAlign: its by-module rows shown with linearize and without
+)
 
 
 def module_section(modules: pd.DataFrame, top: int = 5) -> list[str]:
     """Per profiled setting and head: the modules with the most backward time of their own (rcnn.doctor), then
-    the box head's flagged ones, and the conv head's 7x7 conv against the linear head's first nn.Linear."""
+    the RoI pool and the box head's flagged ones, and the conv head's 7x7 conv against the linear head's first
+    nn.Linear; then the pool's own backward without and with linearize."""
     if modules.empty:
         return ["No by-module table (sweep.profile_steps: 0, or the profiled setting did not run).", ""]
     out = [
@@ -640,11 +645,13 @@ def module_section(modules: pd.DataFrame, top: int = 5) -> list[str]:
         shown = pd.concat(
             [
                 own.nlargest(top, "backward_ms"),
+                own[own["module"] == POOL],
                 own[own["module"].str.startswith("roi_heads.") & (own["flag"].fillna("") != "")],
             ]
         )
         out += [
-            f"**{head}** ({label}): top {top} modules by own backward, then the box head's flagged ones",
+            f"**{head}** ({label}): top {top} modules by own backward, then the RoI pool and the box head's "
+            "flagged ones",
             "",
             shown.drop_duplicates("module")[MODULES_SHOWN].round(3).to_markdown(index=False),
             "",
@@ -662,7 +669,56 @@ def module_section(modules: pd.DataFrame, top: int = 5) -> list[str]:
                 f"{linear:.1f} ms) at the same setting.",
                 "",
             ]
-    return out
+    return out + pool_lines(modules)
+
+
+def pool_lines(modules: pd.DataFrame) -> list[str]:
+    """The RoI pool's own backward per head, without and with linearize, at each profiled setting that ran
+    both (the pool as torchvision's kernel, then as rcnn.fix's sparse matrix product)."""
+    pool = modules[modules["module"] == POOL]
+    if pool.empty or "linearize" not in pool:
+        return []
+    on = pool["linearize"].astype(str) == "True"
+    labels = pool.apply(setting_label, axis=1, skip=("linearize",))
+    said = []
+    for (label, head), group in pool.groupby([labels, "head"], sort=False):
+        ways = {v: group[on.loc[group.index] == v]["backward_ms"] for v in (False, True)}
+        if all(len(w) for w in ways.values()):
+            without, with_ = (float(ways[v].iloc[0]) for v in (False, True))
+            said.append(f"{head} ({label}) {without:.1f} -> {with_:.1f} ms ({without / with_:.1f}x)")
+    if not said:
+        return []
+    return [
+        f"The RoI pool (`{POOL}`, torchvision's MultiScaleRoIAlign) takes, of its own backward, without -> "
+        "with `linearize: true` (computed as a sparse matrix product, rcnn.fix.roi_align): "
+        + "; ".join(said)
+        + ".",
+        "",
+    ]
+
+
+def linearize_gain_lines(summary: dict) -> list[str]:
+    """Knob linearize's gain on the detector's whole backward, pooled over the pairs of trials that differ in
+    it alone, with its CI; beyond the box head; per head (pipeline.results.linearize_gain)."""
+    gain = summary.get("linearize_gain")
+    if not gain:
+        return []
+
+    def said(g: dict) -> str:
+        return f"{g['ratio']:.2f}x [95% CI {g['ci_low']:.2f}, {g['ci_high']:.2f}]"
+
+    whole, beyond = gain["backward"], gain.get("beyond_box_head")
+    line = (
+        f"- `linearize: true`, the detector's whole backward, without / with: **{said(whole)}** (geometric "
+        f"mean over {whole['pairs']} pairs of trials that differ in it alone)"
+    )
+    if beyond:
+        line += (
+            f"; beyond the box head (each step's backward less the box head's own): {said(beyond)}: the RoI "
+            "pool as a sparse matrix product and the backbone's and RPN's swapped convolutions"
+        )
+    per_head = "; ".join(f"{head} {said(g)}" for head, g in gain["by_head"].items())
+    return [line + f"; per head: {per_head}."]
 
 
 BOX_HEAD = "roi_heads.box_head"  # the detector's box head: the subtree its icicles show

@@ -395,6 +395,41 @@ def _plain(value: object) -> object:
     return value.item() if hasattr(value, "item") else value
 
 
+def linearize_gain(
+    trials: pd.DataFrame, samples: dict[int, dict[str, list[float]] | None], seed: int = 0
+) -> dict | None:
+    """What knob linearize buys the detector's whole backward: over every pair of complete trials that differ
+    in linearize alone (same head and other knobs), the backward without it over the backward with it, as a
+    geometric mean over the pairs with a bootstrap 95% CI (rcnn.measure.stats.geomean_ratio); the same beyond
+    the box head (each step's backward less the box head's own: the backbone, RPN and RoI pool's share of the
+    fix), and per head. None where no such pair ran."""
+    done = complete(trials)
+    done = done[done["trial"].isin([t for t, kept in samples.items() if kept])]
+    others = [k for k in (*OTHER_KNOBS, "head") if k != "linearize"]
+    whole: dict[str, list] = {}
+    beyond: list = []
+    for _, group in done.groupby(others, dropna=False, sort=True):
+        by_value = dict(zip(group["linearize"].astype(str), group["trial"]))
+        if not {"False", "True"} <= by_value.keys():
+            continue
+        without, with_ = (samples[by_value[v]] for v in ("False", "True"))
+        whole.setdefault(str(group["head"].iloc[0]), []).append((without["backward"], with_["backward"]))
+        if all(s.get("head_backward") for s in (without, with_)):  # the detector's; a model has no box head
+            beyond.append(tuple(np.subtract(s["backward"], s["head_backward"]) for s in (without, with_)))
+    if not whole:
+        return None
+
+    def pooled(pairs: list) -> dict:
+        ratio, low, high = geomean_ratio(pairs, seed=seed)
+        return {"ratio": ratio, "ci_low": low, "ci_high": high, "pairs": len(pairs)}
+
+    return {
+        "backward": pooled([pair for pairs in whole.values() for pair in pairs]),
+        "beyond_box_head": pooled(beyond) if beyond else None,
+        "by_head": {head: pooled(pairs) for head, pairs in whole.items()},
+    }
+
+
 def summarize_trials(trials: pd.DataFrame, comparisons: pd.DataFrame) -> dict:
     """Headline metrics for ``dvc metrics``: trial counts, pooled head ratios with CIs, the setting with the
     least time per image."""

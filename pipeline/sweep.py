@@ -34,6 +34,7 @@ from pipeline.results import (
     WRITTEN,
     comparisons_table,
     fastest_and_defaults,
+    linearize_gain,
     summarize_trials,
     versus_defaults,
     write_table,
@@ -176,8 +177,9 @@ def collect_tables(params: Params, setup: Setup, study: optuna.Study, parent_run
         "batch_search": study.user_attrs.get("batch_search"),
     }
     modules = modules_table(study)
+    samples = {t.number: t.user_attrs.get("samples") for t in finished}
+    summary["linearize_gain"] = linearize_gain(trials, samples, seed=params.sweep.seed)
     if not setup.model.detector:
-        samples = {t.number: t.user_attrs.get("samples") for t in finished}
         record = study.user_attrs.get("versus_defaults")
         summary["versus_defaults"] = versus_defaults(trials, samples, seed=params.sweep.seed, in_turn=record)
         for role in ("fastest", "defaults"):  # profiled after the grid, where no profile_at setting was it

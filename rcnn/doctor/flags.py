@@ -94,16 +94,18 @@ def flags(
 
     ``timings``: the dict rcnn.fix.linearize_with shares its timings through (None: this call's own);
     ``deadline`` (``time.monotonic()`` seconds): the timings take fewer rounds where theirs would end past it,
-    but for the longest module's, which the deadline moves for as far as a decision needs.
+    but for the longest convolution's and the longest pooling's, which the deadline moves for as far as a
+    decision needs.
     """
     out: dict[str, Finding] = {}
     modules = modules_by_name(model)
     timings = {} if timings is None else timings
     # the longest first: where a deadline cuts the timings short, those that matter most are decided, and
-    # the longest of all whatever the deadline (its timing gets the rounds a decision needs)
+    # the longest convolution and the longest pooling whatever the deadline (their timings get the rounds a
+    # decision needs)
     own = table["forward_ms"] + table["backward_ms"] if "forward_ms" in table else table["calls"]
     candidates = _candidates(timer, modules)
-    first = True
+    decided: set[str] = set()  # the flags whose longest module's timing was given its rounds
     for name in sorted(candidates, key=lambda n: -float(own.get(n, 0.0))):
         seen = candidates[name]
         module = modules[name]
@@ -117,9 +119,10 @@ def flags(
         if found is None:
             continue
         kind, evidence = found
-        flag = f"{GEMM_FLAG if isinstance(seen, Seen) else SPARSE_FLAG}:{kind}"
-        timing = fix_timing(module, seen, timings=timings, deadline=deadline, decide=first)
-        first = False
+        family = GEMM_FLAG if isinstance(seen, Seen) else SPARSE_FLAG
+        flag = f"{family}:{kind}"
+        timing = fix_timing(module, seen, timings=timings, deadline=deadline, decide=family not in decided)
+        decided.add(family)
         assert timing is not None  # a disguise at this input
         if not timing.fix_faster:
             checked = f"{CHECKED} as {flag}: {evidence}; {timing.describe()}"

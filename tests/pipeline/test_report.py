@@ -632,3 +632,39 @@ def test_the_report_says_how_its_head_ratios_were_read(rounds, says):
     assert says in _ratios_read(comparisons)
     shown = comparison_table(comparisons)["in turn"].tolist()
     assert shown == [f"{n} rounds" if n > 0 else "no: two trials" for n in rounds]
+
+
+def test_the_verdict_says_what_linearize_gains_the_whole_backward_and_beyond_the_box_head():
+    from pipeline.report import linearize_gain_lines
+
+    g = {"ratio": 2.5, "ci_low": 2.4, "ci_high": 2.6, "pairs": 6}
+    summary = {
+        "linearize_gain": {"backward": g, "beyond_box_head": g | {"ratio": 2.1}, "by_head": {"conv": g}}
+    }
+    (line,) = linearize_gain_lines(summary)
+    assert line.startswith(
+        "- `linearize: true`, the detector's whole backward, without / with: **2.50x [95% CI 2.40, 2.60]** "
+        "(geometric mean over 6 pairs of trials that differ in it alone); beyond the box head (each step's "
+        "backward less the box head's own): 2.10x [95% CI 2.40, 2.60]"
+    )
+    assert line.endswith("; per head: conv 2.50x [95% CI 2.40, 2.60].")
+    assert linearize_gain_lines({"linearize_gain": None}) == [] and linearize_gain_lines({}) == []
+
+
+def test_the_by_module_tables_show_the_roi_pool_both_ways():
+    from pipeline.report import MODULES_SHOWN, POOL, module_section
+
+    rows = []
+    for linearize, pool_ms in ((False, 170.0), (True, 12.0)):
+        for i, module in enumerate([f"backbone.{j}" for j in range(6)] + [POOL]):
+            rows.append(
+                {"head": "linear", "onednn": True, "amp": "off", "channels_last": False, "batch_size": 2,
+                 "linearize": linearize, "module": module, "type": "T", "calls": 1,
+                 "backward_ms": pool_ms if module == POOL else 20.0 + i, "flag": ""}
+            )  # fmt: skip
+    text = "\n".join(
+        module_section(pd.DataFrame(rows).reindex(columns=list(dict.fromkeys([*rows[0], *MODULES_SHOWN]))))
+    )
+    assert text.count(f"| {POOL}") == 2  # under the top 5 with linearize, shown still
+    assert f"The RoI pool (`{POOL}`, torchvision's MultiScaleRoIAlign) takes" in text
+    assert "linear (oneDNN on, amp off, NCHW, bs 2) 170.0 -> 12.0 ms (14.2x)" in text

@@ -9,6 +9,7 @@ from pipeline.results import (
     comparisons_table,
     head_order,
     head_pairs,
+    linearize_gain,
     pooled_rows,
     read_comparisons,
     read_env,
@@ -290,3 +291,37 @@ def test_a_head_faster_than_the_measured_peak_raises_the_ceiling_and_no_fraction
     assert fixed["head_forward_peak_fraction"].tolist() == pytest.approx([0.4, 0.8, 0.5])
     same, none = within_ceilings(trials, {"matmul_tflops": {"fp32": 1.0, "bf16": 1.0}})
     assert none == {} and same is trials
+
+
+def with_linearize(gain_outside: float, gain_head: float = 1.0) -> tuple[pd.DataFrame, dict]:
+    """The fixture's trials, each also with linearize true: the backward less the box head's own
+    ``gain_outside`` times shorter, the box head's ``gain_head`` times."""
+    trials, samples = fixture()
+    done = trials[trials["status"] == "complete"]
+    extra = done.copy()
+    extra["linearize"] = True
+    extra["trial"] = extra["trial"] + 100
+    for old, new in zip(done["trial"], extra["trial"]):
+        head = np.asarray(samples[old]["head_backward"]) / gain_head
+        rest = (
+            np.asarray(samples[old]["backward"]) - np.asarray(samples[old]["head_backward"])
+        ) / gain_outside
+        samples[new] = {
+            "head_backward": list(head),
+            "backward": list(head + rest),
+            "step": samples[old]["step"],
+        }
+    return pd.concat([trials, extra], ignore_index=True), samples
+
+
+def test_linearize_gain_pools_the_pairs_that_differ_in_it_alone_whole_and_beyond_the_box_head():
+    trials, samples = with_linearize(gain_outside=2.0, gain_head=4.0)
+    gain = linearize_gain(trials, samples)
+    assert gain["backward"]["pairs"] == 6 and set(gain["by_head"]) == {"linear", "conv", "conv_as_linear"}
+    assert gain["beyond_box_head"]["ratio"] == pytest.approx(2.0, rel=0.02)
+    low, high = gain["beyond_box_head"]["ci_low"], gain["beyond_box_head"]["ci_high"]
+    assert low <= 2.0 <= high * 1.001 and high - low < 0.1
+    assert 2.0 < gain["backward"]["ratio"] < 4.0  # the box head's gain mixed in
+    # trials that never ran linearize both ways: nothing to say
+    plain, plain_samples = fixture()
+    assert linearize_gain(plain, plain_samples) is None

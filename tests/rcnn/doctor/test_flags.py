@@ -148,3 +148,36 @@ def test_a_saving_counts_only_the_calls_at_the_input_it_was_timed_at(timed):
     assert found["0"].saves_ms == pytest.approx(2.0) and "(1 of its 5 calls a step are at that input)" in (
         found["0"].evidence
     )
+
+
+def test_the_roi_pool_is_flagged_as_a_sparse_product_and_gets_its_own_deciding_timing(monkeypatch):
+    """torchvision's RoIAlign is a sparse matrix product whatever its input: flagged where rcnn.fix's product
+    is shown faster, with its saving per step; the longest convolution still gets its deciding rounds; a
+    swapped pool reads as fixed."""
+    from torchvision.ops import MultiScaleRoIAlign
+
+    from rcnn.fix import SparseMultiScaleRoIAlign
+    from rcnn.fix.roi_align import POOL_WAYS
+
+    decided = []
+
+    def fix_timing(module, seen, *, timings=None, deadline=None, decide=False):
+        decided.append((type(module).__name__, decide))
+        if isinstance(module, nn.Conv2d):
+            return timing(0.4, 0.35, 0.45)
+        return PathTiming(800.0, 90.0, 0.11, 0.1, 0.12, 710.0, 700.0, 720.0, rounds=6, ways=POOL_WAYS)
+
+    monkeypatch.setattr(doctor_flags, "fix_timing", fix_timing)
+    model = nn.ModuleDict({"pool": MultiScaleRoIAlign(["0"], 7, 2), "conv": nn.Conv2d(8, 4, 7)})
+    timer = SimpleNamespace(inputs={"pool": ((), {})}, calls_as_seen={}, seen={"conv": seen(2, 8, 7, 7)})
+    calls = table({"pool": 1, "conv": 1})
+    calls["forward_ms"], calls["backward_ms"] = [100.0, 5.0, 0.0], [700.0, 50.0, 0.0]
+    found = flags(model, timer, calls)
+    assert found["pool"].flag == "spmm-in-disguise:roi-align" and found["pool"].saves_ms == 710.0
+    assert "sparse / torchvision 0.11 [95% CI 0.10, 0.12]" in found["pool"].evidence
+    assert "the sparse product is faster" in found["pool"].evidence
+    assert found["pool"].evidence.endswith("fix: compute it as a sparse matrix product (rcnn.fix.linearize)")
+    assert decided == [("MultiScaleRoIAlign", True), ("Conv2d", True)]  # each family's longest decides
+    model["pool"].__class__ = SparseMultiScaleRoIAlign
+    found = flags(model, timer, calls)
+    assert found["pool"].flag == "" and found["pool"].evidence.startswith("linearized: runs as a sparse")
