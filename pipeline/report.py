@@ -70,6 +70,7 @@ from rcnn.detector.schema import (
 from rcnn.doctor.columns import (
     COMPILED,
     EAGER_AFTER_LIMIT,
+    LINEARIZED,
     MODULE_COLUMNS,
     OUTSIDE,
     ROOT,
@@ -682,15 +683,19 @@ def pool_lines(modules: pd.DataFrame) -> list[str]:
     labels = pool.apply(setting_label, axis=1, skip=("linearize",))
     said = []
     for (label, head), group in pool.groupby([labels, "head"], sort=False):
-        ways = {v: group[on.loc[group.index] == v]["backward_ms"] for v in (False, True)}
-        if all(len(w) for w in ways.values()):
-            without, with_ = (float(ways[v].iloc[0]) for v in (False, True))
-            said.append(f"{head} ({label}) {without:.1f} -> {with_:.1f} ms ({without / with_:.1f}x)")
+        ways = {v: group[on.loc[group.index] == v] for v in (False, True)}
+        if not all(len(w) for w in ways.values()):
+            continue
+        without, with_ = (float(ways[v]["backward_ms"].iloc[0]) for v in (False, True))
+        swapped = str(ways[True]["evidence"].iloc[0]).startswith(LINEARIZED)
+        ratio = f" ({without / with_:.1f}x)" if with_ > 0 else ""
+        kept = "" if swapped else ", torchvision's kernel kept"
+        said.append(f"{head} ({label}) {without:.1f} -> {with_:.1f} ms{ratio}{kept}")
     if not said:
         return []
     return [
         f"The RoI pool (`{POOL}`, torchvision's MultiScaleRoIAlign) takes, of its own backward, without -> "
-        "with `linearize: true` (computed as a sparse matrix product, rcnn.fix.roi_align): "
+        "with `linearize: true` (where swapped, computed as a sparse matrix product, rcnn.fix.roi_align): "
         + "; ".join(said)
         + ".",
         "",

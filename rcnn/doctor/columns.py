@@ -10,6 +10,7 @@ from collections.abc import Iterable
 import pandas as pd
 
 ROOT = "(model)"  # the model itself: its qualified name is ""
+LINEARIZED = "linearized"  # a flag's evidence for a module rcnn.fix swapped that runs as a matrix product
 OUTSIDE = "(outside modules)"  # time and FLOPs no module's forward created
 
 

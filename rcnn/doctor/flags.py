@@ -18,13 +18,13 @@ from torch import nn
 
 from rcnn.disguise import BY_HAND, FIX, SPARSE_FIX, gemm_kind, sparse_kind
 from rcnn.doctor.attribution import ModuleTimer, modules_by_name
+from rcnn.doctor.columns import LINEARIZED
 from rcnn.fix import CONVS, AsLinear, PathTiming, as_linear_class, fix_timing, sparse_class
 from rcnn.fix.roi_align import SPARSE_CLASSES
 from rcnn.measure.inputs import Seen
 
 GEMM_FLAG = "gemm-in-disguise"
 SPARSE_FLAG = "spmm-in-disguise"
-LINEARIZED = "linearized"  # the evidence of a swapped module that runs as a matrix product: no flag
 CHECKED = "checked"  # the evidence of an eligible module whose fix was not shown faster: no flag
 
 

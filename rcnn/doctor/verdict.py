@@ -23,6 +23,7 @@ from rcnn.doctor.columns import (
     BOUND_FRACTION,
     EXPLAINED_SHARE,
     FLAG_SHOWN_SHARE,
+    LINEARIZED,
     MODULE_COLUMNS,
     OUTSIDE,
     ROOT,
@@ -30,7 +31,7 @@ from rcnn.doctor.columns import (
     WHY_COLUMNS,
 )
 from rcnn.doctor.explain import backward_alone, per_run
-from rcnn.doctor.flags import LINEARIZED, Finding, flags, rank
+from rcnn.doctor.flags import Finding, flags, rank
 from rcnn.measure import cores
 from rcnn.measure.profiler import KERNEL, Spent
 from rcnn.measure.stats import median_precision, partway
@@ -288,7 +289,7 @@ def bound(
     threads = torch.get_num_threads() if threads is None else threads
     if threads > 1 and cores_busy == cores_busy and cores_busy < SERIAL_BELOW:
         return (
-            f"ran on 1 of {threads} threads: serial ({cores_busy:.2f} cores busy through its backward"
+            f"serial: ran on about 1 of {threads} threads ({cores_busy:.2f} cores busy through its backward"
             + "".join(f", {r}" for r in reached)
             + ")"
         )

@@ -6,18 +6,20 @@ RoIAlign is linear in the features. Each output bin (one RoI's bin (i, j)) is a 
 weight over the count of points. With the features as rows (level, image, y, x) by channel, the forward is
 ``S @ rows`` and the features' gradient ``S^T @ grad``, S a sparse matrix built from the boxes alone (indices
 and weights, no feature values). Both products run as ``F.embedding_bag`` in mode sum: each output row the
-weighted sum of its bag of rows, summed by one thread in a fixed order, rows in parallel. So no atomic add and
-no serial loop: the same result on every run, on as many cores as torch computes with. torchvision's CPU
+weighted sum of its bag of rows, summed by one thread in a fixed order, rows in parallel (in float32, fbgemm's
+kernel; float64 runs one loop, for the tests' exact comparisons). So no atomic add and no serial loop: the
+same result on every run, on as many cores as torch computes with. torchvision's CPU
 backward instead loops over every RoI, channel and bin in one thread (``csrc/ops/cpu/roi_align_kernel.cpp``:
 the RoIs scatter into shared feature positions), and its CUDA backward adds with atomics (vision#1058).
 
 S follows torchvision's kernels step by step (``roi_align_common.h``: the sampling points, the rule that a
 point beyond one pixel off the map counts zero, the clamps at the last row and column, the count over which a
 bin averages), computed in the features' dtype (float32 for float16 and bfloat16, as torchvision's autocast
-computes them), so outputs and the features' gradient equal torchvision's to rounding.
+computes them; torchvision's CPU kernel computes float16 in float16 and has none for bfloat16), so outputs and
+the features' gradient equal torchvision's to rounding.
 
 Where S would hold more than MAX_ENTRIES entries (many RoIs at a large adaptive sampling ratio) the call runs
-torchvision's kernel instead and warns once.
+torchvision's kernel instead, with a warning (once per place, as Python's warnings go).
 
 On CUDA (embedding_bag's forward kernel sums each bag in a fixed order) the same holds by construction; it is
 not verified on a GPU here.
@@ -39,13 +41,14 @@ from torchvision.ops import roi_align as torchvision_roi_align
 from rcnn.fix.timing import PathTiming, Ways, forward_backward, time_both
 from rcnn.measure.inputs import channels_last, tensors
 
-# S's entries (4 x s_h x s_w per bin) above which a call falls back to torchvision's kernel: S and its
-# transpose then hold 2 x 12 bytes an entry, 400 MB at this bound
+# S's entries before merging (4 x s_h x s_w per bin) above which a call falls back to torchvision's kernel:
+# building S holds about 5 tensors of that size at once (indices, weights, the mask), 8 bytes an entry each:
+# about 700 MB at this bound
 MAX_ENTRIES = 2**24
 
 
 @dataclass(frozen=True)
-class Sampling:
+class SparseRows:
     """A sparse matrix by rows: row r's entries are ``index[offsets[r]:offsets[r + 1]]`` (the rows of the
     matrix it multiplies) with ``weight`` the same span; ``columns`` the rows of that matrix."""
 
@@ -58,20 +61,20 @@ class Sampling:
     def rows(self) -> int:
         return len(self.offsets)
 
-    def times(self, dense: Tensor) -> Tensor:
+    def matmul(self, dense: Tensor) -> Tensor:
         """This matrix times ``dense`` (columns x C): (rows x C)."""
         if not len(self.index):  # embedding_bag takes no empty index
             return dense.new_zeros(self.rows, dense.shape[1])
         return F.embedding_bag(self.index, dense, self.offsets, mode="sum", per_sample_weights=self.weight)
 
-    def transposed(self) -> Sampling:
+    def transposed(self) -> SparseRows:
         """The transpose, by rows: each column's entries in the order of their rows (a stable sort), so that
         each sum runs in one fixed order."""
         lengths = torch.diff(self.offsets, append=self.offsets.new_tensor([len(self.index)]))
         row = torch.repeat_interleave(torch.arange(self.rows, device=self.index.device), lengths)
         order = torch.argsort(self.index, stable=True)
         counts = torch.bincount(self.index, minlength=self.columns)
-        return Sampling(row[order], self.weight[order], counts.cumsum(0) - counts, self.rows)
+        return SparseRows(row[order], self.weight[order], counts.cumsum(0) - counts, self.rows)
 
 
 def _axis(start: Tensor, bin_size: Tensor, grid: int, pooled: int, size: Tensor) -> tuple[Tensor, Tensor]:
@@ -123,7 +126,8 @@ def _grids(width: Tensor, height: Tensor, output_size: tuple[int, int], sampling
     ceil(RoI size / bins)."""
     if sampling_ratio > 0:
         return torch.full((len(width), 2), sampling_ratio, dtype=torch.long, device=width.device)
-    return torch.stack([torch.ceil(height / output_size[0]), torch.ceil(width / output_size[1])], 1).long()
+    grids = torch.stack([torch.ceil(height / output_size[0]), torch.ceil(width / output_size[1])], 1).long()
+    return grids.clamp(min=0)  # a reversed box (aligned) has no points: zeros, as torchvision's
 
 
 def _group_entries(
@@ -161,7 +165,7 @@ def sampling_matrix(
     sampling_ratio: int,
     aligned: bool,
     dtype: torch.dtype,
-) -> Sampling | None:
+) -> SparseRows | None:
     """S for ``rois`` ((K, 5): image index, x1, y1, x2, y2) pooled from the feature maps of ``shapes`` ((N, H,
     W) each, stacked as rows level by level, image, y, x), RoI k from level ``levels[k]`` at ``scales`` of
     it; weights in ``dtype``. None where S would exceed MAX_ENTRIES."""
@@ -183,7 +187,7 @@ def sampling_matrix(
     groups, index, weight = [], [], []
     for grid_h, grid_w in grid_list:
         members = (grids == grids.new_tensor([grid_h, grid_w])).all(dim=1).nonzero().flatten()
-        if grid_h * grid_w == 0:  # an empty RoI's bins: no entries, zeros
+        if grid_h * grid_w == 0:  # an empty or reversed RoI's bins: no entries, zeros
             continue
         counts[members], group_index, group_weight = _group_entries(
             x1[members],
@@ -201,10 +205,10 @@ def sampling_matrix(
     counts = counts.flatten()
     offsets = counts.cumsum(0) - counts
     if len(groups) == 1:  # one group: its entries are in S's row order already
-        return Sampling(index[0], weight[0], offsets, int(starts[-1]))
+        return SparseRows(index[0], weight[0], offsets, int(starts[-1]))
     if not groups:
         empty = torch.zeros(0, dtype=torch.long, device=device)
-        return Sampling(empty, empty.to(dtype), offsets, int(starts[-1]))
+        return SparseRows(empty, empty.to(dtype), offsets, int(starts[-1]))
     # the groups' entries interleaved by row, each row's in its order
     arange = torch.arange(bins, device=device)
     rows = [
@@ -215,7 +219,7 @@ def sampling_matrix(
     ]
     order = torch.argsort(torch.cat(rows), stable=True)
     index, weight = torch.cat(index)[order], torch.cat(weight)[order]
-    return Sampling(index, weight, offsets, int(starts[-1]))
+    return SparseRows(index, weight, offsets, int(starts[-1]))
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -228,7 +232,7 @@ class _Pool(torch.autograd.Function):
     maps' gradients, ``S^T @ grad``, each map's in its own layout and dtype."""
 
     @staticmethod
-    def forward(ctx, sampling: Sampling, output_size: tuple[int, int], *maps: Tensor) -> Tensor:
+    def forward(ctx, sampling: SparseRows, output_size: tuple[int, int], *maps: Tensor) -> Tensor:
         channels = maps[0].shape[1]
         compute = sampling.weight.dtype
         rows = torch.empty(sampling.columns, channels, dtype=compute, device=maps[0].device)
@@ -237,7 +241,7 @@ class _Pool(torch.autograd.Function):
             n, c, h, w = x.shape
             rows[start : start + n * h * w].view(n, h, w, c).copy_(x.permute(0, 2, 3, 1))
             start += n * h * w
-        pooled = sampling.times(rows)  # (K * bins, C)
+        pooled = sampling.matmul(rows)  # (K * bins, C)
         k = pooled.shape[0] // (output_size[0] * output_size[1])
         out = torch.empty(k, channels, *output_size, dtype=maps[0].dtype, device=maps[0].device)
         out.copy_(pooled.view(k, *output_size, channels).permute(0, 3, 1, 2))
@@ -248,14 +252,14 @@ class _Pool(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor) -> tuple:
-        sampling: Sampling = ctx.sampling
+        sampling: SparseRows = ctx.sampling
         channels = grad.shape[1]
         rows = grad.permute(0, 2, 3, 1).reshape(-1, channels).to(sampling.weight.dtype)
-        grad_rows = sampling.transposed().times(rows)
+        grad_rows = sampling.transposed().matmul(rows)
         grads, start = [], 0
         for (n, c, h, w), dtype, layout in ctx.maps:
             part = grad_rows[start : start + n * h * w].view(n, h, w, c).permute(0, 3, 1, 2)
-            grads.append(part.to(dtype=dtype, memory_format=layout))
+            grads.append(part.to(dtype=dtype, memory_format=layout, copy=True))  # each map its own storage
             start += n * h * w
         return (None, None, *grads)
 
@@ -275,21 +279,27 @@ def _rois(boxes: Tensor | list[Tensor]) -> Tensor:
     return poolers._convert_to_roi_format(list(boxes))
 
 
-_WARNED = "the sparse RoIAlign fell back to torchvision's kernel"
+FELL_BACK = (
+    "the sparse RoIAlign fell back to torchvision's kernel: its sparse matrix would exceed "
+    "rcnn.fix.roi_align.MAX_ENTRIES entries (many RoIs at a large adaptive sampling_ratio)"
+)
 
 
 def pool(
     maps: list[Tensor],
     rois: Tensor,
-    levels: Tensor,
+    levels: Tensor | None,
     scales: list[float],
     output_size: tuple[int, int],
     sampling_ratio: int,
     aligned: bool,
 ) -> Tensor | None:
-    """RoI k of ``rois`` ((K, 5)) pooled from ``maps[levels[k]]`` at ``scales[levels[k]]``, as a sparse matrix
-    product; None where S would exceed MAX_ENTRIES (the caller then runs torchvision's kernel)."""
+    """RoI k of ``rois`` ((K, 5)) pooled from ``maps[levels[k]]`` at ``scales[levels[k]]`` (``levels`` None:
+    all from the first), as a sparse matrix product; None where S would exceed MAX_ENTRIES (the caller then
+    runs torchvision's kernel)."""
     compute = _compute_dtype(maps[0].dtype)
+    if levels is None:
+        levels = torch.zeros(len(rois), dtype=torch.long, device=rois.device)
     with torch.no_grad():
         sampling = sampling_matrix(
             rois.detach(),
@@ -302,16 +312,13 @@ def pool(
             compute,
         )
     if sampling is None:
-        warnings.warn(
-            f"{_WARNED}: {len(rois)} RoIs at sampling_ratio {sampling_ratio} need over {MAX_ENTRIES:,} "
-            "entries of its sparse matrix (rcnn.fix.roi_align.MAX_ENTRIES)",
-            stacklevel=3,
-        )
+        warnings.warn(FELL_BACK, stacklevel=2)
         return None
     return _Pool.apply(sampling, output_size, *maps)
 
 
-@torch.compiler.disable  # eager under torch.compile, as torchvision's custom op is opaque to it
+# eager under torch.compile: an autograd.Function carrying a Python object is no graph's to trace
+@torch.compiler.disable
 def roi_align(
     input: Tensor,
     boxes: Tensor | list[Tensor],
@@ -337,8 +344,7 @@ def roi_align(
     """
     size = _pair(output_size)
     rois = _rois(boxes)
-    levels = torch.zeros(len(rois), dtype=torch.long, device=rois.device)
-    pooled = pool([input], rois, levels, [spatial_scale], size, sampling_ratio, aligned)
+    pooled = pool([input], rois, None, [spatial_scale], size, sampling_ratio, aligned)
     if pooled is None:
         return torchvision_roi_align(input, rois, size, spatial_scale, sampling_ratio, aligned)
     return pooled
@@ -378,10 +384,7 @@ class SparseMultiScaleRoIAlign(MultiScaleRoIAlign):
                 maps, image_shapes, self.canonical_scale, self.canonical_level
             )
         rois = _rois(boxes)
-        if len(maps) == 1:
-            levels = torch.zeros(len(rois), dtype=torch.long, device=rois.device)
-        else:
-            levels = self.map_levels(boxes)
+        levels = self.map_levels(boxes) if len(maps) > 1 else None
         pooled = pool(maps, rois, levels, self.scales, self.output_size, self.sampling_ratio, aligned=False)
         if pooled is None:
             return super().forward(x, boxes, image_shapes)

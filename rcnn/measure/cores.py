@@ -47,20 +47,22 @@ TASKS = Path("/proc/self/task")
 PRESSURE_FILE = Path("/proc/pressure/cpu")
 
 
-def run_queue_seconds() -> float | None:
-    """Seconds the process's threads have waited on a run queue, summed; None where the kernel keeps none."""
+def run_queue_seconds() -> dict[str, float] | None:
+    """Seconds each of the process's threads has waited on a run queue, by thread id; None where the kernel
+    keeps none (no schedstat, or one that counts nothing: all zeros without sched_info)."""
     try:
         tids = os.listdir(TASKS)
     except OSError:
         return None
-    total, read = 0, False
+    waited, ran = {}, 0
     for tid in tids:
         try:
-            total += int((TASKS / tid / "schedstat").read_text().split()[1])
-            read = True
+            fields = (TASKS / tid / "schedstat").read_text().split()
+            ran += int(fields[0])
+            waited[tid] = int(fields[1]) / 1e9
         except (OSError, IndexError, ValueError):  # a thread ended between the listing and the read
             continue
-    return total / 1e9 if read else None
+    return waited if ran else None
 
 
 def pressure_seconds() -> float | None:
@@ -108,7 +110,7 @@ class CoreUse:
         cpu, wall, queued, pressed = self._started
         self.cpu_s += time.process_time() - cpu
         self.wall_s += time.perf_counter() - wall
-        self.run_queue_s = _added(self.run_queue_s, queued, run_queue_seconds())
+        self.run_queue_s = _added_by_thread(self.run_queue_s, queued, run_queue_seconds())
         self.pressure_s = _added(self.pressure_s, pressed, pressure_seconds())
 
     @property
@@ -146,6 +148,16 @@ class CoreUse:
     def contended(self) -> bool:
         """The threads waited for cores, by ``judged_by`` (False where nothing applies)."""
         return contended(self.record())
+
+
+def _added_by_thread(
+    total: float | None, start: dict[str, float] | None, end: dict[str, float] | None
+) -> float | None:
+    """``total`` plus each thread's wait between the two reads: a thread that ended in between takes its wait
+    with it, one that began counts from 0."""
+    if total is None or start is None or end is None:
+        return None
+    return total + sum(max(waited - start.get(tid, 0.0), 0.0) for tid, waited in end.items())
 
 
 def _added(total: float | None, start: float | None, end: float | None) -> float | None:

@@ -660,7 +660,8 @@ def test_the_by_module_tables_show_the_roi_pool_both_ways():
             rows.append(
                 {"head": "linear", "onednn": True, "amp": "off", "channels_last": False, "batch_size": 2,
                  "linearize": linearize, "module": module, "type": "T", "calls": 1,
-                 "backward_ms": pool_ms if module == POOL else 20.0 + i, "flag": ""}
+                 "backward_ms": pool_ms if module == POOL else 20.0 + i, "flag": "",
+                 "evidence": "linearized: runs as a sparse matrix product" if linearize else ""}
             )  # fmt: skip
     text = "\n".join(
         module_section(pd.DataFrame(rows).reindex(columns=list(dict.fromkeys([*rows[0], *MODULES_SHOWN]))))

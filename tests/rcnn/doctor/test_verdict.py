@@ -47,8 +47,8 @@ NEITHER = "bound by neither FLOPs nor bytes (0% of the matmul peak, 3% of the co
 @pytest.mark.parametrize(
     "busy, threads, said",
     [
-        (1.02, 2, "ran on 1 of 2 threads: serial (1.02 cores busy through its backward, 0% of the matmul "
-                  "peak, 3% of the copy bandwidth)"),
+        (1.02, 2, "serial: ran on about 1 of 2 threads (1.02 cores busy through its backward, 0% of the "
+                  "matmul peak, 3% of the copy bandwidth)"),
         (1.9, 2, NEITHER),
         (1.0, 1, NEITHER),  # torch's one thread
         (math.nan, 2, NEITHER),  # CUDA: no CPU time

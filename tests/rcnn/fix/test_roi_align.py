@@ -28,6 +28,7 @@ def boxes_in_and_out(
     boxes = torch.cat([start, start + extent], dim=1)
     boxes[0, 2:] = boxes[0, :2]  # a box of size 0
     boxes[1] = torch.tensor([-30.0, -30.0, -10.0, -12.0]) / scale  # wholly off the map
+    boxes[2] = torch.tensor([12.0, 9.0, 2.0, 1.0]) / scale  # reversed: x2 < x1, y2 < y1
     return boxes
 
 
@@ -134,6 +135,18 @@ def test_half_features_under_autocast_as_torchvisions_autocast(dtype, tol):
     assert_same(got, expected, tol)
 
 
+def test_half_features_without_autocast_compute_in_float32():
+    """torchvision's CPU kernel computes float16 in float16 (none for bfloat16): the sparse product computes
+    in float32 and returns the features' dtype, at least as close to float64's result."""
+    features, boxes, shapes = fpn_features(), detector_boxes(), [(128, 128)] * 2
+    exact = SparseMultiScaleRoIAlign(["0", "1"], 7, 2)(features, boxes, shapes)
+    half = OrderedDict((k, v.detach().half()) for k, v in features.items())
+    mine = SparseMultiScaleRoIAlign(["0", "1"], 7, 2)(half, [b.half() for b in boxes], shapes)
+    theirs = MultiScaleRoIAlign(["0", "1"], 7, 2)(half, [b.half() for b in boxes], shapes)
+    assert mine.dtype == torch.float16
+    assert (mine.double() - exact).abs().max() <= (theirs.double() - exact).abs().max()
+
+
 def test_gradcheck():
     x = torch.rand(2, 2, 5, 6, dtype=torch.float64, requires_grad=True)
     rois = torch.tensor(
@@ -158,9 +171,14 @@ def test_a_matrix_too_large_falls_back_to_torchvisions_kernel_and_says_so(monkey
     monkeypatch.setattr(sparse, "MAX_ENTRIES", 100)
     x = torch.randn(1, 2, 16, 16, dtype=torch.float64, requires_grad=True)
     rois = torch.tensor([[0, 0.0, 0.0, 15.0, 15.0]], dtype=torch.float64)
-    with pytest.warns(UserWarning, match="fell back to torchvision's kernel: 1 RoIs at sampling_ratio -1"):
+    with pytest.warns(UserWarning, match="fell back to torchvision's kernel: its sparse matrix would exceed"):
         out = sparse.roi_align(x, rois, 7, 1.0, -1)
     assert torch.equal(out, torchvision_roi_align(x, rois, 7, 1.0, -1))
+    features, boxes, shapes = fpn_features(), detector_boxes(), [(128, 128)] * 2
+    with pytest.warns(UserWarning, match="fell back"):
+        got = pooled_and_grad(SparseMultiScaleRoIAlign(["0", "1"], 7, 2), features, boxes, shapes)
+    expected = pooled_and_grad(MultiScaleRoIAlign(["0", "1"], 7, 2), features, boxes, shapes, grad=got[2])
+    assert_same(got, expected, 0.0)  # torchvision's own kernel ran
 
 
 def small_detector() -> nn.Module:

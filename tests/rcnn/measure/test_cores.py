@@ -16,7 +16,7 @@ def test_cpu_time_run_queue_and_pressure_against_wall_time(monkeypatch):
     clock = {"cpu": 0.0, "wall": 0.0, "queue": 0.0, "pressure": 0.0}
     monkeypatch.setattr(cores.time, "process_time", lambda: clock["cpu"])
     monkeypatch.setattr(cores.time, "perf_counter", lambda: clock["wall"])
-    monkeypatch.setattr(cores, "run_queue_seconds", lambda: clock["queue"])
+    monkeypatch.setattr(cores, "run_queue_seconds", lambda: {"1": clock["queue"]})
     monkeypatch.setattr(cores, "pressure_seconds", lambda: clock["pressure"])
     use = CoreUse("cpu", threads=2)
     assert use.share is None and use.waited is None and not use.contended  # nothing measured yet
@@ -49,6 +49,38 @@ def test_cpu_time_run_queue_and_pressure_against_wall_time(monkeypatch):
 )
 def test_the_verdict_reads_the_run_queue_then_the_pressure_then_the_share(record, contended, source):
     assert cores.contended(record) == contended and cores.judged_by(record) == source
+
+
+def kernel_files(tmp_path, threads: dict[str, str], pressure: str | None):
+    for tid, line in threads.items():
+        (tmp_path / "task" / tid).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "task" / tid / "schedstat").write_text(line)
+    if pressure is not None:
+        (tmp_path / "pressure").write_text(pressure)
+
+
+def test_the_kernels_files_are_read_as_linux_writes_them(monkeypatch, tmp_path):
+    monkeypatch.setattr(cores, "TASKS", tmp_path / "task")
+    monkeypatch.setattr(cores, "PRESSURE_FILE", tmp_path / "pressure")
+    kernel_files(
+        tmp_path,
+        {"10": "5000000000 250000000 900\n", "11": "1000000000 500000000 40\n"},
+        "some avg10=0.00 avg60=0.00 avg300=0.00 total=1500000\n"
+        "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n",
+    )
+    assert cores.run_queue_seconds() == {"10": 0.25, "11": 0.5} and cores.pressure_seconds() == 1.5
+    # a kernel without sched_info writes zeros: no run-queue delay kept, the pressure decides
+    kernel_files(tmp_path, {"10": "0 0 0\n", "11": "0 0 0\n"}, None)
+    assert cores.run_queue_seconds() is None
+
+
+def test_a_thread_that_ends_inside_a_block_keeps_the_others_wait(monkeypatch):
+    reads = iter([{"1": 5.0, "2": 9.0}, {"1": 5.6, "3": 0.2}])  # thread 2 ended, thread 3 began
+    monkeypatch.setattr(cores, "run_queue_seconds", lambda: next(reads))
+    use = CoreUse("cpu", threads=2)
+    with use:
+        time.sleep(0.01)
+    assert use.run_queue_s == pytest.approx(0.8)
 
 
 def test_without_the_kernels_files_the_cpu_share_decides(monkeypatch, tmp_path):
