@@ -127,24 +127,17 @@ def fix_timing(
     return timings[key]
 
 
-def _swap(module: nn.Module, kind: str) -> bool:
-    """Swap ``module`` in place for its fix (its class only); False where no fix class computes it."""
-    if kind == "roi-align":
-        cls = sparse_class(type(module))
-        if cls is None:
-            return False
-        module.__class__ = cls
-        return True
-    cls = as_linear_class(type(module))
-    if cls is None:
-        return False
-    module.__class__, module.gemm = cls, kind
-    vars(module).pop("_gemm_at", None)
-    return True
+def _fix_class(module: nn.Module, kind: str) -> type | None:
+    """The class a swap gives ``module`` (a subclass of its own), or None where none computes it: a subclass
+    with a forward of its own, which the swap would bypass."""
+    return sparse_class(type(module)) if kind == "roi-align" else as_linear_class(type(module))
 
 
-def _fixable(module: nn.Module, kind: str) -> bool:
-    return (sparse_class(type(module)) if kind == "roi-align" else as_linear_class(type(module))) is not None
+def _swap(module: nn.Module, kind: str, cls: type) -> None:
+    module.__class__ = cls
+    if kind != "roi-align":  # a convolution: the GEMM it runs as, decided anew per input shape
+        module.gemm = kind
+        vars(module).pop("_gemm_at", None)
 
 
 def linearize_with(
@@ -174,12 +167,15 @@ def linearize_with(
     for name, input_seen in seen.items():
         module = modules[name]
         kind = kind_of(module, input_seen)
-        if kind is None or not _fixable(module, kind):
+        cls = _fix_class(module, kind) if kind else None
+        if cls is None:
             continue
         timing = (
             fix_timing(module, input_seen, timings=timings, deadline=deadline) if mode == "auto" else None
         )
-        swapped = (timing is None or timing.swaps) and _swap(module, kind)  # else it stays as it was
+        swapped = timing is None or timing.swaps
+        if swapped:  # else declined: the module stays exactly as it was
+            _swap(module, kind, cls)
         numbers = {f: getattr(timing, f) for f in SWAP_TIMING} if timing else {}
         shape = input_seen.input_shape if isinstance(input_seen, Seen) else _first_shape(input_seen)
         swaps.append(Swap(name, kind, shape, swapped, **numbers))
