@@ -4,7 +4,8 @@ disguise. Rooms, each importing only those below it:
 - ``rcnn.detector``: the detector study (model, heads, COCO reader, knobs, one trial); ``python -m
   rcnn.bench``.
 - ``rcnn.doctor``: backward time by module for any model, flags and why; ``python -m rcnn.doctor``.
-- ``rcnn.fix``: ``linearize(model, example)`` and ``Conv2dAsLinear`` (``rcnn.disguise`` tells which convs).
+- ``rcnn.fix``: ``linearize(model, example)``, ``Conv2dAsLinear``, ``SparseMultiScaleRoIAlign``
+  (``rcnn.disguise`` tells which modules are matrix products in disguise).
 - ``rcnn.measure``: the clock, the training step, statistics, the machine's fingerprint and peaks.
 - Shared plumbing: ``rules`` (allowed values, user errors), ``cli`` (every command's wrapper), ``outputs``
   (where a command may write), ``factory`` (a user's ``package.module:factory``).
