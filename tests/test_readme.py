@@ -9,6 +9,7 @@ import functools
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -328,12 +329,17 @@ SNIPPETS = [(path, block) for path in PAGES for block in python_blocks(TEXTS[pat
 )
 def test_a_python_snippet_runs(path, block, tmp_path):
     """Each python block runs as written, given a model and its example input where it names them, in a
-    folder of its own (a snippet may save files: w.save("doctor-run/"))."""
+    folder of its own (a snippet may save files: w.save("doctor-run/")), as the one process of a torchrun
+    (a DistributedDataParallel snippet reads torchrun's environment)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
     result = launcher.run(
         [sys.executable, "-c", SNIPPET_PREAMBLE + block],
         cwd=tmp_path,
         timeout=120,
-        env=os.environ | {"PYTHONPATH": str(ROOT)},
+        env=os.environ | {"PYTHONPATH": str(ROOT), "LOCAL_RANK": "0", **torchrun},
     )
     assert result.returncode == 0, f"{page(path)}:\n{block}\n{result.stderr[-2000:]}"
 

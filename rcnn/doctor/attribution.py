@@ -372,6 +372,11 @@ class ModuleTimer:
         """Backward runs of the step's recorded nodes so far: more after a backward that ran the model's."""
         return len(self._spans)
 
+    def last_end(self, since: int) -> Any:
+        """The end mark of the last node run recorded after the first ``since`` (``node_runs``); None if
+        none was."""
+        return self._spans[-1][2] if len(self._spans) > since else None
+
     def backward_ended(self, consumed: bool = True) -> None:
         """After a backward; ``consumed``: it ran the model's graph (else another's: nothing to book)."""
         self._in_backward = False

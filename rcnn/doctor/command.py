@@ -21,6 +21,10 @@ module tree) and trace.json (one step for ui.perfetto.dev, its backward ops in t
 share it (building the model and measuring the machine's ceilings come first).
 ``--out`` is written before anything is printed, so ``| head`` loses none of it (the command then ends
 quietly with 141, as a shell reports SIGPIPE).
+
+Under ``torchrun --nproc-per-node N -m rcnn.doctor MODEL ...`` each process joins torchrun's group (gloo on
+CPU, NCCL on CUDA), wraps the model in DistributedDataParallel and watches it; rank 0 prints and writes every
+rank's times, the ranks' step split and the straggler (rcnn.doctor.ranks); the other ranks print nothing.
 """
 
 from __future__ import annotations
@@ -29,15 +33,19 @@ import argparse
 import math
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pandas as pd
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from rcnn.cli import Parser, run_command
-from rcnn.doctor.diagnosis import Diagnosis, Fixed, diagnose, diagnose_beside_eager, fix
+from rcnn.doctor.diagnosis import Diagnosis, Fixed, diagnose, diagnose_beside_eager, diagnose_ranks, fix
 from rcnn.doctor.files import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
+from rcnn.doctor.ranks import GATHER_TIMEOUT_S, RanksLost
 from rcnn.doctor.specs import DEFAULT_IMAGE_SIZE, IMAGE_SIZE
 from rcnn.doctor.workloads import build_workload
 from rcnn.measure.device import (
@@ -58,6 +66,7 @@ from rcnn.rules import Rule, ValueNotAllowed, first_line
 TOP = Rule(minimum=1)
 FRAMES = Rule(minimum=1)
 BATCH_SIZE = Rule(minimum=1)
+RANK_TIMEOUT = Rule(minimum=1.0)
 COMPILE = Rule(choices=("off", "head", "model"))
 # --compile head: a detector's box head, as torchvision's detectors (and this project's) name its modules
 BOX_HEAD = ("roi_heads.box_head", "roi_heads.box_predictor")
@@ -148,7 +157,41 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="log the tables to MLflow (MLFLOW_TRACKING_URI, default sqlite:///mlflow.db)",
     )
+    p.add_argument(
+        "--rank-timeout",
+        type=RANK_TIMEOUT.arg(float),
+        default=GATHER_TIMEOUT_S,
+        help="under torchrun: seconds a rank waits for the others (their reductions, the gather) before it "
+        "ends in one line",
+    )
     return p
+
+
+def ranks_started() -> tuple[int, int] | None:
+    """(rank, world size) where torchrun started this process as one of several; None for one process."""
+    try:
+        world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    except ValueError:
+        raise ValueNotAllowed("WORLD_SIZE", "not a whole number; allowed: torchrun's environment") from None
+    return (rank, world) if world > 1 else None
+
+
+def _join_ranks(args: argparse.Namespace, device: torch.device) -> torch.device:
+    """Refuse what does not apply across ranks, then join torchrun's group: gloo on CPU, NCCL on CUDA (each
+    rank on its LOCAL_RANK's GPU). The device the rank runs on."""
+    for flag, value in (("--fix", args.fix), ("--eager-too", args.eager_too)):
+        if value:
+            raise ValueNotAllowed(
+                flag, "under torchrun: each rank would time its own fix; allowed: one process"
+            )
+    if args.compile != "off":
+        raise ValueNotAllowed("--compile", f"{args.compile} under torchrun; allowed: off (an eager model)")
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.rank_timeout))
+    return device
 
 
 def _print(diagnosis: Diagnosis, top: int, title: str, out: str | None = None) -> None:
@@ -234,16 +277,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     check_timing_options(parser, args, defaults=POLICY)
-    return run_command(lambda: _run(args), user_errors=(FloatingPointError,))  # a diverging model: one line
+    try:
+        return run_command(
+            lambda: _run(args), user_errors=(FloatingPointError,)
+        )  # a diverging model: one line
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _run(args: argparse.Namespace) -> None:
     """Measure, write --out and log to MLflow, then print; every check of the user's input comes first.
     --max-seconds bounds the measuring (the policy's deadline), from the first step on: building the model
     and the machine's ceilings (measured once per process) come before it."""
-    if args.out:  # before anything is measured: a folder it may fill, anywhere the user names
+    started = ranks_started()  # under torchrun: (rank, world size); rank 0 alone writes and prints
+    leads = started is None or started[0] == 0
+    if args.out and leads:  # before anything is measured: a folder it may fill, anywhere the user names
         earlier = claim_folder(args.out, DOCTOR_FILES, what="--out")
     device = resolve_device(args.device)
+    if started:
+        device = _join_ranks(args, device)
     if args.mlflow:
         check_sqlite_url(tracking_uri(), root=project_root(Path.cwd()), what="MLFLOW_TRACKING_URI")
     if device.type == "cuda":  # cuDNN defaults to TF32 and matmul not: the same for both, and the peak
@@ -271,13 +324,31 @@ def _run(args: argparse.Namespace) -> None:
         **zoo_options,
     )
     workload.model = compiled(workload.model, args.compile, args.model)
+    if started:
+        workload.model = DistributedDataParallel(
+            workload.model, device_ids=[device.index] if device.type == "cuda" else None
+        )
     dtype = AMP_DTYPES[args.amp]
     paths = matmul_paths(device, DTYPES[dtype])
     copy_peak(device)  # measured once per process: the diagnosis's why rows then read it, outside the bound
     policy = timing_policy(args, defaults=POLICY)  # its deadline, --max-seconds from now, bounds the rest
     timings: dict = {}  # the flags' timings, which the fix's swaps then read: one decision each
     compared = None
-    if args.eager_too:  # --fix is refused with --compile: the whole bound is the diagnosis's
+    if started:
+        try:
+            diagnosis = diagnose_ranks(
+                workload,
+                device=device,
+                amp=args.amp,
+                policy=policy,
+                peak_tflops=max(paths.values()),
+                gather_timeout=args.rank_timeout,
+            )
+        except RuntimeError as err:  # a reduction failed: a peer died, or timed out
+            raise RanksLost(f"doctor: rank {started[0]} of {started[1]}: {first_line(err)}") from None
+        if diagnosis is None:  # not rank 0: it sent its tables there
+            return
+    elif args.eager_too:  # --fix is refused with --compile: the whole bound is the diagnosis's
         diagnosis, compared = diagnose_beside_eager(
             workload,
             device=device,
@@ -316,12 +387,14 @@ def _run(args: argparse.Namespace) -> None:
         "compile": args.compile,
         "summary": diagnosis.summary,
         **({"fix": fixed.summary} if fixed else {}),
+        **({"ranks": diagnosis.ranks.summary} if diagnosis.ranks is not None else {}),
     }
     where = machine_name(env["fingerprint"])
     title = (
         f"{args.model} on {device.type} ({where}), batch {workload.batch_description}, "
         f"{dtype}{', channels_last' if args.channels_last else ''}"
         f"{COMPILED_SAID[args.compile]}"
+        + (f", DistributedDataParallel over {started[1]} ranks" if started else "")
     )
     texts = doctor_files(diagnosis, env, title=title, fixed=fixed, compared=compared)
     written = write_run(Path(args.out), texts, earlier) if args.out else []

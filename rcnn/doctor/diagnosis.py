@@ -19,6 +19,7 @@ from torch import nn
 
 from rcnn.doctor.attribution import ModuleTimer
 from rcnn.doctor.compiled import eager_copy
+from rcnn.doctor.ranks import GATHER_TIMEOUT_S
 from rcnn.doctor.verdict import Diagnosis
 from rcnn.doctor.watching import Watch, watch
 from rcnn.doctor.workloads import Workload
@@ -115,6 +116,33 @@ def diagnose(
     return watched.diagnosis
 
 
+def diagnose_ranks(
+    workload: Workload,
+    *,
+    device: torch.device,
+    amp: str = "off",
+    policy: TimingPolicy = TimingPolicy(),
+    peak_tflops: float | None = None,
+    explain: bool = True,
+    gather_timeout: float = GATHER_TIMEOUT_S,
+) -> Diagnosis | None:
+    """``diagnose`` on every rank of a workload whose model is a DistributedDataParallel, each rank stepping
+    its own copy: on rank 0 its diagnosis with every rank's rows and the ranks' view (rcnn.doctor.ranks); None
+    on the others, which sent their tables there and build nothing."""
+    (watched,) = _watched(
+        workload,
+        [workload.model],
+        device=device,
+        amp=amp,
+        policy=policy,
+        peak_tflops=peak_tflops,
+        explain=explain,
+        timings=None,
+        gather_timeout=gather_timeout,
+    )
+    return watched.diagnosis if watched.leads else None
+
+
 def diagnose_beside_eager(
     workload: Workload,
     *,
@@ -156,6 +184,7 @@ def _watched(
     peak_tflops: float | None,
     explain: bool,
     timings: dict | None,
+    gather_timeout: float = GATHER_TIMEOUT_S,
 ) -> list[Watch]:
     """Each of ``models`` (the workload's model, or copies of it) under its own watch, their training steps
     on the workload's batch stepped in turn until every watch detached: the watches."""
@@ -171,6 +200,7 @@ def _watched(
                     peak_tflops=peak_tflops,
                     explain=explain,
                     timings=timings,
+                    gather_timeout=gather_timeout,
                 )
             )
             for model in models

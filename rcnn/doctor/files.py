@@ -16,7 +16,7 @@ from rcnn.outputs import write_atomic
 NO_REPORT = f"the page draws with plotly: {pictures.INSTALL}"
 # What a folder the doctor writes may hold (the command's --out, with --fix; ``save``): the rest is foreign.
 DOCTOR_FILES = re.compile(
-    r"modules(_fixed)?\.csv|why\.csv|fix\.csv|compare\.csv|env\.json|trace\.json|report\.html"
+    r"modules(_fixed)?\.csv|why\.csv|fix\.csv|compare\.csv|ranks\.csv|env\.json|trace\.json|report\.html"
 )
 
 
@@ -43,12 +43,16 @@ def doctor_files(
 ) -> dict[str, str]:
     """The texts of the files a doctor run writes: modules.csv, why.csv, env.json, trace.json (the profiled
     step's, where one was taken), with ``fixed`` (rcnn.doctor.diagnosis.Fixed) modules_fixed.csv and fix.csv,
-    with ``compared`` (a compiled model's modules eager and compiled: Watch.compare) compare.csv, and
-    report.html (rcnn.doctor.pictures) where plotly is installed."""
+    with ``compared`` (a compiled model's modules eager and compiled: Watch.compare) compare.csv, under DDP
+    (rank 0's diagnosis) every rank's rows in modules.csv and ranks.csv, and report.html
+    (rcnn.doctor.pictures) where plotly is installed."""
+    by_rank = diagnosis.by_rank if diagnosis.by_rank is not None else diagnosis.modules
     texts = {
-        "modules.csv": diagnosis.modules.to_csv(index=False),
+        "modules.csv": by_rank.to_csv(index=False),
         "why.csv": diagnosis.why.to_csv(index=False),
     }
+    if diagnosis.ranks is not None:
+        texts["ranks.csv"] = diagnosis.ranks.table.to_csv(index=False)
     after = fixed.after if fixed else None
     if fixed:
         texts["fix.csv"] = fixed.swaps.to_csv(index=False)
@@ -71,5 +75,6 @@ def doctor_files(
         fix=fixed.summary if fixed else None,
         swaps=fixed.swaps if fixed else None,
         modules_after=after.modules if after else None,
+        sections=[diagnosis.ranks.page_section(diagnosis.by_rank)] if diagnosis.ranks is not None else [],
     )
     return texts

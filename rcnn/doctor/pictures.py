@@ -21,6 +21,7 @@ from __future__ import annotations
 import html
 import math
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -266,6 +267,7 @@ def render_report(
     swaps: pd.DataFrame | None = None,
     modules_after: pd.DataFrame | None = None,
     top: int = TOP,
+    sections: Sequence[str] = (),
 ) -> str:
     """The doctor's report.html: one self-contained page (plotly.js embedded, nothing fetched).
 
@@ -280,6 +282,7 @@ def render_report(
         swaps: ``--fix``'s swaps (fix.csv).
         modules_after: the modules table after the fix (modules_fixed.csv): its backward icicle too.
         top: modules in the top table, by their own backward time.
+        sections: HTML sections placed first below the pictures (under DDP, the ranks': rcnn.doctor.ranks).
 
     Returns:
         The page's HTML text.
@@ -303,6 +306,7 @@ def render_report(
         _top(modules, top),
     ]
     below = [
+        *sections,
         "<h2>Flags: measured savings</h2>",
         '<p class="note">A flag is a fix timed in turn with the module as it is: saves_ms per step, with its '
         "95% CI.</p>",

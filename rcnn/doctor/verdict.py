@@ -72,6 +72,8 @@ class Diagnosis:
     why: pd.DataFrame  # rcnn.doctor.columns.WHY_COLUMNS: one row per module that matters and per flag
     summary: dict[str, Any]
     trace: str | None = None  # the profiled step's torch.profiler trace (trace.json), where one was taken
+    ranks: Any = None  # rank 0 of a DDP model: the ranks' view (rcnn.doctor.ranks.RanksView)
+    by_rank: pd.DataFrame | None = None  # and every rank's rows (modules.csv, a rank column after module)
 
     def report(self, top: int = 15, title: str = "", out: str | Path | None = None) -> str:
         """The diagnosis as the command prints it: ``title``, the steps and totals, the ``top`` modules by
@@ -109,6 +111,8 @@ class Diagnosis:
         )
         lines.append(shown[columns].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
         notes = NOTES | dict.fromkeys(s.get("compiled_modules", []), COMPILED_REGION_NOTE)
+        if s.get("distributed"):
+            notes[OUTSIDE] += "; under DistributedDataParallel also the wait for the gradients' reduction"
         lines += [f"{name}: {note}" for name, note in notes.items() if name in set(shown["module"])]
         files = f"{Path(out)}/" if out else "the files (--out)"
         flagged, small = self.shown_flags()
@@ -132,6 +136,8 @@ class Diagnosis:
             )
             for row in why.to_dict("records"):
                 lines += _why_lines(row)
+        if self.ranks is not None:
+            lines += self.ranks.lines()
         return "\n".join(lines)
 
     def shown_flags(self) -> tuple[pd.DataFrame, int]:

@@ -15,6 +15,7 @@ backward through ``torch.autograd.grad``, or run in another thread).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 import warnings
@@ -30,10 +31,11 @@ from rcnn.doctor.attribution import ModuleTimer
 from rcnn.doctor.columns import COMPILED, EAGER_AFTER_LIMIT, compiled_against_eager
 from rcnn.doctor.compiled import CompiledModel, compiled_tables, kernel_tables
 from rcnn.doctor.files import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
+from rcnn.doctor.ranks import GATHER_TIMEOUT_S, Ranks, RanksView, distributed_of
 from rcnn.doctor.remedies import remedy_for
 from rcnn.doctor.steps import StepFinder
 from rcnn.doctor.trace import StepProfile
-from rcnn.doctor.verdict import Diagnosis, middle_half, tabulate
+from rcnn.doctor.verdict import Diagnosis, middle_half, tabulate, typical
 from rcnn.measure.clock import Clock
 from rcnn.measure.cores import CoreUse
 from rcnn.measure.device import DTYPES, device_of
@@ -81,11 +83,24 @@ class Watch:
         peak_tflops: float | str | None,
         explain: bool,
         timings: dict | None = None,
+        gather_timeout: float = GATHER_TIMEOUT_S,
     ) -> None:
         # Compiled whole or in part: timed by its compiled kernels (rcnn.doctor.compiled), its FLOPs eagerly
         compiled = CompiledModel(model)
         self._compiled = compiled if compiled.regions else None
         self._eager = self._compiled.eager if self._compiled else model  # the modules as the user wrote them
+        # Under DistributedDataParallel (given, or wrapping the model given): the modules inside it, each rank
+        # timing its own, and the ranks' view gathered on rank 0 (rcnn.doctor.ranks)
+        self._ddp = distributed_of(model)
+        if self._ddp is not None:
+            if self._compiled is not None:
+                raise ValueNotAllowed(
+                    "model", "a compiled model under DistributedDataParallel; allowed: an eager one"
+                )
+            self._eager = self._ddp.module
+        self.gather_timeout = gather_timeout
+        self._ranks: Ranks | None = None
+        self._view: RanksView | None = None
         if steps is not None and steps < 1:
             raise ValueNotAllowed("steps", f"{steps!r} is too small; allowed: >= 1, or None for the policy's")
         self.model, self.steps, self.policy = model, steps, policy
@@ -136,6 +151,9 @@ class Watch:
             raise ValueNotAllowed("watch", "this watch was entered before; allowed: a new watch(model)")
         self._entered = True
         self._steps_policy = self.policy.within(STEPS_SHARE)
+        if self._ddp is not None:  # every rank at once: models compared, the reductions timed
+            self._ranks = Ranks(self._ddp, self.clock, timeout_s=self.gather_timeout)
+            self._ranks.open(self._eager)
         if self._compiled is not None:
             self._compiled.open()  # its regions run eagerly for the FLOP step, named as the user wrote them
         try:
@@ -160,7 +178,7 @@ class Watch:
             if not self.detached:
                 if exc_type is None and not self._steps.explicit:
                     self._steps.end()  # the last step, if it ran its backward
-                self._detach()
+                self._detach(gather=exc_type is None)  # a rank that failed sends nothing: the others time out
         finally:
             self._steps.close()
             if self._compiled is not None:
@@ -176,6 +194,11 @@ class Watch:
         if not self._entered or self.detached:
             return 0
         return self._timer.hooks + self._steps.hooks
+
+    @property
+    def leads(self) -> bool:
+        """Whether this watch prints and writes the run: true in one process, and on rank 0 of a DDP model."""
+        return self._ranks is None or self._ranks.leads
 
     @property
     def measured(self) -> int:
@@ -229,6 +252,8 @@ class Watch:
         """Run a backward of the step, timed; whether it ran the graph of the step's forwards."""
         timer = self._timer
         before = timer.node_runs()
+        if self._ranks is not None:
+            self._ranks.backward_began()
         start = self.clock.mark()
         timer.backward_started()
         try:
@@ -240,6 +265,8 @@ class Watch:
         finally:
             end = self.clock.mark()
             ran = timer.node_runs() > before  # else some other graph's: the step's forward goes on
+            if ran and self._ranks is not None:
+                self._ranks.backward_ended(start, end, timer.last_end(before))
             timer.backward_ended(consumed=ran)
         if ran:
             if self._forward_start is not None:
@@ -254,6 +281,7 @@ class Watch:
         timer = self._timer
         timer.active = False
         timer.release_nodes()
+        reduced = self._ranks.take_step() if self._ranks is not None else None
         if self._in_cores:
             self._cores.__exit__(None, None, None)
             self._in_cores = False
@@ -288,7 +316,7 @@ class Watch:
         elif not self._measuring:
             self._last_s = (totals["forward_ms"] + totals["backward_ms"]) / 1e3
             self._warm.append(totals["forward_ms"] + totals["backward_ms"])
-            if self._steps_policy.warmed_up(self._warm):  # settled, or its deadline keeps time for the rest
+            if self._agreed(self._steps_policy.warmed_up(self._warm)):  # settled, or near its deadline
                 self._measuring = True
                 self._warmup_cut = self._steps_policy.warm_up_cut(self._warm) and not settled(
                     self._steps_policy, self._warm
@@ -299,6 +327,8 @@ class Watch:
                 self._measure_started = time.perf_counter()
             if self._compiled is not None:
                 self._compiled.keep_step()
+            if reduced is not None:
+                self._ranks.keep(reduced)
             self._tables.append(table)
             self._per_step.append((forwards, backwards))
             for phase_name, value in totals.items():
@@ -359,14 +389,22 @@ class Watch:
             except (TypeError, RuntimeError):  # a device type autocast does not know
                 pass
 
+    def _agreed(self, mine: bool) -> bool:
+        """``mine``, or under DDP whether every rank says so: each rank's warm-up and timed steps are the same
+        steps."""
+        return self._ranks.agree(mine) if self._ranks is not None else mine
+
     def _done(self) -> bool:
         if self.steps is not None:
             return len(self._tables) >= self.steps
         elapsed = time.perf_counter() - self._measure_started
-        return self._steps_policy.done([self._totals["backward_ms"]], elapsed, next_s=self._last_s)
+        return self._agreed(
+            self._steps_policy.done([self._totals["backward_ms"]], elapsed, next_s=self._last_s)
+        )
 
-    def _detach(self) -> None:
-        """Every hook off: the model's, its nodes', and the step finder's."""
+    def _detach(self, gather: bool = True) -> None:
+        """Every hook off: the model's, its nodes', and the step finder's; under DDP, the ranks' tables
+        gathered on rank 0 (``gather``: this rank sends its own)."""
         if self.detached:
             return
         self.detached = True
@@ -376,6 +414,10 @@ class Watch:
             self._compiled.stop_profile()  # a profile still open: its step never ended
         self._timer.remove()
         self._steps.detach()
+        if self._ranks is not None:
+            self._ranks.close()
+            if gather and self._tables:  # every rank timed the same steps, or none
+                self._view = self._ranks.gather(self._totals, typical(self._tables, self._totals)[0])
 
     # -- results
 
@@ -461,6 +503,7 @@ class Watch:
                 "amp": self._amp or "off",
                 "forwards_per_step": max(f for f, _ in self._per_step),
                 "backwards_per_step": max(b for _, b in self._per_step),
+                "distributed": self._ranks is not None,
             },
         )
         if self._compiled is not None:
@@ -469,6 +512,10 @@ class Watch:
                 said = f"{EAGER_AFTER_LIMIT} {', '.join(functions)}"
                 words[region] = f"{said}; {words[region]}" if words.get(region) else said
             diagnosis.modules[COMPILED] = diagnosis.modules["module"].map(words).fillna("")
+        if self._view is not None:  # rank 0 of a DDP model: every rank's rows, and the ranks' view
+            peak_said = diagnosis.summary["peak_tflops"]
+            by_rank = self._view.by_module(diagnosis.modules, peak_said)
+            diagnosis = dataclasses.replace(diagnosis, ranks=self._view, by_rank=by_rank)
         env = {
             "fingerprint": fingerprint(self.device),
             "ceilings": {
@@ -482,6 +529,7 @@ class Watch:
             "dtype": dtype,
             "channels_last": self._layout,
             "summary": diagnosis.summary,
+            **({"ranks": self._view.summary} if self._view is not None else {}),
         }
         return diagnosis, env
 
@@ -509,8 +557,16 @@ class Watch:
         return self._built()[1]
 
     def table(self) -> pd.DataFrame:
-        """The by-module table (modules.csv): rcnn.doctor.columns.MODULE_COLUMNS."""
-        return self.diagnosis.modules
+        """The by-module table (modules.csv): rcnn.doctor.columns.MODULE_COLUMNS; on rank 0 of a DDP model
+        every rank's rows, with a ``rank`` column after ``module`` (rcnn.doctor.ranks.RanksView.by_module)."""
+        diagnosis = self.diagnosis
+        return diagnosis.by_rank if diagnosis.by_rank is not None else diagnosis.modules
+
+    @property
+    def ranks(self) -> pd.DataFrame | None:
+        """On rank 0 of a DDP model, per rank its step split (ranks.csv: rcnn.doctor.ranks.RANK_COLUMNS);
+        None elsewhere."""
+        return self.diagnosis.ranks.table if self._view is not None else None
 
     def compare(self, other: Watch) -> pd.DataFrame:
         """This watch's table beside ``other``'s, one of them of the model compiled and the other eager (the
@@ -547,6 +603,8 @@ class Watch:
         if self._compiled is not None:
             parts = "" if self._compiled.whole else ", ".join(self._compiled.names) + " compiled: "
             compiled = f" ({parts}torch.compile, Inductor)"
+        if self._ranks is not None:
+            compiled = f" (DistributedDataParallel, rank {self._ranks.rank} of {self._ranks.world})"
         return (
             f"{type(self._eager).__name__}{compiled} on {self.device.type} ({where}), in its own loop: "
             f"{inputs}, {env['dtype']}{layout}"
@@ -555,13 +613,18 @@ class Watch:
     def __str__(self) -> str:
         return self.report()
 
-    def save(self, folder: str | Path) -> list[Path]:
+    def save(self, folder: str | Path, *, own: bool = False) -> list[Path]:
         """Write modules.csv, why.csv, env.json, trace.json (the profiled step's torch.profiler trace, its
         backward ops in their modules' ranges: rcnn.doctor.trace) and report.html (where plotly is installed)
         into ``folder``:
         absent, empty, or one the doctor wrote (its files are replaced). Raises NothingWatched, writing
         nothing, without a timed step, and rcnn.outputs.OutputError for a folder holding other files. Returns
-        the paths written."""
+        the paths written.
+
+        Under DDP, rank 0 writes every rank's rows in modules.csv and ranks.csv; another rank writes nothing
+        (returns []) unless ``own``: then its own diagnosis, as one process would."""
+        if self._ranks is not None and not self._ranks.leads and not own:
+            return []
         diagnosis, env = self._built()
         folder = Path(folder)
         old = claim_folder(folder, DOCTOR_FILES, what="save")
@@ -579,6 +642,7 @@ def watch(
     peak_tflops: float | str | None = MEASURED,
     explain: bool = True,
     timings: dict | None = None,
+    gather_timeout: float = GATHER_TIMEOUT_S,
 ) -> Watch:
     """Watch ``model`` in the loop inside the ``with`` block: time each module's forward and backward, count
     its FLOPs, the bytes autograd saved for its backward, and flag where a fix is measured to save time, as
@@ -602,6 +666,12 @@ def watch(
             bound, the measured remedies (rcnn.doctor.verdict). False: the table and flags only.
         timings: a dict shared with rcnn.fix.linearize_with (the flags' timings, so that a flag and a
             swap come from one timing); None: the watch's own.
+        gather_timeout: under DistributedDataParallel (``model`` one, or the module inside one), the seconds
+            a rank waits for the others where they agree on the steps and at the gather after them: a rank
+            that died or stalled ends the others with rcnn.doctor.ranks.RanksLost, in one line, by then.
+            Every rank of the model's process group enters its own watch at the same point of the loop;
+            each times its own modules and its wait for the gradients' reduction, and rank 0 prints and saves
+            every rank's (rcnn.doctor.ranks).
 
     Returns:
         A Watch: a context manager, then ``print(w)``, ``w.table()``, ``w.save(folder)``, ``w.diagnosis``;
@@ -625,4 +695,5 @@ def watch(
         peak_tflops=peak_tflops,
         explain=explain,
         timings=timings,
+        gather_timeout=gather_timeout,
     )
