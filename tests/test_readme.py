@@ -9,7 +9,6 @@ import functools
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import yaml
 from pipeline.params import YamlLoader, parse_params
 from tests import launcher
 from tests.conftest import ROOT, merged
+from tests.services import free_port
 
 README = (ROOT / "README.md").read_text()
 MANUAL = sorted((ROOT / "docs").glob("*.md"))
@@ -331,10 +331,7 @@ def test_a_python_snippet_runs(path, block, tmp_path):
     """Each python block runs as written, given a model and its example input where it names them, in a
     folder of its own (a snippet may save files: w.save("doctor-run/")), as the one process of a torchrun
     (a DistributedDataParallel snippet reads torchrun's environment)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torchrun = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
+    torchrun = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
     result = launcher.run(
         [sys.executable, "-c", SNIPPET_PREAMBLE + block],
         cwd=tmp_path,

@@ -161,8 +161,8 @@ def _parser() -> argparse.ArgumentParser:
         "--rank-timeout",
         type=RANK_TIMEOUT.arg(float),
         default=GATHER_TIMEOUT_S,
-        help="under torchrun: seconds a rank waits for the others (their reductions, the gather) before it "
-        "ends in one line",
+        help="under torchrun: seconds a rank waits for the others (rank 0 measuring the machine's ceilings, "
+        "the reductions, the gather) before it ends in one line",
     )
     return p
 
@@ -174,6 +174,14 @@ def ranks_started() -> tuple[int, int] | None:
     except ValueError:
         raise ValueNotAllowed("WORLD_SIZE", "not a whole number; allowed: torchrun's environment") from None
     return (rank, world) if world > 1 else None
+
+
+def _lost_rank(err: RuntimeError) -> bool:
+    """Whether a step's error is a reduction that failed: a peer died, or stalled past the group's timeout."""
+    said = str(err)
+    return isinstance(err, getattr(dist, "DistError", ())) or any(
+        word in said for word in ("gloo", "NCCL", "Connection", "Timed out", "timed out")
+    )
 
 
 def _join_ranks(args: argparse.Namespace, device: torch.device) -> torch.device:
@@ -329,8 +337,12 @@ def _run(args: argparse.Namespace) -> None:
             workload.model, device_ids=[device.index] if device.type == "cuda" else None
         )
     dtype = AMP_DTYPES[args.amp]
-    paths = matmul_paths(device, DTYPES[dtype])
-    copy_peak(device)  # measured once per process: the diagnosis's why rows then read it, outside the bound
+    paths = {}
+    if leads:  # under torchrun rank 0 alone measures the ceilings, the others waiting: no rank lowers them
+        paths = matmul_paths(device, DTYPES[dtype])
+        copy_peak(device)  # measured once per process: the diagnosis's why rows read it, outside the bound
+    if started:
+        dist.barrier()
     policy = timing_policy(args, defaults=POLICY)  # its deadline, --max-seconds from now, bounds the rest
     timings: dict = {}  # the flags' timings, which the fix's swaps then read: one decision each
     compared = None
@@ -341,10 +353,12 @@ def _run(args: argparse.Namespace) -> None:
                 device=device,
                 amp=args.amp,
                 policy=policy,
-                peak_tflops=max(paths.values()),
+                peak_tflops=max(paths.values(), default=None),
                 gather_timeout=args.rank_timeout,
             )
-        except RuntimeError as err:  # a reduction failed: a peer died, or timed out
+        except RuntimeError as err:
+            if not _lost_rank(err):
+                raise
             raise RanksLost(f"doctor: rank {started[0]} of {started[1]}: {first_line(err)}") from None
         if diagnosis is None:  # not rank 0: it sent its tables there
             return

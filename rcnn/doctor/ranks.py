@@ -28,6 +28,7 @@ import gc
 import html
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -40,12 +41,14 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from rcnn.doctor.columns import MODULE_COLUMNS, OUTSIDE
+from rcnn.doctor.verdict import middle_half, rates
 from rcnn.measure.clock import Clock
 from rcnn.measure.stats import median_ratio
 from rcnn.rules import UserError, ValueNotAllowed, first_line
 
 GATHER_TIMEOUT_S = 60.0  # how long a rank waits for the others at an agreement or the gather
 BALANCED_WITHIN = 1.05  # a rank computing more than this times the others' (95% CI) is a straggler
+WAIT_SAID_ABOVE = 0.05  # of the step: ranks that compute alike but wait this much are told where to look
 RANK_COLUMNS = (
     "rank",
     "step_ms",  # forward + backward
@@ -55,10 +58,17 @@ RANK_COLUMNS = (
     "reduce_ms",  # the buckets' reductions in flight, launch to done (NaN where not timed)
     "buckets",  # buckets reduced per step
 )
-# The by-module columns another rank's rows carry: measured on that rank. The rest are rank 0's (flags, why)
-# or the model's (FLOPs, saved bytes), and are blank on the others' rows.
-RANK_TIME_COLUMNS = ("calls", "forward_ms", "forward_inclusive_ms", "backward_ms", "backward_inclusive_ms")
-TIMES_GATHERED = (*RANK_TIME_COLUMNS, "backward_cpu_ms")
+# What each rank sends rank 0 by module: its times. Its rows in modules.csv take these, and the shares and
+# rates from them; the FLOPs and bytes are the model's, the memory and flags rank 0's measures (flags blank
+# on the others' rows).
+GATHERED_COLUMNS = (
+    "calls",
+    "forward_ms",
+    "forward_inclusive_ms",
+    "backward_ms",
+    "backward_inclusive_ms",
+    "backward_cpu_ms",
+)
 
 
 class RanksLost(UserError):
@@ -102,10 +112,43 @@ def _union_ms(spans: list[tuple[float, float]]) -> float:
 
 @dataclass
 class _Step:
-    """One step's marks: each backward's (compute end, end) and the buckets' (launch, done) seconds."""
+    """One step's marks: each backward's (start, end, last node's end, last bucket's launch) and the buckets'
+    (launch, done) seconds."""
 
-    tails: list[tuple[Any, Any]] = field(default_factory=list)
+    backwards: list[tuple[Any, Any, Any, Any]] = field(default_factory=list)
     reductions: list[tuple[float, float]] = field(default_factory=list)
+
+
+class _Hook:
+    """The communication hook a watch registers on a DDP model, once for good (DDP takes one hook): DDP's own
+    all-reduce (``allreduce_hook``: the mean over the group's ranks, as DDP's outside ``Join``), timed for
+    the watch of the moment, if any."""
+
+    def __init__(self) -> None:
+        self.ranks: Ranks | None = None
+
+    def reduce(self, state, bucket):  # unannotated: DDP checks a hook's annotations as objects
+        ranks = self.ranks
+        if ranks is None or not ranks.recording:
+            return allreduce_hook(state, bucket)
+        return ranks.timed_reduce(state, bucket)
+
+
+_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DDP model -> its _Hook
+
+
+def _hook_of(ddp: DistributedDataParallel) -> tuple[_Hook | None, str]:
+    """The watch's hook on ``ddp``, registered on first use; (None, why) where a hook of the model's own runs
+    its reductions."""
+    hook = _HOOKS.get(ddp)
+    if hook is not None:
+        return hook, ""
+    named = ddp._get_ddp_logging_data().get("comm_hook") or ""
+    if getattr(ddp, "_comm_hooks", None) or named:
+        return None, f"the model's own communication hook ({named or 'registered'}) runs it"
+    hook = _HOOKS[ddp] = _Hook()
+    ddp.register_comm_hook(ddp.process_group, hook.reduce)
+    return hook, ""
 
 
 class Ranks:
@@ -122,13 +165,18 @@ class Ranks:
         self.rank = dist.get_rank(self.process_group)
         self.backend = str(dist.get_backend(self.process_group))
         self._leader = members[0]  # the global rank of the group's rank 0
-        # the watch's own collectives, on gloo (CPU objects) with a timeout: a lost rank ends them in one line
+        # The watch's own collectives, on gloo (CPU objects) with a timeout: a lost rank ends them in one
+        # line. A DDP group smaller than the world makes its own among its members alone.
         everyone = self.world == dist.get_world_size()
         self.group = dist.new_group(
-            None if everyone else members, timeout=timedelta(seconds=timeout_s), backend="gloo"
+            None if everyone else members,
+            timeout=timedelta(seconds=timeout_s),
+            backend="gloo",
+            use_local_synchronization=not everyone,
         )
         self.recording = False
         self.untimed = ""  # why the reductions are not timed, where they are not
+        self._hook: _Hook | None = None
         self._step = _Step()
         self._launched: Any = None  # the mark after the last bucket launched in the running backward
         self.steps: list[dict[str, float]] = []  # the timed steps': tail_ms, reduce_ms, buckets
@@ -138,28 +186,32 @@ class Ranks:
         """Whether this is the group's rank 0: the one that gathers, prints and writes."""
         return self.rank == 0
 
-    def open(self, model: nn.Module) -> None:
-        """Refuse ranks whose models differ, then time the reductions (where no hook of the model's own
-        runs them)."""
-        mine = _signature(model)
+    def open(self, model: nn.Module, options: dict[str, Any]) -> None:
+        """Refuse ranks whose models or watch ``options`` differ (their agreements and gather would not pair
+        up), then time the reductions (where no hook of the model's own runs them)."""
+        mine = {"model": _signature(model), "options": options}
         everyone: list[Any] = [None] * self.world
         self._collective(lambda: dist.all_gather_object(everyone, mine, group=self.group), "compare models")
         for rank, theirs in enumerate(everyone):
-            if theirs != mine:
+            if theirs["model"] != mine["model"]:
                 where = next(
-                    (a[0] or "(model)" for a, b in zip(mine, theirs) if a != b),
-                    f"its {len(theirs)} modules against {len(mine)}",
+                    (a[0] or "(model)" for a, b in zip(mine["model"], theirs["model"]) if a != b),
+                    f"its {len(theirs['model'])} modules against {len(mine['model'])}",
                 )
                 raise ValueNotAllowed(
                     "model",
                     f"rank {rank}'s model differs from rank {self.rank}'s at {where}; allowed: the "
                     "same model on every rank",
                 )
-        named = self.ddp._get_ddp_logging_data().get("comm_hook") or ""
-        if getattr(self.ddp, "_comm_hooks", None) or named:
-            self.untimed = f"the model's own communication hook ({named or 'registered'}) runs it"
-        else:
-            self.ddp.register_comm_hook(self.process_group, self._reduce)
+            if theirs["options"] != options:
+                raise ValueNotAllowed(
+                    "watch",
+                    f"rank {rank} watches with {theirs['options']}, rank {self.rank} with {options}; "
+                    "allowed: the same on every rank",
+                )
+        self._hook, self.untimed = _hook_of(self.ddp)
+        if self._hook is not None:
+            self._hook.ranks = self
         if self.clock.cuda:
             self.untimed = self.untimed or "NCCL's futures complete when their kernels are queued"
         self.recording = True
@@ -167,13 +219,13 @@ class Ranks:
     def close(self) -> None:
         """The watch detached: the hook only reduces from now on."""
         self.recording = False
+        if self._hook is not None and self._hook.ranks is self:
+            self._hook.ranks = None
 
     # -- the steps
 
-    def _reduce(self, state, bucket):  # unannotated: DDP checks a hook's annotations as objects
-        """DDP's own all-reduce of one bucket; while recording, its launch and its end timed."""
-        if not self.recording:
-            return allreduce_hook(state, bucket)
+    def timed_reduce(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+        """DDP's own all-reduce of one bucket, its launch and its end timed."""
         launched = time.perf_counter()
         future = allreduce_hook(state, bucket)
         self._launched = self.clock.mark()
@@ -190,23 +242,28 @@ class Ranks:
 
     def backward_ended(self, start: Any, end: Any, last_node: Any) -> None:
         """A backward of the step ran from ``start`` to ``end``, its last recorded node ending at
-        ``last_node`` (None: none ran): its tail is from its compute's end to ``end``."""
+        ``last_node`` (None: none ran): its tail runs from the later of that and its last bucket's launch."""
         if self.recording:
-            compute_end = next((m for m in (self._launched, last_node) if m is not None), start)
-            self._step.tails.append((compute_end, end))
+            self._step.backwards.append((start, end, last_node, self._launched))
 
     def take_step(self) -> _Step:
         """The step just ended: its marks (kept by ``keep`` where it is a timed one)."""
         step, self._step = self._step, _Step()
         return step
 
+    def _tail_ms(self, start: Any, end: Any, last_node: Any, launched: Any) -> float:
+        computed = [mark for mark in (last_node, launched) if mark is not None]
+        since = max((self.clock.ms(start, mark) for mark in computed), default=0.0)  # marks read after sync
+        return max(self.clock.ms(start, end) - since, 0.0)
+
     def keep(self, step: _Step) -> None:
         """``step`` is one of the timed steps the tables hold (after the clock's sync)."""
+        untimed = bool(self.untimed)
         self.steps.append(
             {
-                "tail_ms": sum(self.clock.ms(a, b) for a, b in step.tails),
-                "reduce_ms": math.nan if self.untimed else _union_ms(step.reductions),
-                "buckets": len(step.reductions),
+                "tail_ms": sum(self._tail_ms(*marks) for marks in step.backwards),
+                "reduce_ms": math.nan if untimed else _union_ms(step.reductions),
+                "buckets": math.nan if untimed else len(step.reductions),
             }
         )
 
@@ -220,6 +277,10 @@ class Ranks:
                 f"watch: rank {self.rank} of {self.world}: the ranks could not {what} "
                 f"({first_line(err)}): a rank died, or stalled past the {self.timeout_s:g} s timeout"
             ) from None
+
+    def release(self) -> None:
+        """The watch's own group is done with (after the gather, or where none will come)."""
+        dist.destroy_process_group(self.group)
 
     def agree(self, mine: bool) -> bool:
         """Whether every rank says yes (warm-up over, timing done): each rank's steps stay the same steps."""
@@ -235,7 +296,7 @@ class Ranks:
         record = {
             "rank": self.rank,
             "steps": pd.DataFrame({**totals, **pd.DataFrame(self.steps).to_dict("list")}),
-            "modules": modules.reindex(columns=list(TIMES_GATHERED)),
+            "modules": modules.reindex(columns=list(GATHERED_COLUMNS)),
         }
         records: list[Any] | None = [None] * self.world if self.leads else None
         self._collective(
@@ -249,9 +310,9 @@ class Ranks:
 
 @dataclass(frozen=True)
 class RanksView:
-    """The ranks' view, on rank 0: per rank its step split (``table``, RANK_COLUMNS), per rank and timed
-    step the same (``steps``), per rank each module's times (``modules``: module, rank, RANK_TIME_COLUMNS),
-    and the verdict (``summary``)."""
+    """The ranks' view, on rank 0: per rank its step split (``table``, RANK_COLUMNS: the means of the middle
+    half of its timed steps), per rank and timed step the same (``steps``), per rank each module's times
+    (``modules``: module, rank, GATHERED_COLUMNS), and the verdict (``summary``)."""
 
     table: pd.DataFrame
     steps: pd.DataFrame
@@ -268,7 +329,13 @@ class RanksView:
         steps["communication_ms"] = steps.groupby("step")["tail_ms"].transform("min")
         steps["wait_ms"] = steps["tail_ms"] - steps["communication_ms"]
         steps["compute_ms"] = steps["step_ms"] - steps["tail_ms"]
-        table = steps.groupby("rank")[list(RANK_COLUMNS[1:])].median().reset_index()
+        # per rank the mean of the middle half of its steps (by step time), as the by-module tables average
+        # theirs: the parts then add up to the step
+        table = (
+            steps.groupby("rank")[list(RANK_COLUMNS[1:])]
+            .apply(lambda rows: rows.iloc[middle_half(rows["step_ms"].tolist())].mean())
+            .reset_index()
+        )
         modules = pd.concat(
             [r["modules"].rename_axis("module").reset_index().assign(rank=r["rank"]) for r in records],
             ignore_index=True,
@@ -290,15 +357,10 @@ class RanksView:
         for rank, theirs in self.modules[self.modules["rank"] != 0].groupby("rank"):
             times = theirs.set_index("module")
             rows = leader.set_index("module").copy()
-            for column in RANK_TIME_COLUMNS:
+            for column in GATHERED_COLUMNS:
                 rows[column] = times[column].reindex(rows.index)
             rows["backward_share"] = rows["backward_ms"] / rows["backward_ms"].sum()
-            rows["backward_tflops"] = (rows["backward_gflop"] / rows["backward_ms"]).where(
-                rows["backward_ms"] > 0
-            )
-            rows["peak_fraction"] = rows["backward_tflops"] / peak_tflops if peak_tflops else math.nan
-            cpu = times["backward_cpu_ms"].reindex(rows.index)
-            rows["backward_cores"] = (cpu / rows["backward_ms"]).where(rows["backward_ms"] > 0)
+            rates(rows, peak_tflops)
             rows[["flag", "evidence"]] = ""
             rows[["saves_ms", "saves_ci_low", "saves_ci_high"]] = math.nan
             parts.append(rows.reset_index().assign(rank=rank))
@@ -361,7 +423,7 @@ class RanksView:
     def spread(self) -> pd.DataFrame:
         """Per module its own backward's median over the ranks, its slowest rank's, and how far that is over
         the other ranks' median; furthest first, modules no rank spent time in left out."""
-        own = _own_backward(self.modules)
+        own = _own(self.modules)
         slowest = own.idxmax(axis=1)
         others = pd.Series(
             {name: own.loc[name].drop(rank).median() for name, rank in slowest.items()}, dtype=float
@@ -378,10 +440,10 @@ class RanksView:
         return table.sort_values("over_others_ms", ascending=False).rename_axis("module").reset_index()
 
 
-def _own_backward(modules: pd.DataFrame) -> pd.DataFrame:
-    """Each module's own backward ms (rows) on each rank (columns); the OUTSIDE row, which holds the wait for
-    the reduction, left out."""
-    own = modules.pivot_table(index="module", columns="rank", values="backward_ms", sort=False)
+def _own(modules: pd.DataFrame, column: str = "backward_ms") -> pd.DataFrame:
+    """Each module's own ms of ``column`` (rows) on each rank (columns); the OUTSIDE row, which holds the wait
+    for the reduction, left out."""
+    own = modules.pivot_table(index="module", columns="rank", values=column, sort=False)
     return own.drop(index=OUTSIDE, errors="ignore")
 
 
@@ -406,15 +468,24 @@ def _straggler(steps: pd.DataFrame, modules: pd.DataFrame) -> dict[str, Any]:
             else f"No straggler shown: rank {slowest} computes {ratio:.2f}x the others' [95% CI {low:.2f}, "
             f"{high:.2f}], not decided against {BALANCED_WITHIN}x in {len(compute)} steps."
         )
+        waiting = steps.groupby("rank")[["wait_ms", "step_ms"]].median()
+        waits_most = int(waiting["wait_ms"].idxmax())
+        if waiting.loc[waits_most, "wait_ms"] > WAIT_SAID_ABOVE * waiting.loc[waits_most, "step_ms"]:
+            verdict += (
+                f" Yet rank {waits_most} waits {waiting.loc[waits_most, 'wait_ms']:.1f} ms a step for the "
+                "others: what holds them lies outside the timed forward and backward (the optimizer step, "
+                "loading data, DDP's own work before the forward)."
+            )
         return {"straggler": None, **said, "verdict": verdict}
-    own = _own_backward(modules)
+    own = _own(modules, "forward_ms") + _own(modules, "backward_ms")
     extra = own[slowest] - own[others].median(axis=1)
     module, extra_ms = str(extra.idxmax()), float(extra.max())
     wait = float(waits.median())
     verdict = (
         f"Straggler: rank {slowest} computes {ratio:.2f}x the others' [95% CI {low:.2f}, {high:.2f}], most "
-        f"of it in {module} (+{extra_ms:.1f} ms a step); rank{'s' if len(others) > 1 else ''} {names} "
-        f"wait{'' if len(others) > 1 else 's'} {wait:.1f} ms a step for it."
+        f"of it in {module} (+{extra_ms:.1f} ms a step, its own forward and backward); "
+        f"rank{'s' if len(others) > 1 else ''} {names} wait{'' if len(others) > 1 else 's'} {wait:.1f} ms a "
+        "step for it."
     )
     return {
         "straggler": slowest,

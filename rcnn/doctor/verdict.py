@@ -11,7 +11,7 @@ import math
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
@@ -35,6 +35,9 @@ from rcnn.doctor.flags import Finding, flags, rank
 from rcnn.measure import cores
 from rcnn.measure.profiler import KERNEL, Spent
 from rcnn.measure.stats import median_precision, partway
+
+if TYPE_CHECKING:
+    from rcnn.doctor.ranks import RanksView
 
 MB = 2**20
 PRINTED_COLUMNS = [
@@ -72,7 +75,7 @@ class Diagnosis:
     why: pd.DataFrame  # rcnn.doctor.columns.WHY_COLUMNS: one row per module that matters and per flag
     summary: dict[str, Any]
     trace: str | None = None  # the profiled step's torch.profiler trace (trace.json), where one was taken
-    ranks: Any = None  # rank 0 of a DDP model: the ranks' view (rcnn.doctor.ranks.RanksView)
+    ranks: RanksView | None = None  # rank 0 of a DDP model: the ranks' view
     by_rank: pd.DataFrame | None = None  # and every rank's rows (modules.csv, a rank column after module)
 
     def report(self, top: int = 15, title: str = "", out: str | Path | None = None) -> str:
@@ -92,10 +95,11 @@ class Diagnosis:
         if s.get("warmup_cut"):
             lines.append("Warm-up ended at the --max-seconds bound before the step times settled.")
         if cores.contended(s):
+            ranks = " (under DistributedDataParallel, other ranks on this machine count)"
             lines.append(
-                f"The cores were shared with other work: {cores.said(s)}, so times are the scheduler's, not "
-                "the modules'; what bounds a module is not judged. Rerun on an idle machine, or with fewer "
-                "threads (OMP_NUM_THREADS)."
+                f"The cores were shared with other work{ranks if s.get('distributed') else ''}: "
+                f"{cores.said(s)}, so times are the scheduler's, not the modules'; what bounds a module is "
+                "not judged. Rerun on an idle machine, or with fewer threads (OMP_NUM_THREADS)."
             )
         elif cores.judged_by(s):
             lines.append(f"The cores were not shared: {cores.said(s)}.")
@@ -263,6 +267,15 @@ def typical(tables: list[pd.DataFrame], totals: dict[str, list[float]]) -> tuple
     return table, total
 
 
+def rates(table: pd.DataFrame, peak: float | None) -> None:
+    """Set each row's backward TFLOP/s (GFLOP per ms), its fraction of ``peak`` (NaN without one) and the
+    cores its backward kept busy (its threads' CPU ms over its wall ms; NaN without CPU times), in place."""
+    spent = table["backward_ms"] > 0
+    table["backward_tflops"] = (table["backward_gflop"] / table["backward_ms"]).where(spent)
+    table["peak_fraction"] = table["backward_tflops"] / peak if peak else math.nan
+    table["backward_cores"] = (table.get("backward_cpu_ms", math.nan) / table["backward_ms"]).where(spent)
+
+
 def ceiling(peak_tflops: float | None, table: pd.DataFrame) -> tuple[float | None, str]:
     """The matmul ceiling the fractions are against, and the module that raised it ('' if none): the measured
     peak, or the fastest module's own backward TFLOP/s where one ran faster (no fraction is then above 1)."""
@@ -349,15 +362,9 @@ def tabulate(
     table["type"] = pd.Series(timer.types)
     table.loc[OUTSIDE, "type"] = ""
     table["backward_share"] = table["backward_ms"] / total["backward_ms"]
-    # GFLOP per ms is TFLOP/s.
-    table["backward_tflops"] = (table["backward_gflop"] / table["backward_ms"]).where(
-        table["backward_ms"] > 0
-    )
+    rates(table, None)
     peak, raised_by = ceiling(peak_tflops, table)
-    table["peak_fraction"] = table["backward_tflops"] / peak if peak else math.nan
-    # the cores a module's backward kept busy: its threads' CPU ms over its wall ms (CPU timers only)
-    cpu_ms = table.get("backward_cpu_ms", math.nan)
-    table["backward_cores"] = (cpu_ms / table["backward_ms"]).where(table["backward_ms"] > 0)
+    rates(table, peak)
     # The flags' timings get half the time left; the why rows (their remedies) the rest
     found = flags(model, timer, table, timings=timings, deadline=partway(deadline, 0.5))
     for column in ("flag", "evidence"):

@@ -153,7 +153,11 @@ class Watch:
         self._steps_policy = self.policy.within(STEPS_SHARE)
         if self._ddp is not None:  # every rank at once: models compared, the reductions timed
             self._ranks = Ranks(self._ddp, self.clock, timeout_s=self.gather_timeout)
-            self._ranks.open(self._eager)
+            try:  # what decides which steps are timed without an agreement: the same on every rank
+                self._ranks.open(self._eager, {"steps": self.steps, "explain": self.explain})
+            except BaseException:
+                self._ranks.release()
+                raise
         if self._compiled is not None:
             self._compiled.open()  # its regions run eagerly for the FLOP step, named as the user wrote them
         try:
@@ -175,10 +179,14 @@ class Watch:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
-            if not self.detached:
-                if exc_type is None and not self._steps.explicit:
+            ended = exc_type is None
+            try:
+                if ended and not self.detached and not self._steps.explicit:
+                    ended = False
                     self._steps.end()  # the last step, if it ran its backward
-                self._detach(gather=exc_type is None)  # a rank that failed sends nothing: the others time out
+                    ended = True
+            finally:  # hooks off even where the last step failed; a failed rank sends nothing
+                self._detach(gather=ended)
         finally:
             self._steps.close()
             if self._compiled is not None:
@@ -416,8 +424,11 @@ class Watch:
         self._steps.detach()
         if self._ranks is not None:
             self._ranks.close()
-            if gather and self._tables:  # every rank timed the same steps, or none
-                self._view = self._ranks.gather(self._totals, typical(self._tables, self._totals)[0])
+            try:
+                if gather and self._tables:  # every rank timed the same steps, or none
+                    self._view = self._ranks.gather(self._totals, typical(self._tables, self._totals)[0])
+            finally:
+                self._ranks.release()
 
     # -- results
 
@@ -603,10 +614,11 @@ class Watch:
         if self._compiled is not None:
             parts = "" if self._compiled.whole else ", ".join(self._compiled.names) + " compiled: "
             compiled = f" ({parts}torch.compile, Inductor)"
+        wrapped = compiled
         if self._ranks is not None:
-            compiled = f" (DistributedDataParallel, rank {self._ranks.rank} of {self._ranks.world})"
+            wrapped = f" (DistributedDataParallel, rank {self._ranks.rank} of {self._ranks.world})"
         return (
-            f"{type(self._eager).__name__}{compiled} on {self.device.type} ({where}), in its own loop: "
+            f"{type(self._eager).__name__}{wrapped} on {self.device.type} ({where}), in its own loop: "
             f"{inputs}, {env['dtype']}{layout}"
         )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from rcnn.doctor import watch
@@ -81,9 +83,10 @@ def model(rank: int, *, slow: bool, extra: bool = False, unused: bool = False) -
 
 def train(ddp: nn.Module, steps: int, *, micro: int = 1) -> None:
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    x = torch.randn(16, 64)
+    generator = torch.Generator().manual_seed(1)  # the same batches for every copy trained
     for _ in range(steps):
         for i in range(micro):  # gradient accumulation: the last micro-batch's backward reduces
+            x = torch.randn(16, 64, generator=generator)
             with ddp.no_sync() if i < micro - 1 else contextlib.nullcontext():
                 ddp(x).square().mean().backward()
         optimizer.step()
@@ -122,24 +125,54 @@ def case(name: str, rank: int, folder: Path) -> None:
     elif name == "differ":
         ddp = DistributedDataParallel(model(rank, slow=False, extra=rank == 1))
         _watched(rank, folder, ddp, ddp)
+    elif name == "options":  # rank 1 would time one more step
+        ddp = DistributedDataParallel(model(rank, slow=False))
+        with watch(ddp, steps=STEPS + rank, explain=False, peak_tflops=None):
+            train(ddp, 3 + STEPS + 4)
+    elif name == "same":  # watched twice, then unwatched: it trains as a copy never watched
+        ddp, plain = (DistributedDataParallel(model(rank, slow=False)) for _ in range(2))
+        for again in ("first", "second"):
+            (folder / again).mkdir()
+            _watched(rank, folder / again, ddp, ddp)
+        train(ddp, 3)
+        for steps in (3 + STEPS + 4, 3 + STEPS + 4, 3):  # the same batches, unwatched
+            train(plain, steps)
+        differs = max((a - b).abs().max().item() for a, b in zip(ddp.parameters(), plain.parameters()))
+        (folder / "differs.txt").write_text(f"{differs}")
+    elif name == "own_hook":  # a hook of the model's own: kept, its reductions untimed
+        ddp = DistributedDataParallel(model(rank, slow=True))
+        ddp.register_comm_hook(ddp.process_group, allreduce_hook)
+        _watched(rank, folder, ddp, ddp)
     elif name in ("stall", "dead"):
         ddp = DistributedDataParallel(model(rank, slow=False))
+        gather = Ranks.gather
         if rank == 1:  # never reaches the gather: stuck, or gone
 
             def lost(self, *args, **kwargs):
-                if name == "dead":
-                    os._exit(0)
-                time.sleep(GATHER_TIMEOUT_S + 3)  # past the other's timeout, then gone
+                if name == "stall":
+                    time.sleep(600)  # far past the other's timeout: ended from outside
                 os._exit(0)
 
             Ranks.gather = lost
-        start = time.monotonic()
+        else:  # how long the gather takes to give up
+
+            def timed(self, *args, **kwargs):
+                start = time.monotonic()
+                try:
+                    return gather(self, *args, **kwargs)
+                finally:
+                    (folder / "seconds.txt").write_text(f"{time.monotonic() - start}")
+
+            Ranks.gather = timed
         try:
             _watched(rank, folder, ddp, ddp, gather_timeout=GATHER_TIMEOUT_S)
         finally:
-            (folder / "seconds.txt").write_text(f"{time.monotonic() - start}")
+            Ranks.gather = gather
     else:
         raise SystemExit(f"no such case: {name}")
+
+
+FAULTS = ("stall", "dead")  # cases that break the group: the last of a run
 
 
 def rank_main(rank: int, port: str, out: Path, names: list[str]) -> int:
@@ -152,7 +185,7 @@ def rank_main(rank: int, port: str, out: Path, names: list[str]) -> int:
             case(name, rank, folder)
         except UserError as err:
             (folder / "error.txt").write_text(f"{type(err).__name__}: {err}")
-            if name in ("stall", "dead"):
+            if name in FAULTS:
                 return 0  # the group is broken: no more cases
     dist.destroy_process_group()
     return 0
@@ -168,7 +201,11 @@ def main() -> int:
         finally:
             os._exit(code)
     code = rank_main(0, port, Path(out), names)
+    if set(names) & set(FAULTS):
+        os.kill(child, signal.SIGKILL)  # a stalled rank 1 waits for nothing more
     _, status = os.waitpid(child, 0)
+    if set(names) & set(FAULTS):
+        return code
     return code or os.waitstatus_to_exitcode(status)
 
 

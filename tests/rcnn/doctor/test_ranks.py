@@ -2,7 +2,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,14 +14,9 @@ from rcnn.doctor.ranks import BALANCED_WITHIN, RANK_COLUMNS, RanksView, _union_m
 from tests import launcher
 from tests.conftest import ROOT
 from tests.rcnn.doctor.ranks_worker import EXTRA_S
+from tests.services import free_port
 
 EXTRA_MS = EXTRA_S * 1e3
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _record(rank: int, tails: list[float], *, backward: float = 50.0, slow_ms: float = 0.0) -> dict:
@@ -31,7 +25,7 @@ def _record(rank: int, tails: list[float], *, backward: float = 50.0, slow_ms: f
     steps = pd.DataFrame(
         {
             "forward_ms": 5.0,
-            "backward_ms": [backward + (t - tails[0]) * 0 for t in tails],
+            "backward_ms": backward,
             "tail_ms": tails,
             "reduce_ms": 3.0,
             "buckets": 1,
@@ -89,6 +83,16 @@ def test_balanced_ranks_name_no_straggler_and_too_few_steps_decide_nothing():
     assert few.summary["verdict"].startswith("No straggler shown")
 
 
+def test_ranks_that_compute_alike_but_wait_are_told_the_delay_lies_outside_the_steps():
+    # rank 1 is late by 40 ms every step, but not in its forward or backward (its optimizer step, say)
+    late = RanksView.of(
+        [_record(0, _noisy(42.0), backward=90.0), _record(1, _noisy(2.0))], backend="gloo", untimed=""
+    )
+    verdict = late.summary["verdict"]
+    assert late.summary["straggler"] is None and "Yet rank 0 waits 4" in verdict
+    assert "outside the timed forward and backward" in verdict
+
+
 def test_every_ranks_rows_carry_their_own_times_and_rank_0s_flags_alone():
     view = RanksView.of(
         [_record(0, _noisy(42.0)), _record(1, _noisy(2.0), slow_ms=40.0)], backend="gloo", untimed=""
@@ -116,9 +120,20 @@ def test_the_buckets_in_flight_are_counted_once_where_they_overlap():
 def two_ranks(tmp_path_factory) -> Path:
     """Two gloo ranks through the cases of tests/rcnn/doctor/ranks_worker.py: what each rank saw."""
     out = tmp_path_factory.mktemp("ranks")
-    cases = ["straggler", "balanced", "inner", "accumulation", "unused", "static", "differ"]
+    cases = [
+        "straggler",
+        "balanced",
+        "inner",
+        "accumulation",
+        "unused",
+        "static",
+        "differ",
+        "options",
+        "same",
+    ]
+    cases.append("own_hook")
     done = launcher.run(
-        [sys.executable, "-m", "tests.rcnn.doctor.ranks_worker", str(_port()), str(out), *cases],
+        [sys.executable, "-m", "tests.rcnn.doctor.ranks_worker", str(free_port()), str(out), *cases],
         cwd=ROOT,
         timeout=300,
     )
@@ -175,18 +190,39 @@ def test_no_sync_accumulation_reduces_once_a_step(two_ranks):
 
 
 @pytest.mark.slow  # two processes
-def test_ranks_whose_models_differ_are_refused_in_one_line(two_ranks):
+def test_ranks_whose_models_or_watches_differ_are_refused_in_one_line(two_ranks):
     for rank in (0, 1):
         said = (two_ranks / "differ" / f"rank{rank}" / "error.txt").read_text()
         assert said.startswith("ValueNotAllowed: model: rank ") and "differs from rank" in said
         assert "\n" not in said
+        said = (two_ranks / "options" / f"rank{rank}" / "error.txt").read_text()
+        assert said.startswith("ValueNotAllowed: watch: rank ") and "'steps': 9" in said
+
+
+@pytest.mark.slow  # two processes
+def test_a_watched_model_trains_as_one_never_watched_and_a_second_watch_times_its_reductions(two_ranks):
+    folder = two_ranks / "same"
+    assert float((folder / "rank0" / "differs.txt").read_text()) < 1e-6
+    assert float((folder / "rank1" / "differs.txt").read_text()) < 1e-6
+    for again in ("first", "second"):
+        ranks = pd.read_csv(folder / "rank0" / again / "ranks.csv")
+        assert (ranks["reduce_ms"] > 0).all() and (ranks["buckets"] == 1).all()
+
+
+@pytest.mark.slow  # two processes
+def test_a_models_own_communication_hook_is_kept_and_its_reductions_are_said_untimed(two_ranks):
+    ranks = _ranks(two_ranks / "own_hook")
+    assert ranks["reduce_ms"].isna().all() and ranks["buckets"].isna().all()
+    assert ranks.loc[0, "wait_ms"] == pytest.approx(EXTRA_MS, rel=0.4)  # the tail is timed still
+    report = (two_ranks / "own_hook" / "rank0" / "report.txt").read_text()
+    assert "(not timed: the model's own communication hook (allreduce_hook) runs it)" in report
 
 
 @pytest.mark.slow  # two processes, and the timeout
 @pytest.mark.parametrize("fault", ["stall", "dead"])
 def test_a_rank_that_stalls_or_dies_ends_the_other_in_one_line_within_the_timeout(tmp_path, fault):
     done = launcher.run(
-        [sys.executable, "-m", "tests.rcnn.doctor.ranks_worker", str(_port()), str(tmp_path), fault],
+        [sys.executable, "-m", "tests.rcnn.doctor.ranks_worker", str(free_port()), str(tmp_path), fault],
         cwd=ROOT,
         timeout=120,
     )
@@ -194,7 +230,7 @@ def test_a_rank_that_stalls_or_dies_ends_the_other_in_one_line_within_the_timeou
     said = (tmp_path / fault / "rank0" / "error.txt").read_text()
     assert said.startswith("RanksLost: watch: rank 0 of 2: the ranks could not gather their tables (")
     assert said.endswith("a rank died, or stalled past the 3 s timeout") and "\n" not in said
-    assert float((tmp_path / fault / "rank0" / "seconds.txt").read_text()) < 3 + 20
+    assert float((tmp_path / fault / "rank0" / "seconds.txt").read_text()) < 3 + 5  # rank 1 sleeps 600 s
 
 
 @pytest.mark.slow  # torchrun and two cold processes
@@ -205,7 +241,7 @@ def test_torchrun_runs_the_doctor_on_two_ranks_and_rank_0_alone_prints_and_write
         "--nproc-per-node",
         "2",
         "--master-port",
-        str(_port()),
+        str(free_port()),
         "-m",
         "rcnn.doctor",
         "tests.fixtures.models:box_head_like",
