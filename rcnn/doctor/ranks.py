@@ -48,7 +48,7 @@ from rcnn.rules import UserError, ValueNotAllowed, first_line
 
 GATHER_TIMEOUT_S = 60.0  # how long a rank waits for the others at an agreement or the gather
 BALANCED_WITHIN = 1.05  # a rank computing more than this times the others' (95% CI) is a straggler
-WAIT_SAID_ABOVE = 0.05  # of the step: ranks that compute alike but wait this much are told where to look
+WAIT_SAID_ABOVE = 0.05  # of the step: balanced ranks that wait this much are told where to look
 RANK_COLUMNS = (
     "rank",
     "step_ms",  # forward + backward
@@ -371,7 +371,8 @@ class RanksView:
         """The printout's part: the ranks' step split, the modules that differ most, the verdict."""
         s = self.summary
         lines = [
-            f"\nRanks ({s['world']}, {s['backend']}; medians over the {s['steps']} timed steps, ms): "
+            f"\nRanks ({s['world']}, {s['backend']}; ms, means of the middle half of the {s['steps']} timed "
+            "steps): "
             "compute + communication (the reduction's exposed cost) + wait (for slower ranks) = step; "
             "reduce_ms: the buckets' reductions in flight"
             + (f" (not timed: {s['reduction_untimed']})" if s["reduction_untimed"] else ""),
@@ -412,9 +413,9 @@ class RanksView:
         return (
             "<h2>Ranks (DistributedDataParallel)</h2>"
             f'<p class="lead">{html.escape(self.summary["verdict"])}</p>'
-            '<p class="note">Medians over the timed steps, ms: compute + communication (the reduction\'s '
-            "exposed cost) + wait (for slower ranks) = step; reduce_ms: the buckets' reductions in "
-            "flight.</p>"
+            '<p class="note">ms, means of the middle half of the timed steps: compute + communication '
+            "(the reduction's exposed cost) + wait (for slower ranks) = step; reduce_ms: the buckets' "
+            "reductions in flight.</p>"
             f"{table}"
             f'<p><label for="rank-select">Backward by module on </label><select id="rank-select">{options}'
             f"</select></p>{icicles}{_SELECTOR}"
@@ -470,7 +471,8 @@ def _straggler(steps: pd.DataFrame, modules: pd.DataFrame) -> dict[str, Any]:
         )
         waiting = steps.groupby("rank")[["wait_ms", "step_ms"]].median()
         waits_most = int(waiting["wait_ms"].idxmax())
-        if waiting.loc[waits_most, "wait_ms"] > WAIT_SAID_ABOVE * waiting.loc[waits_most, "step_ms"]:
+        step_ms = waiting.loc[waits_most, "step_ms"]
+        if state == "balanced" and waiting.loc[waits_most, "wait_ms"] > WAIT_SAID_ABOVE * step_ms:
             verdict += (
                 f" Yet rank {waits_most} waits {waiting.loc[waits_most, 'wait_ms']:.1f} ms a step for the "
                 "others: what holds them lies outside the timed forward and backward (the optimizer step, "
