@@ -42,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from rcnn.doctor.columns import MODULE_COLUMNS, OUTSIDE
 from rcnn.doctor.verdict import middle_half, rates
+from rcnn.measure import cores
 from rcnn.measure.clock import Clock
 from rcnn.measure.stats import median_ratio
 from rcnn.rules import UserError, ValueNotAllowed, first_line
@@ -57,6 +58,7 @@ RANK_COLUMNS = (
     "wait_ms",  # this rank's tail beyond that: what slower ranks cost it
     "reduce_ms",  # the buckets' reductions in flight, launch to done (NaN where not timed)
     "buckets",  # buckets reduced per step
+    "cores_shared",  # where its steps shared their cores, what said so (rcnn.measure.cores.said); else ""
 )
 # What each rank sends rank 0 by module: its times. Its rows in modules.csv take these, and the shares and
 # rates from them; the FLOPs and bytes are the model's, the memory and flags rank 0's measures (flags blank
@@ -290,11 +292,15 @@ class Ranks:
         )
         return bool(flag.item())
 
-    def gather(self, totals: dict[str, list[float]], modules: pd.DataFrame) -> RanksView | None:
-        """Send this rank's timed steps (``totals``: forward and backward ms each) and its typical by-module
-        times to rank 0: there, the ranks' view; None elsewhere."""
+    def gather(
+        self, totals: dict[str, list[float]], modules: pd.DataFrame, cores_used: dict[str, Any]
+    ) -> RanksView | None:
+        """Send this rank's timed steps (``totals``: forward and backward ms each), its typical by-module
+        times and whether its steps had their cores (rcnn.measure.cores.CoreUse.record) to rank 0: there,
+        the ranks' view; None elsewhere."""
         record = {
             "rank": self.rank,
+            "cores": cores_used,
             "steps": pd.DataFrame({**totals, **pd.DataFrame(self.steps).to_dict("list")}),
             "modules": modules.reindex(columns=list(GATHERED_COLUMNS)),
         }
@@ -332,7 +338,7 @@ class RanksView:
         # per rank the mean of the middle half of its steps (by step time), as the by-module tables average
         # theirs: the parts then add up to the step
         table = (
-            steps.groupby("rank")[list(RANK_COLUMNS[1:])]
+            steps.groupby("rank")[[c for c in RANK_COLUMNS if c not in ("rank", "cores_shared")]]
             .apply(lambda rows: rows.iloc[middle_half(rows["step_ms"].tolist())].mean())
             .reset_index()
         )
@@ -340,12 +346,16 @@ class RanksView:
             [r["modules"].rename_axis("module").reset_index().assign(rank=r["rank"]) for r in records],
             ignore_index=True,
         )
+        used = {r["rank"]: r["cores"] for r in records}
+        table["cores_shared"] = [
+            cores.said(used[r]) if cores.contended(used[r]) else "" for r in table["rank"]
+        ]
         summary = {
             "world": len(records),
             "backend": backend,
             "steps": int(steps["step"].nunique()),
             "reduction_untimed": untimed,
-            **_straggler(steps, modules),
+            **_straggler(steps, modules, used),
         }
         return cls(table, steps, modules, summary)
 
@@ -376,8 +386,10 @@ class RanksView:
             "compute + communication (the reduction's exposed cost) + wait (for slower ranks) = step; "
             "reduce_ms: the buckets' reductions in flight"
             + (f" (not timed: {s['reduction_untimed']})" if s["reduction_untimed"] else ""),
-            self.table.to_string(index=False, float_format=lambda v: f"{v:.1f}"),
+            self.table.drop(columns="cores_shared").to_string(index=False, float_format=lambda v: f"{v:.1f}"),
         ]
+        shared = self.table[self.table["cores_shared"] != ""]
+        lines += [f"rank {row.rank}'s cores were shared: {row.cores_shared}" for row in shared.itertuples()]
         spread = self.spread()
         if len(spread):
             lines.append(
@@ -448,9 +460,10 @@ def _own(modules: pd.DataFrame, column: str = "backward_ms") -> pd.DataFrame:
     return own.drop(index=OUTSIDE, errors="ignore")
 
 
-def _straggler(steps: pd.DataFrame, modules: pd.DataFrame) -> dict[str, Any]:
+def _straggler(steps: pd.DataFrame, modules: pd.DataFrame, cores_used: dict[int, dict]) -> dict[str, Any]:
     """The rank computing longest against the others' median in the same steps (paired, with a 95% CI), the
-    module most of its extra time is in, and the verdict's sentence."""
+    module most of its extra time is in, and the verdict's sentence; where that rank's steps shared their
+    cores (``cores_used``: each rank's CoreUse.record), the sentence says so."""
     compute = steps.pivot(index="step", columns="rank", values="compute_ms")
     slowest = int(compute.median().idxmax())
     others = [rank for rank in compute.columns if rank != slowest]
@@ -489,6 +502,11 @@ def _straggler(steps: pd.DataFrame, modules: pd.DataFrame) -> dict[str, Any]:
         f"rank{'s' if len(others) > 1 else ''} {names} wait{'' if len(others) > 1 else 's'} {wait:.1f} ms a "
         "step for it."
     )
+    if cores.contended(cores_used[slowest]):
+        verdict += (
+            f" But rank {slowest}'s cores were shared ({cores.said(cores_used[slowest])}): its extra time "
+            "may be the machine's, not its model's."
+        )
     return {
         "straggler": slowest,
         **said,

@@ -426,7 +426,8 @@ class Watch:
             self._ranks.close()
             try:
                 if gather and self._tables:  # every rank timed the same steps, or none
-                    self._view = self._ranks.gather(self._totals, typical(self._tables, self._totals)[0])
+                    typical_times = typical(self._tables, self._totals)[0]
+                    self._view = self._ranks.gather(self._totals, typical_times, self._cores.record())
             finally:
                 self._ranks.release()
 

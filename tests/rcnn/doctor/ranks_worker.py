@@ -68,12 +68,16 @@ class Unused(nn.Sequential):
         return x
 
 
-def model(rank: int, *, slow: bool, extra: bool = False, unused: bool = False) -> nn.Module:
+def model(
+    rank: int, *, slow: bool, extra: bool = False, unused: bool = False, even: float = 0.0
+) -> nn.Module:
+    """The test model; ``slow``: its Slowed layer sleeps EXTRA_S on rank 1 alone; ``even``: seconds it sleeps
+    on every rank (work the ranks share alike, against which a millisecond's noise is small)."""
     torch.manual_seed(0)
     layers = [
         nn.Linear(64, 128),
         nn.ReLU(),
-        Slowed(EXTRA_S if slow and rank == 1 else 0.0),
+        Slowed((EXTRA_S if slow and rank == 1 else 0.0) + even),
         nn.Linear(128, 8),
     ]
     if extra:
@@ -112,7 +116,8 @@ def _watched(
 
 def case(name: str, rank: int, folder: Path) -> None:
     if name in ("straggler", "balanced", "inner", "accumulation"):
-        ddp = DistributedDataParallel(model(rank, slow=name != "balanced"))
+        balanced = name == "balanced"
+        ddp = DistributedDataParallel(model(rank, slow=not balanced, even=EXTRA_S / 2 if balanced else 0.0))
         target = ddp.module if name == "inner" else ddp
         _watched(rank, folder, ddp, target, micro=2 if name == "accumulation" else 1)
     elif name == "unused":
