@@ -21,7 +21,7 @@ import pandas as pd
 
 from pipeline.analysis import head_order
 from pipeline.common import read_json
-from pipeline.report import ratio_text
+from pipeline.report_verdict import ratio_text
 from pipeline.results import complete, fastest, headline_scope, read_env, read_table, scope_text
 from rcnn.cli import Parser, run_command
 from rcnn.detector.schema import DETECTOR, KNOB_NAMES

@@ -10,6 +10,8 @@ import pandas as pd
 import pytest
 
 from pipeline import compare, report
+from pipeline.report_results import Results
+from pipeline.report_verdict import verdict
 from pipeline.results import comparisons_table, fastest, summarize_trials, write_table, write_trials
 from rcnn.detector.schema import KERNEL_COLUMNS
 from tests import launcher
@@ -202,7 +204,7 @@ def test_compare_two_machines(tmp_path, monkeypatch):
 
 
 def test_the_verdict_says_what_linearize_swapped_and_how_close_it_came():
-    from pipeline.report import linearize_lines
+    from pipeline.report_verdict import linearize_lines
 
     trials, _ = fake_trials()
     done = trials[trials["status"] == "complete"]
@@ -247,7 +249,8 @@ def compiled_fixture(conv_speedup: float) -> tuple[pd.DataFrame, pd.DataFrame]:
     "speedup, answer", [(1.0, "no: the gap stays"), (4.0, "yes, compile head brings it under 1.25x")]
 )
 def test_the_verdict_answers_whether_compile_closes_the_gap(speedup, answer):
-    from pipeline.report import by_value_lines, compile_section
+    from pipeline.report_sections import compile_section
+    from pipeline.report_verdict import by_value_lines
 
     trials, comparisons = compiled_fixture(speedup)
     (line,) = by_value_lines(comparisons, trials)  # tf32 is n/a on this CPU: no line for it
@@ -268,7 +271,7 @@ def test_the_verdict_answers_whether_compile_closes_the_gap(speedup, answer):
 
 
 def test_the_compile_section_says_which_modules_compiling_did_not_speed_up():
-    from pipeline.report import compile_module_lines
+    from pipeline.report_sections import compile_module_lines
 
     rows = [  # module, eager backward ms, compiled backward ms
         ("roi_heads.box_head.0", 100.0, 98.0),
@@ -336,7 +339,7 @@ def test_the_compile_section_says_which_modules_compiling_did_not_speed_up():
 
 
 def test_the_sweep_time_section_reads_the_summary():
-    from pipeline.report import wall_section
+    from pipeline.report_sections import wall_section
 
     wall = {
         "total_s": 100.0,
@@ -349,7 +352,7 @@ def test_the_sweep_time_section_reads_the_summary():
 
 
 def test_the_verdict_answers_whether_tf32_closes_the_gap_where_it_was_swept():
-    from pipeline.report import by_value_lines
+    from pipeline.report_verdict import by_value_lines
 
     trials, samples = fake_trials()
     trials = trials.assign(device="cuda", cudnn_benchmark=False, onednn="n/a")
@@ -368,7 +371,7 @@ def verdict_of(trials: pd.DataFrame, samples: dict, summary: dict | None = None)
     from pipeline.analysis import knob_effects
 
     comparisons = comparisons_table(trials, samples)
-    results = report.Results(
+    results = Results(
         trials=trials,
         comparisons=comparisons,
         kernels=pd.DataFrame(),
@@ -376,7 +379,7 @@ def verdict_of(trials: pd.DataFrame, samples: dict, summary: dict | None = None)
         summary=summarize_trials(trials, comparisons) | (summary or {}),
         modules=pd.DataFrame(),
     )
-    return report.verdict(results, knob_effects(trials))
+    return verdict(results, knob_effects(trials))
 
 
 def fixed_and_onednn_fixture() -> tuple[pd.DataFrame, dict]:
@@ -434,7 +437,7 @@ def test_every_pooled_gap_pools_the_headlines_settings():
 
 
 def test_the_verdict_cautions_when_the_machine_drifted_during_the_sweep():
-    from pipeline.report import drift_caution
+    from pipeline.report_sections import drift_caution
 
     def summary(start, end):
         return {
@@ -456,7 +459,7 @@ def test_the_verdict_cautions_when_the_machine_drifted_during_the_sweep():
 
 
 def test_the_verdict_cautions_when_trials_did_not_have_their_cores(tmp_path):
-    from pipeline.report import contention_caution
+    from pipeline.report_sections import contention_caution
     from pipeline.results import read_trials
 
     trials, samples = fake_trials()
@@ -502,7 +505,7 @@ def test_compare_medians_pool_the_headlines_settings():
 
 
 def test_the_box_heads_page_has_an_icicle_per_profiled_head_of_its_box_head_alone():
-    from pipeline.report import BOX_HEAD, box_heads_page
+    from pipeline.report_page import BOX_HEAD, box_heads_page
     from pipeline.results import ADDED_MODULE_COLUMNS, read_table
     from rcnn.detector.schema import MODULE_TABLE_COLUMNS
 
@@ -551,7 +554,7 @@ def test_the_report_keeps_the_tables_it_was_rendered_from_and_renders_again_from
 
 
 def test_per_setting_the_fixed_head_against_linear_how_it_was_paired_and_the_trials_own_spread():
-    from pipeline.report import per_setting_lines
+    from pipeline.report_verdict import per_setting_lines
     from rcnn.detector.schema import OTHER_KNOBS
 
     base = dict.fromkeys(OTHER_KNOBS, "n/a") | {"onednn": True, "amp": "off", "channels_last": False}
@@ -618,7 +621,8 @@ def test_per_setting_the_fixed_head_against_linear_how_it_was_paired_and_the_tri
     ],
 )
 def test_the_report_says_how_its_head_ratios_were_read(rounds, says):
-    from pipeline.report import _ratios_read, comparison_table
+    from pipeline.report_sections import comparison_table
+    from pipeline.report_verdict import ratios_read
     from rcnn.detector.schema import OTHER_KNOBS
 
     comparisons = pd.DataFrame(
@@ -629,13 +633,13 @@ def test_the_report_says_how_its_head_ratios_were_read(rounds, says):
             for b, n in zip((1, 2), rounds)
         ]
     )
-    assert says in _ratios_read(comparisons)
+    assert says in ratios_read(comparisons)
     shown = comparison_table(comparisons)["in turn"].tolist()
     assert shown == [f"{n} rounds" if n > 0 else "no: two trials" for n in rounds]
 
 
 def test_the_verdict_says_what_linearize_gains_the_whole_backward_and_beyond_the_box_head():
-    from pipeline.report import linearize_gain_lines
+    from pipeline.report_verdict import linearize_gain_lines
 
     g = {"ratio": 2.5, "ci_low": 2.4, "ci_high": 2.6, "pairs": 6}
     summary = {
@@ -652,7 +656,7 @@ def test_the_verdict_says_what_linearize_gains_the_whole_backward_and_beyond_the
 
 
 def test_the_by_module_tables_show_the_roi_pool_both_ways():
-    from pipeline.report import MODULES_SHOWN, POOL, module_section
+    from pipeline.report_sections import MODULES_SHOWN, POOL, module_section
 
     rows = []
     for linearize, pool_ms in ((False, 170.0), (True, 12.0)):
