@@ -9,7 +9,7 @@ from typing import Any
 
 import pandas as pd
 
-from rcnn.doctor import pictures
+from rcnn.doctor import page, pictures
 from rcnn.doctor.verdict import Diagnosis
 from rcnn.outputs import write_atomic
 
@@ -67,7 +67,7 @@ def doctor_files(
         pictures.require_plotly()
     except ImportError:
         return texts
-    texts["report.html"] = pictures.render_report(
+    texts["report.html"] = page.render_report(
         diagnosis.modules,
         diagnosis.why,
         diagnosis.summary,

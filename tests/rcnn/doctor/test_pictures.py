@@ -18,6 +18,7 @@ pytest.importorskip("plotly")
 
 from rcnn.doctor import pictures  # noqa: E402
 from rcnn.doctor.columns import MODULE_COLUMNS, OUTSIDE, ROOT, WHY_COLUMNS  # noqa: E402
+from rcnn.doctor.page import render_report  # noqa: E402
 from tests import browser  # noqa: E402
 from tests.conftest import ROOT as REPO  # noqa: E402
 
@@ -206,7 +207,7 @@ def figures(page: str) -> dict[str, dict]:
 
 
 def report(modules: pd.DataFrame | None = None, **fixed) -> str:
-    return pictures.render_report(
+    return render_report(
         synthetic() if modules is None else modules, synthetic_why(), SUMMARY, title="tiny <net>", **fixed
     )
 
@@ -294,7 +295,7 @@ def test_committed_detector_tables():
     modules = pd.read_csv(folder / "modules.csv")
     why = pd.read_csv(folder / "why.csv")
     summary = json.loads((folder / "env.json").read_text())["summary"]
-    page = pictures.render_report(modules, why, summary, title="detector:conv")
+    page = render_report(modules, why, summary, title="detector:conv")
     drawn = figures(page)["icicle-backward"]
     assert sorted(drawn["ids"]) == sorted([pictures.STEP, *modules["module"]])
     added_up(drawn["ids"], drawn["parents"], drawn["values"])
@@ -331,7 +332,7 @@ def test_from_a_real_diagnosis(tmp_path):
     workload = build_workload("tests.rcnn.doctor.test_pictures:tiny", batch_size=2, image_size=32, device=cpu)
     diagnosis = diagnose(workload, device=cpu, policy=TimingPolicy.fixed(3, warmup=1), peak_tflops=0.1)
     modules, summary = diagnosis.modules, diagnosis.summary
-    page = pictures.render_report(modules, diagnosis.why, summary, title="tiny on cpu")
+    page = render_report(modules, diagnosis.why, summary, title="tiny on cpu")
     drawn = figures(page)
     assert {"icicle-backward", "icicle-forward", "icicle-memory"} <= set(drawn)  # saved_mb: the conv saved
     for phase in ("backward", "forward"):
