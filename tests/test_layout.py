@@ -1,5 +1,6 @@
 """The library's rooms import one way: detector -> doctor -> fix -> measure -> the shared plumbing, never
-back, and none of them imports the pipeline or its tools; and no source file is longer than a reader can hold."""
+back, and none of them imports the pipeline or its tools; and no source file is longer than a reader can
+hold."""
 
 from __future__ import annotations
 
