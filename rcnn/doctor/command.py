@@ -45,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 from rcnn.cli import Parser, run_command
 from rcnn.doctor.diagnosis import Diagnosis, Fixed, diagnose, diagnose_beside_eager, diagnose_ranks, fix
 from rcnn.doctor.files import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
-from rcnn.doctor.ranks import GATHER_TIMEOUT_S, RanksLost
+from rcnn.doctor.ranks import GATHER_TIMEOUT_S, RanksLost, lost_rank
 from rcnn.doctor.specs import DEFAULT_IMAGE_SIZE, IMAGE_SIZE
 from rcnn.doctor.workloads import build_workload
 from rcnn.measure.device import (
@@ -174,14 +174,6 @@ def ranks_started() -> tuple[int, int] | None:
     except ValueError:
         raise ValueNotAllowed("WORLD_SIZE", "not a whole number; allowed: torchrun's environment") from None
     return (rank, world) if world > 1 else None
-
-
-def _lost_rank(err: RuntimeError) -> bool:
-    """Whether a step's error is a reduction that failed: a peer died, or stalled past the group's timeout."""
-    said = str(err)
-    return isinstance(err, getattr(dist, "DistError", ())) or any(
-        word in said for word in ("gloo", "NCCL", "Connection", "Timed out", "timed out")
-    )
 
 
 def _join_ranks(args: argparse.Namespace, device: torch.device) -> torch.device:
@@ -357,7 +349,7 @@ def _run(args: argparse.Namespace) -> None:
                 gather_timeout=args.rank_timeout,
             )
         except RuntimeError as err:
-            if not _lost_rank(err):
+            if not lost_rank(err):
                 raise
             raise RanksLost(f"doctor: rank {started[0]} of {started[1]}: {first_line(err)}") from None
         if diagnosis is None:  # not rank 0: it sent its tables there

@@ -19,7 +19,7 @@ from torch import nn
 
 from rcnn.doctor.attribution import ModuleTimer
 from rcnn.doctor.compiled import eager_copy
-from rcnn.doctor.ranks import GATHER_TIMEOUT_S
+from rcnn.doctor.ranks import GATHER_TIMEOUT_S, distributed_of, lost_rank
 from rcnn.doctor.verdict import Diagnosis
 from rcnn.doctor.watching import Watch, watch
 from rcnn.doctor.workloads import Workload
@@ -217,6 +217,8 @@ def _watched(
             KeyError,
             NotImplementedError,
         ) as err:
+            if lost_rank(err) and distributed_of(workload.model) is not None:
+                raise  # a peer rank lost in the first step: no fault of the model's
             raise ValueNotAllowed(
                 "MODEL",
                 f"{workload.name} failed on its synthetic batch ({first_line(err)}); "

@@ -77,6 +77,15 @@ class RanksLost(UserError):
     """A rank did not reach an agreement or the gather within the timeout: it died or stalled."""
 
 
+def lost_rank(err: BaseException) -> bool:
+    """Whether an error raised in a step is a reduction that failed: a peer rank died, or stalled past the
+    process group's timeout."""
+    said = str(err)
+    return isinstance(err, getattr(dist, "DistError", ())) or any(
+        word in said for word in ("gloo", "NCCL", "Connection", "Timed out", "timed out")
+    )
+
+
 def distributed_of(model: nn.Module) -> DistributedDataParallel | None:
     """The DistributedDataParallel that ``model`` is, or that wraps it (found among the live objects, once,
     where a process group is up); None for a model trained in one process."""

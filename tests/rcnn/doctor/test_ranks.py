@@ -314,3 +314,12 @@ def test_chromium_draws_each_ranks_icicle_behind_the_rank_selector(two_ranks):
     assert dom.count('<g class="iciclelayer">') == 3 + 2  # the page's own three, and one per rank
     assert re.findall(r'<option value="(\d)">', dom) == ["0", "1"]
     assert table(dom, "ranks")["rank"].tolist() == [0, 1]
+
+
+def test_a_failed_reduction_is_told_from_a_models_own_error():
+    from rcnn.doctor.ranks import lost_rank
+
+    gloo = "[../third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error: Connection reset by peer"
+    assert lost_rank(RuntimeError(gloo))
+    assert lost_rank(RuntimeError("Timed out waiting 3000ms for recv operation to complete"))
+    assert not lost_rank(RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"))
