@@ -43,7 +43,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from rcnn.cli import Parser, run_command
-from rcnn.doctor.diagnosis import Diagnosis, Fixed, diagnose, diagnose_beside_eager, diagnose_ranks, fix
+from rcnn.doctor.diagnosis import Diagnosis, Fixed, diagnose, diagnose_beside_eager, fix, watched
 from rcnn.doctor.files import DOCTOR_FILES, NO_REPORT, doctor_files, write_run
 from rcnn.doctor.ranks import GATHER_TIMEOUT_S, RanksLost, lost_rank
 from rcnn.doctor.specs import DEFAULT_IMAGE_SIZE, IMAGE_SIZE
@@ -340,7 +340,7 @@ def _run(args: argparse.Namespace) -> None:
     compared = None
     if started:
         try:
-            diagnosis = diagnose_ranks(
+            rank = watched(
                 workload,
                 device=device,
                 amp=args.amp,
@@ -352,8 +352,9 @@ def _run(args: argparse.Namespace) -> None:
             if not lost_rank(err):
                 raise
             raise RanksLost(f"doctor: rank {started[0]} of {started[1]}: {first_line(err)}") from None
-        if diagnosis is None:  # not rank 0: it sent its tables there
+        if not rank.leads:  # it sent its tables to rank 0
             return
+        diagnosis = rank.diagnosis
     elif args.eager_too:  # --fix is refused with --compile: the whole bound is the diagnosis's
         diagnosis, compared = diagnose_beside_eager(
             workload,

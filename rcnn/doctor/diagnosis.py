@@ -103,7 +103,32 @@ def diagnose(
         ValueNotAllowed: keyed MODEL, when the first step fails (the model cannot take its batch).
         FloatingPointError: on a non-finite loss.
     """
-    (watched,) = _watched(
+    return watched(
+        workload,
+        device=device,
+        amp=amp,
+        policy=policy,
+        peak_tflops=peak_tflops,
+        explain=explain,
+        timings=timings,
+    ).diagnosis
+
+
+def watched(
+    workload: Workload,
+    *,
+    device: torch.device,
+    amp: str = "off",
+    policy: TimingPolicy = TimingPolicy(),
+    peak_tflops: float | None = None,
+    explain: bool = True,
+    timings: dict | None = None,
+    gather_timeout: float = GATHER_TIMEOUT_S,
+) -> Watch:
+    """The watch ``diagnose`` reads, its steps run: under DistributedDataParallel (``workload.model`` one,
+    every rank calling this), ``watch.leads`` on rank 0, whose diagnosis holds every rank's rows and the
+    ranks' view (rcnn.doctor.ranks); the others sent their tables there and need build nothing."""
+    (one,) = _watched(
         workload,
         [workload.model],
         device=device,
@@ -112,35 +137,9 @@ def diagnose(
         peak_tflops=peak_tflops,
         explain=explain,
         timings=timings,
-    )
-    return watched.diagnosis
-
-
-def diagnose_ranks(
-    workload: Workload,
-    *,
-    device: torch.device,
-    amp: str = "off",
-    policy: TimingPolicy = TimingPolicy(),
-    peak_tflops: float | None = None,
-    explain: bool = True,
-    gather_timeout: float = GATHER_TIMEOUT_S,
-) -> Diagnosis | None:
-    """``diagnose`` on every rank of a workload whose model is a DistributedDataParallel, each rank stepping
-    its own copy: on rank 0 its diagnosis with every rank's rows and the ranks' view (rcnn.doctor.ranks); None
-    on the others, which sent their tables there and build nothing."""
-    (watched,) = _watched(
-        workload,
-        [workload.model],
-        device=device,
-        amp=amp,
-        policy=policy,
-        peak_tflops=peak_tflops,
-        explain=explain,
-        timings=None,
         gather_timeout=gather_timeout,
     )
-    return watched.diagnosis if watched.leads else None
+    return one
 
 
 def diagnose_beside_eager(
