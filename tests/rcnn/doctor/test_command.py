@@ -113,9 +113,10 @@ def test_out_is_rewritten_but_never_a_foreign_folder(project, capsys):
             ["tests.fixtures.models:raises"],
             "error: MODEL: tests.fixtures.models:raises() raised RuntimeError",
         ),
-        (
+        pytest.param(
             ["tests.fixtures.models:flat"],
             "error: MODEL: tests.fixtures.models:flat failed on its synthetic batch",
+            marks=pytest.mark.slow,  # the machine's ceilings are measured before the first step: seconds
         ),
         (["detector:fc"], "error: MODEL: detector:fc: unknown head; allowed: detector:linear"),
         (
@@ -397,6 +398,7 @@ def test_contended_cores_are_said_in_one_line_with_what_said_so(capsys):
     assert "The cores were" not in capsys.readouterr().out
 
 
+@pytest.mark.slow  # the doctor and its fix measured to their bound: seconds
 def test_max_seconds_bounds_the_measuring_the_fix_included(project, monkeypatch):
     import time
 

@@ -276,6 +276,7 @@ def test_torchrun_runs_the_doctor_on_two_ranks_and_rank_0_alone_prints_and_write
     assert json.loads((out / "env.json").read_text())["ranks"]["world"] == 2
 
 
+@pytest.mark.slow  # a new process each
 @pytest.mark.parametrize(
     "args, message",
     [

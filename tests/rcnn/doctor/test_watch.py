@@ -87,6 +87,7 @@ def _busy_python_thread() -> Iterator[None]:
         sys.setswitchinterval(interval)
 
 
+@pytest.mark.slow  # steps timed in turn beside a busy thread: seconds
 def test_the_hooks_come_off_after_the_steps_and_the_loop_then_runs_as_unwatched():
     torch.manual_seed(0)
     layers = [m for _ in range(30) for m in (nn.Linear(8, 8), nn.ReLU())]
