@@ -83,6 +83,8 @@ class Watch(WatchResults):
                     "model", "a compiled model under DistributedDataParallel; allowed: an eager one"
                 )
             self._eager = self._ddp.module
+        if not gather_timeout > 0:  # NaN too
+            raise ValueNotAllowed("gather_timeout", f"{gather_timeout!r}; allowed: seconds > 0")
         self.gather_timeout = gather_timeout
         self._ranks: Ranks | None = None
         self._view: RanksView | None = None

@@ -324,3 +324,14 @@ def test_a_failed_reduction_is_told_from_a_models_own_error():
     assert lost_rank(RuntimeError(gloo))
     assert lost_rank(RuntimeError("Timed out waiting 3000ms for recv operation to complete"))
     assert not lost_rank(RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"))
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan")])
+def test_a_gather_timeout_that_is_no_time_is_refused_in_one_line(timeout):
+    from torch import nn
+
+    from rcnn.doctor import watch
+    from rcnn.rules import ValueNotAllowed
+
+    with pytest.raises(ValueNotAllowed, match="gather_timeout: .*allowed: seconds > 0"):
+        watch(nn.Linear(2, 2), gather_timeout=timeout)
