@@ -4,8 +4,8 @@ straggler named.
 
 DDP reduces gradient buckets while the backward still runs, and its backward ends only once every bucket is
 reduced on every rank, so one slow rank makes every rank's step as slow. What each rank's backward spent after
-its own last autograd node (or its last bucket's launch, which follows it) is its tail: time spent waiting for
-the reduction. The rank that arrives last waits only for the reduction's own transfer; every other rank waits
+the later of its own last autograd node and its last bucket's launch is its tail: time spent waiting for the
+reduction. The rank that arrives last waits only for the reduction's own transfer; every other rank waits
 that long plus the time the last one kept it waiting. So per timed step (the same step on every rank: they
 agree when warm-up ends and when timing stops):
 
