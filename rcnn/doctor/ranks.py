@@ -41,7 +41,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from rcnn.doctor.columns import MODULE_COLUMNS, OUTSIDE
-from rcnn.doctor.verdict import middle_half, rates
+from rcnn.doctor.verdict import ceiling, middle_half, rates
 from rcnn.measure import cores
 from rcnn.measure.clock import Clock
 from rcnn.measure.stats import median_ratio
@@ -49,6 +49,10 @@ from rcnn.rules import UserError, ValueNotAllowed, first_line
 
 GATHER_TIMEOUT_S = 60.0  # how long a rank waits for the others at an agreement or the gather
 BALANCED_WITHIN = 1.05  # a rank computing more than this times the others' (95% CI) is a straggler
+SPLIT_SAID = (  # how to read ranks.csv, in the printout and on the page
+    "compute + communication (the reduction's exposed cost) + wait (for slower ranks) = step; reduce_ms: the "
+    "buckets' reductions in flight"
+)
 WAIT_SAID_ABOVE = 0.05  # of the step: balanced ranks that wait this much are told where to look
 RANK_COLUMNS = (
     "rank",
@@ -368,30 +372,33 @@ class RanksView:
 
     def by_module(self, leader: pd.DataFrame, peak_tflops: float | None) -> pd.DataFrame:
         """The by-module table of every rank (modules.csv): rank 0's own (``leader``: MODULE_COLUMNS, its
-        flags) first, then each other rank's rows with the times measured there and their shares and fractions
-        from them; flags are rank 0's, so blank on the others' rows."""
-        parts = [leader.assign(rank=0)]
-        for rank, theirs in self.modules[self.modules["rank"] != 0].groupby("rank"):
+        flags) first, then each other rank's rows with the times measured there and their shares and rates
+        from them; flags are rank 0's, so blank on the others' rows. Every row's fraction is of one ceiling:
+        ``peak_tflops`` (rank 0's), or the fastest module's backward of any rank where one beat it."""
+        parts = []
+        for rank, theirs in self.modules.groupby("rank"):  # rank 0's times: those ``leader`` holds
             times = theirs.set_index("module")
-            rows = leader.set_index("module").copy()
+            rows = leader.set_index("module").assign(rank=rank)
             for column in GATHERED_COLUMNS:
                 rows[column] = times[column].reindex(rows.index)
             rows["backward_share"] = rows["backward_ms"] / rows["backward_ms"].sum()
-            rates(rows, peak_tflops)
-            rows[["flag", "evidence"]] = ""
-            rows[["saves_ms", "saves_ci_low", "saves_ci_high"]] = math.nan
-            parts.append(rows.reset_index().assign(rank=rank))
-        table = pd.concat(parts, ignore_index=True)
-        return table[["module", "rank", *MODULE_COLUMNS[1:]]]
+            rates(rows, None)
+            if rank != 0:
+                rows[["flag", "evidence"]] = ""
+                rows[["saves_ms", "saves_ci_low", "saves_ci_high"]] = math.nan
+            parts.append(rows)
+        table = pd.concat(parts)
+        # One ceiling for every rank's fractions: rank 0's, raised where another rank's module ran faster
+        peak, _ = ceiling(peak_tflops, table)
+        table["peak_fraction"] = table["backward_tflops"] / peak if peak else math.nan
+        return table.reset_index()[["module", "rank", *MODULE_COLUMNS[1:]]]
 
     def lines(self) -> list[str]:
         """The printout's part: the ranks' step split, the modules that differ most, the verdict."""
         s = self.summary
         lines = [
             f"\nRanks ({s['world']}, {s['backend']}; ms, means of the middle half of the {s['steps']} timed "
-            "steps): "
-            "compute + communication (the reduction's exposed cost) + wait (for slower ranks) = step; "
-            "reduce_ms: the buckets' reductions in flight"
+            f"steps): {SPLIT_SAID}"
             + (f" (not timed: {s['reduction_untimed']})" if s["reduction_untimed"] else ""),
             self.table.drop(columns="cores_shared").to_string(index=False, float_format=lambda v: f"{v:.1f}"),
         ]
@@ -400,7 +407,8 @@ class RanksView:
         spread = self.spread()
         if len(spread):
             lines.append(
-                "\nOwn backward by rank, the modules whose slowest rank is furthest over the median:"
+                "\nOwn backward by rank, the modules whose slowest rank is furthest over the other ranks' "
+                "median:"
             )
             lines.append(spread.head(5).to_string(index=False, float_format=lambda v: f"{v:.3g}"))
         lines.append(f"\n{s['verdict']}")
@@ -432,9 +440,7 @@ class RanksView:
         return (
             "<h2>Ranks (DistributedDataParallel)</h2>"
             f'<p class="lead">{html.escape(self.summary["verdict"])}</p>'
-            '<p class="note">ms, means of the middle half of the timed steps: compute + communication '
-            "(the reduction's exposed cost) + wait (for slower ranks) = step; reduce_ms: the buckets' "
-            "reductions in flight.</p>"
+            f'<p class="note">ms, means of the middle half of the timed steps: {html.escape(SPLIT_SAID)}.</p>'
             f"{table}"
             f'<p><label for="rank-select">Backward by module on </label><select id="rank-select">{options}'
             f"</select></p>{icicles}{_SELECTOR}"
@@ -477,7 +483,6 @@ def _straggler(steps: pd.DataFrame, modules: pd.DataFrame, cores_used: dict[int,
     if not others:
         return {"straggler": None, "verdict": "One rank: nothing to set it against."}
     ratio, low, high = median_ratio(compute[slowest], compute[others].median(axis=1))
-    waits = steps[steps["rank"].isin(others)].groupby("rank")["wait_ms"].median()
     said = {"slowest_rank": slowest, "ratio": ratio, "ci_low": low, "ci_high": high}
     names = ", ".join(map(str, others))
     if not low > BALANCED_WITHIN:  # NaN: too few steps for a CI, no claim
@@ -502,7 +507,7 @@ def _straggler(steps: pd.DataFrame, modules: pd.DataFrame, cores_used: dict[int,
     own = _own(modules, "forward_ms") + _own(modules, "backward_ms")
     extra = own[slowest] - own[others].median(axis=1)
     module, extra_ms = str(extra.idxmax()), float(extra.max())
-    wait = float(waits.median())
+    wait = float(steps[steps["rank"].isin(others)].groupby("rank")["wait_ms"].median().median())
     verdict = (
         f"Straggler: rank {slowest} computes {ratio:.2f}x the others' [95% CI {low:.2f}, {high:.2f}], most "
         f"of it in {module} (+{extra_ms:.1f} ms a step, its own forward and backward); "

@@ -120,6 +120,11 @@ def test_every_ranks_rows_carry_their_own_times_and_rank_0s_flags_alone():
     assert theirs["backward_share"].sum() == pytest.approx(1)
     assert theirs.loc["slow", "peak_fraction"] == pytest.approx(1.0 / 50.0)
     assert rows[rows["rank"] == 0].set_index("module").loc["fast", "flag"] == "x"
+    # another rank's module faster than rank 0's ceiling raises it for every row: no fraction above 1
+    raised = view.by_module(leader, peak_tflops=0.05).set_index(["rank", "module"])["peak_fraction"]
+    assert raised.max() == pytest.approx(1.0)
+    assert raised[(1, "fast")] == pytest.approx(1.0) and raised[(0, "fast")] == pytest.approx(1.0)
+    assert raised[(1, "slow")] == pytest.approx(0.02 / 0.1)
 
 
 def test_the_buckets_in_flight_are_counted_once_where_they_overlap():
