@@ -25,7 +25,6 @@ import numpy as np
 
 from rcnn.cli import Parser, run_command
 from rcnn.detector.data import synthetic_samples
-from rcnn.detector.knobs import knobs_for
 from rcnn.detector.model import DetectorConfig
 from rcnn.detector.schema import BACKBONE, IMAGE_SIZE, ROIS_PER_IMAGE
 from rcnn.detector.trial import Trainer, side_by_side
@@ -37,6 +36,7 @@ from rcnn.measure.options import add_rounds_options, rounds_policy
 from rcnn.measure.settings import DEVICE
 from rcnn.measure.stats import bootstrap_ci, median_ratio
 from rcnn.rules import UserError, ValueNotAllowed
+from rcnn.trial.knobs import knobs_for
 
 HEAD_MODULES = ("roi_heads.box_head", "roi_heads.box_predictor")
 

@@ -23,9 +23,7 @@ import torch
 
 from rcnn.cli import Parser, run_command
 from rcnn.detector.data import synthetic_samples
-from rcnn.detector.knobs import Knobs, why_not, why_not_together
 from rcnn.detector.model import DetectorConfig
-from rcnn.detector.schema import setting_label
 from rcnn.detector.trial import side_by_side
 from rcnn.measure.device import resolve_device
 from rcnn.measure.loop import in_turn
@@ -34,6 +32,8 @@ from rcnn.measure.options import add_timing_options
 from rcnn.measure.settings import DEVICE
 from rcnn.measure.stats import TimingPolicy, median_ratio
 from rcnn.outputs import check_output, project_root, text_start, write_atomic
+from rcnn.trial.knobs import Knobs, why_not, why_not_together
+from rcnn.trial.schema import setting_label
 
 TITLE = "# The conv head with linearize against the linear head, in turn, per setting"
 HEADS = ("conv", "linear", "conv_as_linear")

@@ -34,7 +34,6 @@ import torch
 from pipeline.params import TrackingParams
 from rcnn.cli import Parser, run_command
 from rcnn.detector.data import Sample, synthetic_samples
-from rcnn.detector.knobs import Knobs, backend_flags, knobs_for
 from rcnn.detector.model import DetectorConfig
 from rcnn.detector.schema import BACKBONE, IMAGE_SIZE, ROIS_PER_IMAGE
 from rcnn.detector.trial import Trainer, isolated_head_ms, run_trial, side_by_side
@@ -44,6 +43,7 @@ from rcnn.measure.options import add_rounds_options
 from rcnn.measure.settings import DEVICE
 from rcnn.measure.stats import ITERATIONS, TimingPolicy, compare, median_ratio
 from rcnn.rules import Rule, UserError, ValueNotAllowed
+from rcnn.trial.knobs import Knobs, backend_flags, knobs_for
 
 CHECKS = Rule(choices=[c for n in range(1, 6) for c in map("".join, itertools.combinations("12345", n))])
 

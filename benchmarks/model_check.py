@@ -20,13 +20,13 @@ import torch
 from pipeline.common import read_json
 from pipeline.results import read_trials, speedup_per_sample
 from rcnn.cli import Parser, run_command
-from rcnn.detector.knobs import Knobs
-from rcnn.detector.schema import KNOB, OTHER_KNOBS, setting_label
-from rcnn.detector.trial import settings_in_turn
 from rcnn.measure.cores import CONTENDED_BELOW, CoreUse
 from rcnn.measure.device import resolve_device
 from rcnn.measure.options import add_rounds_options, rounds_policy
 from rcnn.rules import UserError
+from rcnn.trial.knobs import Knobs
+from rcnn.trial.models import settings_in_turn
+from rcnn.trial.schema import KNOB, OTHER_KNOBS, setting_label
 
 
 def knob_value(name: str, value: object) -> object:

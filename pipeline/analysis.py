@@ -7,9 +7,9 @@ import pandas as pd
 import scipy.stats
 
 from pipeline.results import DEFAULTS, complete, head_order, headline_scope, ms_per_image
-from rcnn.detector.schema import OTHER_KNOBS
 from rcnn.measure.settings import peak_dtype
 from rcnn.measure.stats import bootstrap_ci
+from rcnn.trial.schema import OTHER_KNOBS
 
 
 def baseline_first(knob: str, values: list) -> list:

@@ -13,8 +13,8 @@ from typing import Any
 from pipeline.params import Params, load_params
 from pipeline.stopping import interrupts
 from rcnn.cli import Parser, run_command
-from rcnn.detector.schema import ResultsError
 from rcnn.outputs import write_atomic
+from rcnn.trial.schema import ResultsError
 
 
 class Interrupted(KeyboardInterrupt):

@@ -24,9 +24,9 @@ from pipeline.common import read_json
 from pipeline.report_verdict import ratio_text
 from pipeline.results import complete, fastest, headline_scope, read_env, read_table, scope_text
 from rcnn.cli import Parser, run_command
-from rcnn.detector.schema import DETECTOR, KNOB_NAMES
 from rcnn.outputs import CSV, PNG, check_folder, check_writable, project_root, text_start, write_atomic
 from rcnn.rules import UserError
+from rcnn.trial.schema import DETECTOR, KNOB_NAMES
 
 PHASE_COLUMNS = ["forward_ms", "backward_ms", "step_ms", "head_backward_ms"]  # the per-head medians compared
 NEEDED = ("status", *KNOB_NAMES, *PHASE_COLUMNS)

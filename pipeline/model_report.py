@@ -13,11 +13,11 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from pipeline.results import at_defaults, complete, fastest_and_defaults, ms_per_image
-from rcnn.detector.schema import DETECTOR, OTHER_KNOBS, setting_label
 from rcnn.doctor.columns import OUTSIDE
 from rcnn.doctor.specs import spec_slug
 from rcnn.measure import cores
 from rcnn.outputs import CSV, PNG, Kind, text_start, write_atomic
+from rcnn.trial.schema import DETECTOR, OTHER_KNOBS, setting_label
 
 TITLE = "# Which knob setting trains"
 HTML_START = "<!doctype html><html><head><meta charset='utf-8'><title>Knob sweep"

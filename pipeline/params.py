@@ -20,11 +20,11 @@ from typing import Any
 import yaml
 
 from rcnn.detector import schema
-from rcnn.detector.schema import KNOB_NAMES, KNOBS, Knob
 from rcnn.doctor import specs
 from rcnn.measure import settings, stats
 from rcnn.measure.stats import TimingPolicy
 from rcnn.rules import Rule, UserError, ValueNotAllowed, at_least
+from rcnn.trial.schema import KNOB_NAMES, KNOBS, Knob
 
 
 class YamlLoader(yaml.SafeLoader):
@@ -146,7 +146,7 @@ def _profile_field(knob: Knob) -> tuple[str, Any, Any]:
     return knob.name, knob.kind | None, _field(None, knob.rule)
 
 
-# sweep.space: the values each knob (rcnn.detector.schema.KNOBS) sweeps; its declaration gives the default.
+# sweep.space: the values each knob (rcnn.trial.schema.KNOBS) sweeps; its declaration gives the default.
 SpaceParams = dataclasses.make_dataclass(
     "SpaceParams",
     [_space_field(knob) for knob in KNOBS],
@@ -174,7 +174,7 @@ class SweepParams:
     workers: int = _field(1, Rule(minimum=1))
     heartbeat_s: int = _field(60, Rule(minimum=1))  # RDB storage: a trial silent for 3x this is queued again
     # A head's trial then steps in turn with the reference head until their box-head backward ratio's CI lies
-    # wholly within 1.05 or wholly over it, at most this many seconds (rcnn.detector.trial.run_trial)
+    # wholly within 1.05 or wholly over it, at most this many seconds (rcnn.detector.trial.detector_subject)
     pair_seconds: float = _field(60.0, Rule(minimum=1))
     cross_check: bool = True  # also time each head alone with torch.utils.benchmark, at profile_at
     profile_steps: int = _field(3, Rule(minimum=0))  # torch.profiler steps per head at profile_at; 0: none

@@ -47,9 +47,9 @@ from pipeline.report_sections import (
 )
 from pipeline.report_verdict import ratios_read, verdict
 from pipeline.results import ENV_FILE, WRITTEN, complete, read_trials, scope_text
-from rcnn.detector.schema import OTHER_KNOBS, ResultsError, setting_label
 from rcnn.doctor.pictures import require_plotly
 from rcnn.outputs import CSV, PNG, Kind, check_folder, check_writable, project_root, text_start, write_atomic
+from rcnn.trial.schema import OTHER_KNOBS, ResultsError, setting_label
 
 TITLE = "# Why the conv box head's backward is slow, and what fixes it"
 

@@ -15,9 +15,9 @@ import pandas as pd
 from pipeline.analysis import batch_scaling, head_order, pareto_front, roofline, time_split
 from pipeline.report_results import Results
 from pipeline.results import complete
-from rcnn.detector.schema import setting_label
 from rcnn.measure.settings import peak_dtype
 from rcnn.outputs import write_atomic
+from rcnn.trial.schema import setting_label
 
 HEAD_COLORS = {"linear": "tab:green", "conv": "tab:blue", "conv_as_linear": "tab:orange"}
 

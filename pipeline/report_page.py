@@ -11,9 +11,9 @@ from pathlib import Path
 import markdown
 import pandas as pd
 
-from rcnn.detector.schema import setting_label
 from rcnn.doctor.columns import MODULE_COLUMNS
 from rcnn.doctor.pictures import icicle_html
+from rcnn.trial.schema import setting_label
 
 HTML_START = "<!doctype html><html><head><meta charset='utf-8'><title>RoI-head backward"
 

@@ -9,8 +9,8 @@ import pandas as pd
 from pipeline.analysis import reference_setting, within_ceilings
 from pipeline.common import read_json
 from pipeline.results import ADDED_MODULE_COLUMNS, read_comparisons, read_env, read_table, read_trials
-from rcnn.detector.schema import KERNEL_COLUMNS, MODULE_TABLE_COLUMNS
 from rcnn.measure.settings import machine_name
+from rcnn.trial.schema import KERNEL_COLUMNS, MODULE_TABLE_COLUMNS
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ import yaml
 from pipeline.report_page import BOX_HEADS_PAGE
 from pipeline.report_results import Results
 from pipeline.results import ALL_SETTINGS, complete, headline_compile
-from rcnn.detector.schema import COMPILE_COLUMNS, OTHER_KNOBS, SWEEP_WALL_PARTS, setting_label
 from rcnn.doctor.columns import (
     COMPILED,
     EAGER_AFTER_LIMIT,
@@ -24,6 +23,7 @@ from rcnn.doctor.columns import (
     modules_ran_in,
 )
 from rcnn.measure import cores
+from rcnn.trial.schema import COMPILE_COLUMNS, OTHER_KNOBS, SWEEP_WALL_PARTS, setting_label
 
 
 def head_backward_per_setting(comparisons: pd.DataFrame) -> pd.DataFrame:

@@ -9,8 +9,8 @@ from pipeline.analysis import baseline_first
 from pipeline.report_results import Results
 from pipeline.report_sections import contention_caution, drift_caution, head_backward_per_setting
 from pipeline.results import complete, fastest, headline_compile, pooled_rows, scope_text
-from rcnn.detector.schema import KNOBS, OTHER_KNOBS, PAIR_AIM, setting_label
 from rcnn.measure.stats import against
+from rcnn.trial.schema import KNOBS, OTHER_KNOBS, PAIR_AIM, setting_label
 
 
 def ratio_text(summary: dict, name: str) -> str:

@@ -1,4 +1,4 @@
-"""The result files: one trial's row, the tables read and written (their columns are rcnn.detector.schema's),
+"""The result files: one trial's row, the tables read and written (their columns are rcnn.trial.schema's),
 env.json, and the head comparisons and headline metrics computed from the trials. No torch here.
 
 Times are per training step, in ms; ``cudnn_benchmark`` and ``onednn`` are ``n/a`` where that backend is not
@@ -14,7 +14,11 @@ import numpy as np
 import pandas as pd
 
 from pipeline.common import read_json
-from rcnn.detector.schema import (
+from rcnn.doctor.columns import COMPILED
+from rcnn.measure.cores import RECORD as CORE_RECORD
+from rcnn.measure.stats import Comparison, compare, compare_paired, geomean_ratio
+from rcnn.outputs import csv_with, json_object, write_atomic
+from rcnn.trial.schema import (
     COMPARISON_COLUMNS,
     HEAD_NAMES,
     KNOB_NAMES,
@@ -26,10 +30,6 @@ from rcnn.detector.schema import (
     TRIAL_COLUMNS,
     ResultsError,
 )
-from rcnn.doctor.columns import COMPILED
-from rcnn.measure.cores import RECORD as CORE_RECORD
-from rcnn.measure.stats import Comparison, compare, compare_paired, geomean_ratio
-from rcnn.outputs import csv_with, json_object, write_atomic
 
 
 def head_order(present) -> list[str]:

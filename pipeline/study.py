@@ -30,9 +30,11 @@ from optuna.trial import TrialState
 from pipeline.params import ModelParams, Params, ParamsError, SweepParams
 from pipeline.results import trial_row
 from pipeline.stopping import interrupts
-from rcnn.detector.knobs import Skipped, why_not_together
 from rcnn.detector.model import DetectorConfig
-from rcnn.detector.schema import (
+from rcnn.outputs import Kind, first_line_of, is_ours, parse_json
+from rcnn.rules import first_line
+from rcnn.trial.knobs import Skipped, why_not_together
+from rcnn.trial.schema import (
     DETECTOR,
     DEVICE_KNOBS,
     KERNEL_COLUMNS,
@@ -40,8 +42,6 @@ from rcnn.detector.schema import (
     MODULE_TABLE_COLUMNS,
     TRIAL_COLUMNS,
 )
-from rcnn.outputs import Kind, first_line_of, is_ours, parse_json
-from rcnn.rules import first_line
 
 STATUS = {
     TrialState.COMPLETE: "complete",

@@ -56,8 +56,8 @@ from pipeline.study import (
 from pipeline.sweep_setup import Setup, connect, with_batch_sizes_found
 from pipeline.trials import Sweep
 from pipeline.workers import join, open_study, run_workers, sweep_wall
-from rcnn.detector.schema import DETECTOR
 from rcnn.outputs import check_output, check_sqlite_url, check_writable, project_root
+from rcnn.trial.schema import DETECTOR
 
 
 def stage(args: argparse.Namespace, params: Params) -> int:

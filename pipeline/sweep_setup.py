@@ -21,14 +21,14 @@ from pipeline.results import read_env, reference_head
 from pipeline.study import grid_points, open_storage
 from pipeline.tracking import connect_tracking
 from rcnn.detector.data import Sample, read_coco
-from rcnn.detector.knobs import Skipped, applicable_space, knobs_for, model_space
 from rcnn.detector.model import DetectorConfig
-from rcnn.detector.schema import DETECTOR, HEAD_NAMES, KNOB_NAMES
-from rcnn.detector.trial import check_spec, find_batch_size
 from rcnn.doctor.specs import is_factory
 from rcnn.factory import source_of
 from rcnn.measure.batch import batches_below
 from rcnn.measure.device import resolve_device
+from rcnn.trial.knobs import Skipped, applicable_space, knobs_for, model_space
+from rcnn.trial.models import check_spec, find_batch_size
+from rcnn.trial.schema import DETECTOR, HEAD_NAMES, KNOB_NAMES
 
 LIBRARY = Path(__file__).parents[1] / "rcnn"  # the study name hashes every module of it, subfolders too
 
@@ -148,7 +148,7 @@ class Setup:
 def with_batch_sizes_found(params: Params) -> tuple[Params, str | None]:
     """``sweep.space.batch_size: auto``: the params with the batch sizes found in their place (the largest
     that fits at PyTorch's defaults, against sweep.memory_limit_mb on a CPU, and a few below it:
-    rcnn.detector.trial.find_batch_size, rcnn.measure.batch.batches_below), and the search in words; the
+    rcnn.trial.models.find_batch_size, rcnn.measure.batch.batches_below), and the search in words; the
     params as they are (and None) otherwise. The sweep stage finds them once, before its workers start, so
     that every worker sweeps the same grid."""
     if not params.sweep.find_batch_sizes:

@@ -26,16 +26,18 @@ from pipeline.stopping import TrialTimeout, interrupts, time_limit
 from pipeline.study import WorkQueue, next_trial
 from pipeline.sweep_setup import Setup
 from pipeline.tracking import killed_on_interrupt
-from rcnn.detector.knobs import Knobs
 from rcnn.detector.model import BACKBONE_CHANNELS, ROI_RESOLUTION, DetectorConfig
 from rcnn.detector.roofline import head_flops
-from rcnn.detector.schema import KNOB_NAMES, MEASURED_COLUMNS, PAIR_AIM, TRIAL_WALL_PARTS
-from rcnn.detector.trial import TrialResult, isolated_head_ms, run_model_trial, run_trial, settings_in_turn
+from rcnn.detector.trial import detector_subject, isolated_head_ms
 from rcnn.measure.cores import CoreUse
 from rcnn.measure.machine import achieved
 from rcnn.measure.settings import peak_dtype
 from rcnn.measure.stats import against, compare_paired
 from rcnn.rules import first_line
+from rcnn.trial.knobs import Knobs
+from rcnn.trial.models import model_subject, settings_in_turn
+from rcnn.trial.runner import Subject, TrialResult, measure_trial
+from rcnn.trial.schema import KNOB_NAMES, MEASURED_COLUMNS, PAIR_AIM, TRIAL_WALL_PARTS
 
 
 def matmul_peak(ceilings: dict, knobs: Knobs) -> float | None:
@@ -218,24 +220,41 @@ class Sweep:
         )
         return result, row, run.info.run_id
 
+    def subject(self, knobs: Knobs, pair: bool) -> Subject:
+        """What the runner times at ``knobs``: the detector (with ``pair``, a head other than the reference
+        then stepped in turn with it) or the spec's model."""
+        seed, model = self.params.sweep.seed, self.setup.model
+        if not model.detector:
+            return model_subject(
+                model.spec, image_size=model.image_size, device=self.device, seed=seed, frames=model.frames
+            )
+        return detector_subject(
+            self.config,
+            self.samples,
+            device=self.device,
+            seed=seed,
+            paired_with=self.reference if pair and knobs.head != self.reference else None,
+            pair_seconds=self.params.sweep.pair_seconds,
+        )
+
     def measure(self, knobs: Knobs, profile: bool, pair: bool) -> tuple[TrialResult, dict]:
-        """Time one configuration (kernel tables too if ``profile``; with ``pair``, a head other than the
-        reference then stepped in turn with it): (result, measured columns). Writes no store."""
+        """Time one configuration (kernel tables too if ``profile``; with ``pair``, see ``subject``), the
+        detector and a spec's model alike (rcnn.trial.runner.measure_trial); the detector's head is then timed
+        alone if ``sweep.cross_check``: (result, measured columns). Writes no store."""
         with interrupts.interruptible():  # no store is written in here: Ctrl-C may stop it at once
-            if not self.setup.model.detector:
-                return self.measure_model(knobs, profile)
-            result = run_trial(
-                self.config,
+            result = measure_trial(
+                self.subject(knobs, pair),
                 knobs,
-                self.samples,
                 device=self.device,
                 policy=self.policy,
                 seed=self.params.sweep.seed,
                 profile_steps=self.params.sweep.profile_steps if profile else 0,
                 peak_tflops=matmul_peak(self.ceilings, knobs),
-                paired_with=self.reference if pair and knobs.head != self.reference else None,
-                pair_seconds=self.params.sweep.pair_seconds,
             )
+            if not self.setup.model.detector:
+                return result, measured_columns(result, knobs, None, self.ceilings) | {
+                    "wall_cross_check_s": 0.0
+                }
             started = time.perf_counter()
             isolated = (
                 isolated_head_ms(self.config, knobs, rois=result.rois, device=self.device)
@@ -246,22 +265,6 @@ class Sweep:
         return result, measured_columns(result, knobs, self.config, self.ceilings, isolated) | {
             "wall_cross_check_s": cross_check_s
         }
-
-    def measure_model(self, knobs: Knobs, profile: bool) -> tuple[TrialResult, dict]:
-        """Time one setting of a spec's model (its by-module table too if ``profile``)."""
-        model = self.setup.model
-        result = run_model_trial(
-            model.spec,
-            knobs,
-            image_size=model.image_size,
-            device=self.device,
-            policy=self.policy,
-            seed=self.params.sweep.seed,
-            profile_steps=self.params.sweep.profile_steps if profile else 0,
-            peak_tflops=matmul_peak(self.ceilings, knobs),
-            frames=model.frames,
-        )
-        return result, measured_columns(result, knobs, None, self.ceilings) | {"wall_cross_check_s": 0.0}
 
     def objective(self, trial: optuna.Trial) -> float:
         """Measure the trial's knobs and record the row on it; the error is recorded on the trial if it
@@ -343,7 +346,7 @@ class Sweep:
 
     def versus_defaults(self, fastest: dict, defaults: dict, peaks_mb: tuple[float, float]) -> dict:
         """A spec's model: its fastest setting per sample and PyTorch's defaults (two grid points) built side
-        by side and stepped in turn (rcnn.detector.trial.settings_in_turn) on the threads a trial had, in an
+        by side and stepped in turn (rcnn.trial.models.settings_in_turn) on the threads a trial had, in an
         MLflow run of its own that records the per-sample speed-up; then each profiled, for its by-module
         table, unless a profile_at setting already was. Not in turn on a CPU where the two trials' peaks
         (``peaks_mb``) add up past sweep.memory_limit_mb: running out of memory there ends the process.

@@ -39,8 +39,8 @@ from pipeline.study import (
 from pipeline.sweep_setup import Setup, connect
 from pipeline.tracking import killed_on_interrupt, mlflow_run_exists
 from pipeline.trials import Sweep
-from rcnn.detector.schema import SWEEP_WALL_PARTS, TRIAL_WALL_PARTS
 from rcnn.rules import first_line
+from rcnn.trial.schema import SWEEP_WALL_PARTS, TRIAL_WALL_PARTS
 
 
 @contextlib.contextmanager
@@ -261,7 +261,7 @@ def join(args: argparse.Namespace, params: Params, setup: Setup, storage: optuna
 
 
 def sweep_wall(study: optuna.Study, started: float, baselines: list[dict], workers: int) -> dict | None:
-    """Where this run's wall time went, this host's workers together: the parts (rcnn.detector.schema
+    """Where this run's wall time went, this host's workers together: the parts (rcnn.trial.schema
     TRIAL_WALL_PARTS) of the trials this host started in this run and of the drift baselines, the failed
     trials, and the rest (setup, Optuna, writing tables). ``measure_share``: the timed steps' share of it all
     (measured alone, and stepped in turn with the reference head).

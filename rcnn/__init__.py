@@ -1,8 +1,10 @@
 """Backward time by module for any PyTorch model, and the fix for convolutions that are matrix products in
 disguise. Rooms, each importing only those below it:
 
-- ``rcnn.detector``: the detector study (model, heads, COCO reader, knobs, one trial); ``python -m
-  rcnn.bench``.
+- ``rcnn.bench``: ``python -m rcnn.bench``, one trial by hand, of the detector or of any model.
+- ``rcnn.detector``: the detector study (model, heads, COCO reader, the Subject its trials hand the runner).
+- ``rcnn.trial``: a trial of any model (the knobs and their vocabulary, the runner, settings in turn, the
+  batch-size search).
 - ``rcnn.doctor``: backward time by module for any model, flags and why; ``python -m rcnn.doctor``.
 - ``rcnn.fix``: ``linearize(model, example)``, ``Conv2dAsLinear``, ``SparseMultiScaleRoIAlign``
   (``rcnn.disguise`` tells which modules are matrix products in disguise).

@@ -1,10 +1,10 @@
 """What values a quantity allows, written once and checked alike in params.yaml and on command lines, and
 the errors of values and files a user gives.
 
-The rules themselves live beside the names they constrain (rcnn.detector.schema, rcnn.measure.settings);
-pipeline/params.py puts the same object in its field metadata and the commands pass it to argparse
-(``type=IMAGE_SIZE.arg(int)``), so a bad value reads the same wherever it is given. The caller names the key
-(``model.image_size``, ``--image-size``): the library knows no params.yaml keys. No torch here.
+The rules themselves live beside the names they constrain (rcnn.trial.schema, rcnn.detector.schema,
+rcnn.measure.settings); pipeline/params.py puts the same object in its field metadata and the commands pass it
+to argparse (``type=IMAGE_SIZE.arg(int)``), so a bad value reads the same wherever it is given. The caller
+names the key (``model.image_size``, ``--image-size``): the library knows no params.yaml keys. No torch here.
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def fake_trials(scale: float = 1.0, batch_2_cost: float = 2.0) -> tuple[pd.DataF
     """A fixed trials table with per-step samples: two settings (batch 1, and batch 2 whose times are
     ``batch_2_cost`` times batch 1's), three heads with known medians (conv/linear head backward 4x), and one
     failed trial. All times times ``scale``. Below 2, batch 2 is slower per step but faster per image."""
-    from rcnn.detector.schema import TRIAL_COLUMNS
+    from rcnn.trial.schema import TRIAL_COLUMNS
 
     rng = np.random.default_rng(0)
     rows, samples = [], {}

@@ -16,10 +16,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from rcnn.detector.schema import HEAD
 from rcnn.factory import call_factory
 from rcnn.fix import Conv2dAsLinear
 from rcnn.rules import ValueNotAllowed
+from rcnn.trial.schema import HEAD
 
 
 def _init_like_question(module: nn.Module) -> None:
@@ -90,7 +90,7 @@ def conv_as_linear_head(**kwargs: int) -> tuple[nn.Module, nn.Module]:
     return _conv_head(Conv2dAsLinear, **kwargs)
 
 
-# rcnn.detector.schema.HEAD_NAMES, in that order
+# rcnn.trial.schema.HEAD_NAMES, in that order
 HEADS: dict[str, Callable[..., tuple[nn.Module, nn.Module]]] = {
     "linear": linear_head,
     "conv": conv_head,

@@ -10,9 +10,10 @@ from torch import nn
 
 from rcnn.detector.data import device_batches, synthetic_samples
 from rcnn.detector.model import DetectorConfig, build_detector
-from rcnn.detector.schema import BACKBONE, HEAD, HEAD_NAMES, IMAGE_SIZE
+from rcnn.detector.schema import BACKBONE, IMAGE_SIZE
 from rcnn.doctor.workloads import NUM_CLASSES, Loss, ModelError, detection_loss
 from rcnn.rules import ValueNotAllowed
+from rcnn.trial.schema import HEAD, HEAD_NAMES
 
 
 def detector_workload(

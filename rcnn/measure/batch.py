@@ -3,7 +3,7 @@
 Where users' tools stop (Lightning's BatchSizeFinder, accelerate's ``find_executable_batch_size``: the largest
 batch that does not run out of memory, its speed never measured), this search only begins a choice: the
 batches below the largest (``batches_below``) are then timed per sample, in turn, so that a bigger batch is
-chosen only where it is faster per sample (rcnn.detector.trial.batch_sizes_in_turn).
+chosen only where it is faster per sample (rcnn.trial.models.batch_sizes_in_turn).
 """
 
 from __future__ import annotations

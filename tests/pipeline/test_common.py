@@ -9,9 +9,9 @@ import pytest
 from pipeline import data, sweep
 from pipeline.common import Interrupted, run_stage, stage_parser
 from pipeline.params import ParamsError, keyed
-from rcnn.detector.schema import ResultsError
 from rcnn.outputs import NotWritable
 from rcnn.rules import ValueNotAllowed
+from rcnn.trial.schema import ResultsError
 from tests.conftest import ROOT
 
 

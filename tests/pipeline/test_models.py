@@ -15,9 +15,9 @@ from pipeline import compare, env, model_report, report, sweep
 from pipeline.env import model_code
 from pipeline.params import SpaceParams, parse_params
 from pipeline.results import at_defaults, fastest_and_defaults, read_trials, trial_row, versus_defaults
-from rcnn.detector.schema import MEASURED_COLUMNS
 from rcnn.doctor.specs import spec_slug
 from rcnn.measure.batch import batches_below
+from rcnn.trial.schema import MEASURED_COLUMNS
 from tests.conftest import ROOT, TINY_PARAMS
 from tests.fixtures.models import HUNGRY, hungry_limit
 from tests.pipeline.helpers import SWEEP_FILES, prepare

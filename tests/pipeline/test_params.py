@@ -1,7 +1,7 @@
 import pytest
 
 from pipeline.params import Params, ParamsError, load_params, parse_params
-from rcnn.detector import trial as bench
+from rcnn import bench
 from rcnn.measure.stats import TimingPolicy
 from tests.conftest import ROOT
 

@@ -13,7 +13,7 @@ from pipeline import compare, report
 from pipeline.report_results import Results
 from pipeline.report_verdict import verdict
 from pipeline.results import comparisons_table, fastest, summarize_trials, write_table, write_trials
-from rcnn.detector.schema import KERNEL_COLUMNS
+from rcnn.trial.schema import KERNEL_COLUMNS
 from tests import launcher
 from tests.conftest import ROOT, fake_trials, write_tiny_params
 
@@ -507,7 +507,7 @@ def test_compare_medians_pool_the_headlines_settings():
 def test_the_box_heads_page_has_an_icicle_per_profiled_head_of_its_box_head_alone():
     from pipeline.report_page import BOX_HEAD, box_heads_page
     from pipeline.results import ADDED_MODULE_COLUMNS, read_table
-    from rcnn.detector.schema import MODULE_TABLE_COLUMNS
+    from rcnn.trial.schema import MODULE_TABLE_COLUMNS
 
     modules = read_table(
         ROOT / "reports" / "compile-cpu-xeon" / "modules.csv",
@@ -555,7 +555,7 @@ def test_the_report_keeps_the_tables_it_was_rendered_from_and_renders_again_from
 
 def test_per_setting_the_fixed_head_against_linear_how_it_was_paired_and_the_trials_own_spread():
     from pipeline.report_verdict import per_setting_lines
-    from rcnn.detector.schema import OTHER_KNOBS
+    from rcnn.trial.schema import OTHER_KNOBS
 
     base = dict.fromkeys(OTHER_KNOBS, "n/a") | {"onednn": True, "amp": "off", "channels_last": False}
     settings = [base | {"batch_size": b, "linearize": lin} for lin in (False, True) for b in (1, 2)]
@@ -623,7 +623,7 @@ def test_per_setting_the_fixed_head_against_linear_how_it_was_paired_and_the_tri
 def test_the_report_says_how_its_head_ratios_were_read(rounds, says):
     from pipeline.report_sections import comparison_table
     from pipeline.report_verdict import ratios_read
-    from rcnn.detector.schema import OTHER_KNOBS
+    from rcnn.trial.schema import OTHER_KNOBS
 
     comparisons = pd.DataFrame(
         [

@@ -19,7 +19,7 @@ from pipeline.results import (
     trial_row,
     write_trials,
 )
-from rcnn.detector.schema import (
+from rcnn.trial.schema import (
     COMPARISON_COLUMNS,
     KERNEL_COLUMNS,
     MEASURED_COLUMNS,

@@ -17,10 +17,10 @@ from pipeline import data, env, report, sweep
 from pipeline.results import COMPARED_PHASES, read_trials
 from rcnn.detector.model import BACKBONE_CHANNELS, ROI_RESOLUTION
 from rcnn.detector.roofline import head_flops
-from rcnn.detector.schema import SWEEP_WALL_PARTS
 from rcnn.measure.device import amp_unavailable
 from rcnn.measure.settings import AMP_DTYPES
 from rcnn.measure.stats import against
+from rcnn.trial.schema import SWEEP_WALL_PARTS
 from tests import launcher
 from tests.conftest import ROOT, TINY_PARAMS
 from tests.pipeline.helpers import SWEEP_FILES

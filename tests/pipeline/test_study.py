@@ -31,7 +31,7 @@ from pipeline.study import (
     trials_table,
     trials_to_run,
 )
-from rcnn.detector.schema import KNOB_NAMES, MEASURED_COLUMNS
+from rcnn.trial.schema import KNOB_NAMES, MEASURED_COLUMNS
 from tests import launcher
 from tests.conftest import ROOT, TINY_CONFIG
 from tests.pipeline.helpers import SLOW, empty_mlflow_store, prepare

@@ -11,8 +11,8 @@ from tests.conftest import ROOT
 @pytest.mark.parametrize(
     "modules",
     [
-        "rcnn.detector.schema, rcnn.measure.settings, rcnn.measure.stats, rcnn.doctor.columns, rcnn.rules, "
-        "pipeline.params",
+        "rcnn.trial.schema, rcnn.detector.schema, rcnn.measure.settings, rcnn.measure.stats, "
+        "rcnn.doctor.columns, rcnn.rules, pipeline.params",
         # pandas and matplotlib's import: seconds
         pytest.param("pipeline.report, pipeline.compare", marks=pytest.mark.slow),
     ],

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from rcnn.detector.heads import HEADS, Conv2dAsLinear, build_box_head
-from rcnn.detector.schema import HEAD_NAMES
 from rcnn.rules import ValueNotAllowed
+from rcnn.trial.schema import HEAD_NAMES
 
 C, R, D, K = 8, 7, 16, 3  # channels, RoI grid, representation size, object classes
 

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from rcnn.detector.schema import DEVICE_KNOBS, KNOBS, MODEL_COMPILE_TARGETS, Knob
 from rcnn.measure.device import amp_unavailable, compile_forward, compile_unavailable, tf32
 from rcnn.rules import ValueNotAllowed
+from rcnn.trial.schema import DEVICE_KNOBS, KNOBS, MODEL_COMPILE_TARGETS, Knob
 
 
 def _knob_field(knob: Knob) -> tuple[str, Any, Any]:
@@ -21,7 +21,7 @@ def _knob_field(knob: Knob) -> tuple[str, Any, Any]:
     return knob.name, knob.kind | None if knob.device else knob.kind, field(default=default)
 
 
-# One knob setting of the detector: a field per rcnn.detector.schema.KNOBS entry, in its order (None: n/a).
+# One knob setting: a field per rcnn.trial.schema.KNOBS entry, in its order (None: n/a).
 Knobs = make_dataclass("Knobs", [_knob_field(k) for k in KNOBS], frozen=True)
 Knobs.__module__ = __name__  # where pickle finds it (make_dataclass's module= needs Python 3.12)
 

@@ -1,4 +1,4 @@
-"""Each knob is declared once (rcnn.detector.schema.KNOBS): params.yaml, the bench's flags, the grid, the
+"""Each knob is declared once (rcnn.trial.schema.KNOBS): params.yaml, the bench's flags, the grid, the
 tables, the knob effects' baseline and the report's labels all follow the declaration."""
 
 import re
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from rcnn.detector.schema import KNOB, KNOBS, TRIAL_COLUMNS, setting_label
+from rcnn.trial.schema import KNOB, KNOBS, TRIAL_COLUMNS, setting_label
 from tests import launcher
 from tests.conftest import ROOT
 
@@ -20,9 +20,9 @@ CHECK = """
 import torch
 from pipeline.analysis import DEFAULTS
 from pipeline.params import ProfileAt, SpaceParams, parse_params
-from rcnn.detector.knobs import Knobs, applicable_space, knobs_for
-from rcnn.detector.schema import TRIAL_COLUMNS, setting_label
-from rcnn.detector.trial import _parser
+from rcnn.trial.knobs import Knobs, applicable_space, knobs_for
+from rcnn.trial.schema import TRIAL_COLUMNS, setting_label
+from rcnn.bench import _parser
 
 params = parse_params({"sweep": {"space": {"dummy": [True]}, "profile_at": [{"dummy": True}]}})
 assert SpaceParams().dummy == (False, True) and params.sweep.space.dummy == (True,)
@@ -41,7 +41,7 @@ print("ok")
 def test_a_knob_declared_in_one_place_reaches_params_the_flags_and_the_grid(tmp_path):
     for folder in ("rcnn", "pipeline"):
         shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    schema = tmp_path / "rcnn" / "detector" / "schema.py"
+    schema = tmp_path / "rcnn" / "trial" / "schema.py"
     text = schema.read_text()
     assert text.count("\n)\nKNOB = ") == 1
     schema.write_text(text.replace("\n)\nKNOB = ", f"\n    {DUMMY},\n)\nKNOB = "))
@@ -61,7 +61,7 @@ def test_the_declarations_are_consistent():
 
 
 def test_every_knobs_help_reads_in_the_bench_commands_help_as_written():
-    from rcnn.detector.trial import _parser
+    from rcnn.bench import _parser
 
     shown = " ".join(_parser().format_help().split())  # argparse wraps lines and formats %
     assert "option_strings" not in shown  # a bare % in a help text prints the option's whole dict

@@ -4,18 +4,11 @@ import pytest
 import torch
 from torch import nn
 
-import rcnn.detector.knobs as knobs
 import rcnn.measure.device as device
-from rcnn.detector.knobs import (
-    Knobs,
-    applicable_space,
-    backend_flags,
-    memory_format,
-    why_not,
-    why_not_together,
-)
+import rcnn.trial.knobs as knobs
 from rcnn.measure.device import autocast, grad_scaler, resolve_device
 from rcnn.rules import ValueNotAllowed
+from rcnn.trial.knobs import Knobs, applicable_space, backend_flags, memory_format, why_not, why_not_together
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # a device object only: the tests here that need the GPU itself are marked gpu
