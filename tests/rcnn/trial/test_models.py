@@ -1,6 +1,7 @@
 """Trials of any model a spec names: under the knobs, through the command line, the batch-size search."""
 
 import re
+import sys
 
 import pytest
 import torch
@@ -18,7 +19,9 @@ from rcnn.measure.step import STEP_PHASES
 from rcnn.rules import ValueNotAllowed
 from rcnn.trial.knobs import knobs_for
 from rcnn.trial.models import batch_sizes_in_turn, find_batch_size, per_sample_table, run_model_trial
-from tests.fixtures.models import HUNGRY, hungry_limit
+from tests import launcher
+from tests.conftest import ROOT
+from tests.fixtures.models import HUNGRY
 
 CPU = torch.device("cpu")
 DEVICES = [pytest.param(CPU, id="cpu"), pytest.param(torch.device("cuda"), id="cuda", marks=pytest.mark.gpu)]
@@ -98,16 +101,27 @@ def test_cli_refuses_a_model_spec_that_names_nothing_with_one_line(capsys):
     )
 
 
+# The search and the command in a process of their own: a process that already ran many models reuses freed
+# memory it holds, so the peak resident set it reads does not grow with the batch as a fresh one's does.
+BATCH_SEARCH = """
+import sys
+from tests.fixtures.models import HUNGRY, hungry_limit
+from rcnn.bench import main
+
+limit = hungry_limit(5.5)  # batch 5 fits, 6 does not
+sys.exit(main(["--model", HUNGRY, "--image-size", "16", "--batch-size", "auto", "--memory-limit-mb",
+               f"{limit}", "--warmup", "1", "--iterations", "2", "--max-iterations", "2", "--device", "cpu"]))
+"""
+
+
 @pytest.mark.slow  # the model built and stepped at each batch size tried: seconds
-def test_the_batch_size_search_finds_the_largest_batch_under_a_memory_limit(capsys):
+def test_the_batch_size_search_finds_the_largest_batch_under_a_memory_limit():
     with pytest.raises(ValueNotAllowed, match="memory_limit_mb: none set; a batch size search on cpu needs"):
         find_batch_size(HUNGRY, knobs_for(CPU), image_size=16, device=CPU, limit_mb=None)
 
-    limit = hungry_limit(5.5)  # batch 5 fits, 6 does not
-    argv = ["--model", HUNGRY, "--image-size", "16", "--batch-size", "auto", "--memory-limit-mb", f"{limit}",
-            "--warmup", "1", "--iterations", "2", "--max-iterations", "2", "--device", "cpu"]  # fmt: skip
-    assert main(argv) == 0
-    out = capsys.readouterr().out
+    done = launcher.run([sys.executable, "-c", BATCH_SEARCH], cwd=ROOT)
+    out = done.stdout
+    assert done.returncode == 0, done.stderr[-3000:]
     # The search the command printed, every size it tried in order: doubling, then bisecting.
     tried = re.search(r"the largest batch that fits is (\d+); tried (.*)", out)
     assert tried and tried[1] == "5", out
