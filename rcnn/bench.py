@@ -17,8 +17,6 @@ import numpy as np
 import torch
 
 from rcnn.cli import Parser, run_command
-from rcnn.detector.data import read_coco, synthetic_samples
-from rcnn.detector.model import DetectorConfig
 from rcnn.detector.schema import (
     BACKBONE,
     DEFAULT_IMAGE_SIZE,
@@ -27,29 +25,31 @@ from rcnn.detector.schema import (
     REPRESENTATION_SIZE,
     ROIS_PER_IMAGE,
 )
-from rcnn.detector.trial import COMPARED, heads_in_turn, run_trial
 from rcnn.doctor import specs
 from rcnn.measure.device import resolve_device
 from rcnn.measure.options import add_timing_options, check_timing_options, timing_policy
 from rcnn.measure.settings import AUTO, DEVICE, MEMORY_LIMIT_MB
-from rcnn.measure.stats import median_ratio
+from rcnn.measure.stats import TimingPolicy, median_ratio
 from rcnn.rules import UserError, ValueNotAllowed
 from rcnn.trial.command import (
     MODEL_IMAGE_SIZE,
     DefaultsHelp,
     add_knob_flags,
     flag_help,
+    knob_values,
     print_compiled_and_swapped,
     print_phases,
     run_model,
 )
 from rcnn.trial.knobs import Knobs, knobs_for
-from rcnn.trial.schema import KNOB, KNOB_NAMES, setting_label
+from rcnn.trial.schema import KNOB, setting_label
 
 
 def _print_in_turn(
     knobs: list[Knobs], times: dict[str, dict[str, list[float]]], device: torch.device
 ) -> None:
+    from rcnn.detector.trial import COMPARED
+
     first = knobs[0].head
     rounds = len(times[first]["step"])
     print(
@@ -195,10 +195,27 @@ def _flag(key: str) -> str:
 def _run(args: argparse.Namespace) -> None:
     """One trial as the flags set it, printed."""
     policy = timing_policy(args)  # its deadline, --max-seconds from now, bounds the whole run
-    try:
-        if args.model is not None:
+    if args.model is not None:
+        try:
             run_model(args, policy)
-            return
+        except ValueNotAllowed as err:
+            raise _flag_error(err) from err
+        return
+    _run_detector(args, policy)
+
+
+def _flag_error(err: ValueNotAllowed) -> UserError:
+    """A ValueNotAllowed keyed by the knob (or knobs: 'amp with onednn') with each key named as its flag."""
+    return UserError(f"{' with '.join(map(_flag, err.key.split(' with ')))}: {err.problem}")
+
+
+def _run_detector(args: argparse.Namespace, policy: TimingPolicy) -> None:
+    """The detector's trial (or heads in turn), printed. Its modules load here: a model's trial needs none."""
+    from rcnn.detector.data import read_coco, synthetic_samples
+    from rcnn.detector.model import DetectorConfig
+    from rcnn.detector.trial import heads_in_turn, run_trial
+
+    try:
         device = resolve_device(args.device)
         if args.data:
             coco = read_coco(args.data, image_size=args.image_size)
@@ -223,14 +240,13 @@ def _run(args: argparse.Namespace) -> None:
                 f"--compile: {args.compile} with several heads; allowed: off (heads stepped in turn run "
                 "eager), or one --head"
             )
-        values = {name: getattr(args, name) for name in KNOB_NAMES[1:]}
-        knobs = [knobs_for(device, head=head, **values) for head in heads]
+        knobs = [knobs_for(device, head=head, **knob_values(args)) for head in heads]
         if len(knobs) > 1:
             times = heads_in_turn(config, knobs, samples, device=device, policy=policy)
         else:
             result = run_trial(config, knobs[0], samples, device=device, policy=policy)
-    except ValueNotAllowed as err:  # keyed by the knob (or knobs: 'amp with onednn'): name each as its flag
-        raise UserError(f"{' with '.join(map(_flag, err.key.split(' with ')))}: {err.problem}") from err
+    except ValueNotAllowed as err:
+        raise _flag_error(err) from err
     if len(knobs) > 1:
         _print_in_turn(knobs, times, device)
         return

@@ -1,6 +1,7 @@
 """The detector's trials: its Trainer (any model's, with the box head's forward and backward spans), the
-Subject it hands the runner (rcnn.trial.runner), a head stepped in turn with the reference head, several heads
-side by side, and the box head timed alone as a cross-check."""
+Subject it hands the runner (rcnn.trial.runner) and ``run_trial`` over it, a head stepped in turn with the
+reference head, several heads side by side (the phases they are set against in: ``COMPARED``), and the box
+head timed alone as a cross-check."""
 
 from __future__ import annotations
 
@@ -128,7 +129,7 @@ def detector_subject(
     knob compile: a second compiled detector would reset dynamo's cache of the first (compile_forward) and
     share its recompile limit."""
     watched = WATCHED if probe else ("backward",)
-    deciding = pair_seconds is not None and probe
+    deciding = pair_seconds is not None and probe  # against the box head's backward, which needs the probe
 
     def pair(trainer: ModelTrainer, policy: TimingPolicy) -> Paired:
         head = trainer.knobs.head
@@ -141,7 +142,9 @@ def detector_subject(
             policy=policy.until_decided(pair_seconds) if deciding else policy,
             watched=watched,
             seed=seed,
-            decided=decided_against(PAIR_AIM, head, paired_with, seed=seed) if deciding else None,
+            decided=decided_against(PAIR_AIM, head, paired_with, "head_backward", seed=seed)
+            if deciding
+            else None,
         )
 
     return Subject(

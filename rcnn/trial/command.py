@@ -1,4 +1,4 @@
-"""The command-line pieces of a trial of any model (``python -m rcnn.bench``'s, rcnn.bench): a flag per knob,
+"""The command-line pieces of a trial of any model (``python -m rcnn.bench``'s): a flag per knob,
 one trial of ``--model``'s model printed per step and per sample, and ``--batch-size auto``'s search and
 ranking. The detector's flags and trials are rcnn.bench's own."""
 
@@ -25,8 +25,8 @@ from rcnn.trial.models import batch_sizes_in_turn, find_batch_size, per_sample_t
 from rcnn.trial.runner import TrialResult
 from rcnn.trial.schema import (
     KNOB,
-    KNOB_NAMES,
     KNOBS,
+    OTHER_KNOBS,
     setting_label,
 )
 
@@ -36,6 +36,11 @@ MODEL_IMAGE_SIZE = specs.DEFAULT_IMAGE_SIZE  # --model's image size unless given
 def flag_help(text: str) -> str:
     """A knob's help as argparse prints it as written: argparse formats help text with %."""
     return text.replace("%", "%%")
+
+
+def knob_values(args: argparse.Namespace) -> dict:
+    """The knob flags' values (every knob but the head, as add_knob_flags names them)."""
+    return {name: getattr(args, name) for name in OTHER_KNOBS}
 
 
 def add_knob_flags(parser: argparse.ArgumentParser) -> None:
@@ -116,7 +121,7 @@ def run_model(args: argparse.Namespace, policy: TimingPolicy) -> None:
     if args.batch_size == AUTO:
         run_batch_sizes(args, device)
         return
-    knobs = knobs_for(device, **{name: getattr(args, name) for name in KNOB_NAMES[1:]})
+    knobs = knobs_for(device, **knob_values(args))
     result = run_model_trial(args.model, knobs, image_size=args.image_size, device=device, policy=policy)
     print(
         f"{args.model} at {args.image_size} px, {setting_label(asdict(knobs))} on {device}: "
@@ -136,7 +141,7 @@ def run_model(args: argparse.Namespace, policy: TimingPolicy) -> None:
 def run_batch_sizes(args: argparse.Namespace, device: torch.device) -> None:
     """--batch-size auto: the largest batch that fits, then it and the batch sizes below it stepped in turn,
     ranked by time per sample, printed."""
-    values = {name: getattr(args, name) for name in KNOB_NAMES[1:]} | {"batch_size": 1}
+    values = knob_values(args) | {"batch_size": 1}
     knobs = knobs_for(device, **values)
     search = find_batch_size(
         args.model, knobs, image_size=args.image_size, device=device, limit_mb=args.memory_limit_mb

@@ -394,7 +394,7 @@ def measure_trial(
 
 
 def decided_against(
-    aim: float, head: str, reference: str, phase: str = "head_backward", seed: int = 0
+    aim: float, head: str, reference: str, phase: str, seed: int = 0
 ) -> Callable[[Mapping[str, Mapping[str, Sequence[float]]]], bool]:
     """A test for rcnn.measure.loop.in_turn's ``decided``: whether ``head`` / ``reference``'s ``phase``,
     paired over the rounds so far (median_ratio's 95% CI), lies within ``aim`` or beyond it

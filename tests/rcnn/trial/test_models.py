@@ -10,7 +10,6 @@ import rcnn.fix as fix
 import rcnn.trial.models as models
 import rcnn.trial.runner as runner
 from rcnn.bench import main
-from rcnn.detector.data import synthetic_samples
 from rcnn.doctor.columns import COMPILED
 from rcnn.fix import DECIDING_ROUNDS, PathTiming
 from rcnn.measure.device import compile_unavailable
@@ -25,7 +24,6 @@ from tests.fixtures.models import HUNGRY
 
 CPU = torch.device("cpu")
 DEVICES = [pytest.param(CPU, id="cpu"), pytest.param(torch.device("cuda"), id="cuda", marks=pytest.mark.gpu)]
-SAMPLES = synthetic_samples(num_images=4, image_size=64, num_classes=2, seed=0)
 QUICK = TimingPolicy(warmup=1, max_warmup=1, iterations=2, max_iterations=2)
 USERS_MODEL = "tests.fixtures.models:pooled"  # a plain classifier with a 1x1 conv stem
 

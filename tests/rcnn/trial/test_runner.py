@@ -1,23 +1,65 @@
-"""The runner of any model's trial: dynamo's counters, a pair decided against its aim."""
+"""The runner of any model's trial: a Subject measured, its pair, dynamo's counters, a pair decided against
+its aim."""
 
 import pytest
 import torch
 from torch import nn
 
 import rcnn.trial.runner as runner
-from rcnn.detector.data import synthetic_samples
 from rcnn.measure.clock import Clock, ModuleSpanProbe
 from rcnn.measure.stats import TimingPolicy
-from rcnn.trial.runner import decided_against
+from rcnn.measure.step import STEP_PHASES
+from rcnn.trial.knobs import knobs_for
+from rcnn.trial.runner import ModelTrainer, Subject, decided_against, measure_trial
 
 CPU = torch.device("cpu")
 DEVICES = [pytest.param(CPU, id="cpu"), pytest.param(torch.device("cuda"), id="cuda", marks=pytest.mark.gpu)]
-SAMPLES = synthetic_samples(num_images=4, image_size=64, num_classes=2, seed=0)
 QUICK = TimingPolicy(warmup=1, max_warmup=1, iterations=2, max_iterations=2)
 
 
+def toy_trainer(knobs) -> ModelTrainer:
+    def build():
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        return model, [torch.randn(knobs.batch_size, 8)], lambda m, x: m(x).square().mean()
+
+    return ModelTrainer("toy", knobs, build, device=CPU)
+
+
+def test_the_runner_measures_a_subject_then_steps_its_pair_beside_the_warm_trainer():
+    built, paired = [], []
+
+    def build(knobs):
+        built.append(knobs)
+        return toy_trainer(knobs)
+
+    def pair(trainer, policy):
+        paired.append((trainer.knobs, policy, len(trainer.batches)))
+        return {"toy": {"step": [1.0, 2.0]}}
+
+    knobs = knobs_for(CPU, batch_size=3)
+    result = measure_trial(
+        Subject(build, watched=("backward", "step"), pair=pair), knobs, device=CPU, policy=QUICK
+    )
+    assert built == [knobs] and paired == [(knobs, QUICK, 1)]
+    assert (
+        set(result.samples) == set(STEP_PHASES) and result.iterations == 2 and result.warmup_iterations == 1
+    )
+    assert result.paired == {"toy": {"step": [1.0, 2.0]}} and result.paired_error == ""
+    assert result.kernels == [] and result.modules == [] and result.rois == 0
+
+
+def test_a_pair_that_fails_leaves_the_trials_own_steps_and_says_why():
+    def pair(trainer, policy):
+        raise RuntimeError("out of memory\nwhile stepping the pair")
+
+    subject = Subject(toy_trainer, watched=("step",), kernel_range=None, pair=pair)
+    result = measure_trial(subject, knobs_for(CPU, batch_size=2), device=CPU, policy=QUICK, profile_steps=1)
+    assert result.iterations == 2 and result.paired == {} and result.paired_error == "RuntimeError: out of memory"
+    assert result.kernels == [] and {row["module"] for row in result.modules} >= {"0", "2"}
+
+
 def test_a_pair_is_decided_once_its_ratios_ci_lies_within_the_aim_or_beyond_it():
-    decided = decided_against(1.05, "conv", "linear")
+    decided = decided_against(1.05, "conv", "linear", "head_backward")
     linear = [10.0, 10.4, 9.8, 10.1, 10.2, 9.9, 10.0, 10.3]
 
     def rounds(conv: list[float]) -> dict:
