@@ -132,6 +132,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # two trials in a new process: seconds
 def test_a_trial_of_any_model_loads_nothing_of_the_detector():
     out = launcher.run([sys.executable, "-c", ANY_MODEL_ALONE], cwd=ROOT)
     assert out.returncode == 0 and out.stdout.endswith("\nok\n"), out.stdout[-2000:] + out.stderr[-2000:]

@@ -263,6 +263,7 @@ def test_mlflow_gets_the_tables(project, monkeypatch, capsys):
     assert {"modules.csv", "why.csv", "env.json", "report.html"} <= artifacts
 
 
+@pytest.mark.slow  # the command end to end, the fix measured both ways: seconds
 def test_fix_measures_the_model_before_and_after(project, capsys):
     assert doctor.main(["tests.fixtures.models:box_head_like", *QUICK, "--fix", "--out", "out"]) == 0
     swaps = pd.read_csv(project / "out" / "fix.csv").set_index("module")

@@ -54,7 +54,8 @@ def test_a_pair_that_fails_leaves_the_trials_own_steps_and_says_why():
 
     subject = Subject(toy_trainer, watched=("step",), kernel_range=None, pair=pair)
     result = measure_trial(subject, knobs_for(CPU, batch_size=2), device=CPU, policy=QUICK, profile_steps=1)
-    assert result.iterations == 2 and result.paired == {} and result.paired_error == "RuntimeError: out of memory"
+    assert result.iterations == 2 and result.paired == {}
+    assert result.paired_error == "RuntimeError: out of memory"
     assert result.kernels == [] and {row["module"] for row in result.modules} >= {"0", "2"}
 
 
