@@ -195,18 +195,13 @@ def _flag(key: str) -> str:
 def _run(args: argparse.Namespace) -> None:
     """One trial as the flags set it, printed."""
     policy = timing_policy(args)  # its deadline, --max-seconds from now, bounds the whole run
-    if args.model is not None:
-        try:
+    try:
+        if args.model is not None:
             run_model(args, policy)
-        except ValueNotAllowed as err:
-            raise _flag_error(err) from err
-        return
-    _run_detector(args, policy)
-
-
-def _flag_error(err: ValueNotAllowed) -> UserError:
-    """A ValueNotAllowed keyed by the knob (or knobs: 'amp with onednn') with each key named as its flag."""
-    return UserError(f"{' with '.join(map(_flag, err.key.split(' with ')))}: {err.problem}")
+        else:
+            _run_detector(args, policy)
+    except ValueNotAllowed as err:  # keyed by the knob (or knobs: 'amp with onednn'): name each as its flag
+        raise UserError(f"{' with '.join(map(_flag, err.key.split(' with ')))}: {err.problem}") from err
 
 
 def _run_detector(args: argparse.Namespace, policy: TimingPolicy) -> None:
@@ -215,42 +210,36 @@ def _run_detector(args: argparse.Namespace, policy: TimingPolicy) -> None:
     from rcnn.detector.model import DetectorConfig
     from rcnn.detector.trial import heads_in_turn, run_trial
 
-    try:
-        device = resolve_device(args.device)
-        if args.data:
-            coco = read_coco(args.data, image_size=args.image_size)
-            samples, num_classes = coco.samples, coco.num_classes
-        else:
-            num_classes = 4
-            samples = synthetic_samples(
-                num_images=args.num_images, image_size=args.image_size, num_classes=num_classes, seed=0
-            )
-        config = DetectorConfig(
-            backbone=args.backbone,
-            image_size=args.image_size,
-            rois_per_image=args.rois_per_image,
-            representation_size=args.representation_size,
-            num_classes=num_classes,
+    device = resolve_device(args.device)
+    if args.data:
+        coco = read_coco(args.data, image_size=args.image_size)
+        samples, num_classes = coco.samples, coco.num_classes
+    else:
+        num_classes = 4
+        samples = synthetic_samples(
+            num_images=args.num_images, image_size=args.image_size, num_classes=num_classes, seed=0
         )
-        heads = args.head or [KNOB["head"].default]
-        if len(set(heads)) < len(heads):
-            raise UserError(f"--head: {', '.join(heads)} names a head twice; allowed: each head once")
-        if len(heads) > 1 and args.compile != "off":
-            raise UserError(
-                f"--compile: {args.compile} with several heads; allowed: off (heads stepped in turn run "
-                "eager), or one --head"
-            )
-        knobs = [knobs_for(device, head=head, **knob_values(args)) for head in heads]
-        if len(knobs) > 1:
-            times = heads_in_turn(config, knobs, samples, device=device, policy=policy)
-        else:
-            result = run_trial(config, knobs[0], samples, device=device, policy=policy)
-    except ValueNotAllowed as err:
-        raise _flag_error(err) from err
+    config = DetectorConfig(
+        backbone=args.backbone,
+        image_size=args.image_size,
+        rois_per_image=args.rois_per_image,
+        representation_size=args.representation_size,
+        num_classes=num_classes,
+    )
+    heads = args.head or [KNOB["head"].default]
+    if len(set(heads)) < len(heads):
+        raise UserError(f"--head: {', '.join(heads)} names a head twice; allowed: each head once")
+    if len(heads) > 1 and args.compile != "off":
+        raise UserError(
+            f"--compile: {args.compile} with several heads; allowed: off (heads stepped in turn run "
+            "eager), or one --head"
+        )
+    knobs = [knobs_for(device, head=head, **knob_values(args)) for head in heads]
     if len(knobs) > 1:
-        _print_in_turn(knobs, times, device)
+        _print_in_turn(knobs, heads_in_turn(config, knobs, samples, device=device, policy=policy), device)
         return
     knobs = knobs[0]
+    result = run_trial(config, knobs, samples, device=device, policy=policy)
     print(
         f"{knobs} on {device}, {result.rois} RoIs per step, {result.warmup_iterations} warm-up and "
         f"{result.iterations} timed steps, precision {result.precision:.1%} (met: {result.precision_met})"

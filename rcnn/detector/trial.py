@@ -20,14 +20,8 @@ from rcnn.doctor.workloads import Loss, detection_loss
 from rcnn.measure.clock import BACKWARD_RANGE, ModuleSpanProbe
 from rcnn.measure.device import autocast, compile_forward
 from rcnn.measure.loop import in_turn
-from rcnn.measure.stats import (
-    TimingPolicy,
-)
-from rcnn.trial.knobs import (
-    Knobs,
-    backend_flags,
-    memory_format,
-)
+from rcnn.measure.stats import TimingPolicy
+from rcnn.trial.knobs import Knobs, backend_flags, memory_format
 from rcnn.trial.runner import (
     K,
     ModelTrainer,

@@ -14,13 +14,8 @@ from rcnn.measure.batch import batches_below
 from rcnn.measure.device import resolve_device
 from rcnn.measure.options import timing_policy
 from rcnn.measure.settings import AUTO
-from rcnn.measure.stats import (
-    TimingPolicy,
-)
-from rcnn.trial.knobs import (
-    Knobs,
-    knobs_for,
-)
+from rcnn.measure.stats import TimingPolicy
+from rcnn.trial.knobs import Knobs, knobs_for
 from rcnn.trial.models import batch_sizes_in_turn, find_batch_size, per_sample_table, run_model_trial
 from rcnn.trial.runner import TrialResult
 from rcnn.trial.schema import (

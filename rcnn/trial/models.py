@@ -21,16 +21,9 @@ from rcnn.measure.batch import BatchSearch, largest_batch
 from rcnn.measure.clock import PeakMemory
 from rcnn.measure.cores import CoreUse
 from rcnn.measure.loop import in_turn
-from rcnn.measure.stats import (
-    TimingPolicy,
-    median_ratio,
-    summarize,
-)
+from rcnn.measure.stats import TimingPolicy, median_ratio, summarize
 from rcnn.rules import ValueNotAllowed
-from rcnn.trial.knobs import (
-    Knobs,
-    backend_flags,
-)
+from rcnn.trial.knobs import Knobs, backend_flags
 from rcnn.trial.runner import K, ModelTrainer, Subject, TrialResult, measure_trial
 
 # What a model trial watches: measuring stops once these medians are known to the set precision (the
