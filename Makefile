@@ -1,11 +1,11 @@
-# `make repro` runs the pipeline (`make repro-quick` a third of its grid, without DVC, in run-quick/),
+# `make repro` runs the pipeline (`make repro-full` the full grid, without DVC, in run-full/),
 # `make exp ARGS="-S key=value"` one DVC experiment, `make test` the tests (`make test-fast` those not marked
 # slow), `make lint` the formatter and linter; all create or update .venv first. The stages run `python`: .venv's bin goes first on PATH so it is the one with torch.
 VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: install repro repro-quick exp test test-fast lint ui clean-stores
+.PHONY: install repro repro-full exp test test-fast lint ui clean-stores
 
 $(BIN)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,8 +18,8 @@ install: $(BIN)/.installed
 repro: $(BIN)/.installed
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
 
-repro-quick: $(BIN)/.installed  # presets/quick-cpu.yaml: what it leaves out is said at its top
-	$(BIN)/python -m pipeline.run --params presets/quick-cpu.yaml --workdir run-quick
+repro-full: $(BIN)/.installed  # presets/full-cpu.yaml: params.yaml's grid with oneDNN off and batch 1 too
+	$(BIN)/python -m pipeline.run --params presets/full-cpu.yaml --workdir run-full
 
 exp: $(BIN)/.installed  # ARGS: options of dvc exp run, e.g. ARGS="-S 'sweep.space.batch_size=[4]'"
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc exp run $(ARGS)
