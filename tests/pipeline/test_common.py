@@ -70,6 +70,7 @@ def test_a_users_mistake_is_one_line_and_exit_2(capsys, tiny_params, error):
     assert capsys.readouterr().err == f"error: {error}\n"
 
 
+@pytest.mark.slow
 def test_our_own_bug_keeps_its_traceback(tiny_params):
     """A ValueError or OSError from pandas, torch or this code is not the user's mistake: no one-line
     error."""

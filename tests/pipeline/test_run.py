@@ -63,6 +63,7 @@ def test_device_check_runs_every_stage_on_cpu(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_bad_preset_fails_before_any_stage(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("sweep: {device: tpu}\n")

@@ -288,6 +288,7 @@ def test_fix_measures_the_model_before_and_after(project, capsys):
     assert "The fix (rcnn.fix.linearize, mode auto)" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_out_is_written_before_anything_is_printed(project, monkeypatch):
     def closed_pipe(*args, **kwargs):
         raise BrokenPipeError(32, "Broken pipe")  # `| head` that has read its lines
@@ -297,6 +298,7 @@ def test_out_is_written_before_anything_is_printed(project, monkeypatch):
     assert {p.name for p in (project / "out").iterdir()} == OUT_FILES
 
 
+@pytest.mark.slow
 def test_out_may_lie_outside_the_project_but_replaces_nothing_foreign(project, tmp_path_factory, capsys):
     elsewhere = tmp_path_factory.mktemp("elsewhere")  # not under the working folder, the project
     assert doctor.main(["tests.fixtures.models:sleepy", *QUICK, "--out", str(elsewhere / "d")]) == 0

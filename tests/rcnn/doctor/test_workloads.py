@@ -22,7 +22,9 @@ def _step(spec: str, **sizes) -> torch.Tensor:
     "spec, sizes",
     [
         ("torchvision:resnet18", {}),
-        ("torchvision:vit_b_16", {}),  # built for the image size given, not 224
+        pytest.param(
+            "torchvision:vit_b_16", {}, marks=pytest.mark.slow
+        ),  # built for the image size given, not 224
         ("torchvision:lraspp_mobilenet_v3_large", {}),
         ("torchvision:r3d_18", {"frames": 4}),
         ("detector:conv", {}),

@@ -95,7 +95,12 @@ def test_a_setting_label_says_each_applicable_knob():
 
 
 def test_the_repo_params_sweep_the_declared_space():
-    """params.yaml's sweep.space states the declarations' defaults, not a second set."""
+    """The full grid's preset states the declarations' defaults, not a second set; params.yaml (make repro)
+    narrows oneDNN and the batch size alone."""
+    from dataclasses import replace
+
     from pipeline.params import SpaceParams, load_params
 
-    assert load_params(ROOT / "params.yaml").sweep.space == SpaceParams()
+    assert load_params(ROOT / "presets" / "full-cpu.yaml").sweep.space == SpaceParams()
+    narrowed = replace(SpaceParams(), onednn=(True,), batch_size=(2,))
+    assert load_params(ROOT / "params.yaml").sweep.space == narrowed
