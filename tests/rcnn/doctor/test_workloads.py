@@ -22,9 +22,8 @@ def _step(spec: str, **sizes) -> torch.Tensor:
     "spec, sizes",
     [
         ("torchvision:resnet18", {}),
-        pytest.param(
-            "torchvision:vit_b_16", {}, marks=pytest.mark.slow
-        ),  # built for the image size given, not 224
+        # built for the image size given, not 224
+        pytest.param("torchvision:vit_b_16", {}, marks=pytest.mark.slow),
         ("torchvision:lraspp_mobilenet_v3_large", {}),
         ("torchvision:r3d_18", {"frames": 4}),
         ("detector:conv", {}),
