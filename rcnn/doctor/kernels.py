@@ -35,11 +35,13 @@ import torch
 from rcnn.doctor.columns import ROOT
 
 # Inductor settings while the kernel map compiles: provenance on (kernel -> post-grad nodes, in memory),
-# caches off (a hit skips the code generation that records it), C++ kernels and each graph's call marked
-# for torch.profiler.
+# the FX graph cache off (a hit skips the code generation that records it; AOTAutograd's cache, which
+# would skip it too, is turned off beside it: _graph_caches_off), C++ kernels and each graph's call marked
+# for torch.profiler. The compiled kernels' own cache stays on: a kernel whose source was built before (an
+# earlier run, the eager and compiled copies of one model) loads without the C++ compiler's seconds.
 SETTINGS = {
     "trace.provenance_tracking_level": 1,
-    "force_disable_caches": True,
+    "fx_graph_cache": False,
     "cpp.enable_kernel_profile": True,
     "profiler_mark_wrapper_call": True,
 }
@@ -294,7 +296,7 @@ class KernelMap:
         if (compile_id := CompileContext.current_compile_id()) is not None:
             self.frames[str(compile_id)] = running
         inner = functools.partial(self._inner, frame=Frame(bases, running))  # the backward's too
-        with config.patch(_known(config)):
+        with config.patch(_known(config)), _graph_caches_off():
             return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=self.options or None)
 
     def _inner(
@@ -456,12 +458,21 @@ def _backward_of(node: str, ops: set[str]) -> bool:
     return False
 
 
+def _graph_caches_off() -> contextlib.AbstractContextManager:
+    """AOTAutograd's cache of compiled graphs off (a torch without it: nothing to turn off)."""
+    from torch._functorch import config
+
+    if not hasattr(config, "enable_autograd_cache"):
+        return contextlib.nullcontext()
+    return config.patch(enable_autograd_cache=False)
+
+
 def _known(config: Any) -> dict[str, Any]:
     """SETTINGS this torch's Inductor has (an older one lacks some: its kernels then go without nodes)."""
     known = {}
     for key, value in SETTINGS.items():
         try:
-            functools.reduce(getattr, key.split("."), config)  # an alias (force_disable_caches) too
+            functools.reduce(getattr, key.split("."), config)  # a nested key too
         except AttributeError:
             continue
         known[key] = value

@@ -129,7 +129,7 @@ def test_missing_data_folder_and_source(tmp_path, tiny_params):
 
 
 def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params, capsys):
-    params = tiny_params({"tracking": {"system_metrics_s": 1}})
+    params = tiny_params({"sweep": {"cross_check": True}, "tracking": {"system_metrics_s": 1}})
     paths = {k: tmp_path / v for k, v in SWEEP_FILES.items()}
     assert data.main(["--params", str(params), "--out", str(paths["data"])]) == 0
     assert env.main(["--params", str(params), "--out", str(paths["env"])]) == 0
