@@ -308,6 +308,7 @@ def test_out_may_lie_outside_the_project_but_replaces_nothing_foreign(project, t
     assert "holds files this command did not write (thesis.tex)" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the command's whole run, the machine's ceilings measured first: seconds
 def test_the_rows_that_are_no_module_are_explained_under_the_table(project, capsys):
     assert doctor.main(["tests.fixtures.models:box_head_like", *QUICK, "--top", "20"]) == 0
     printed = capsys.readouterr().out
