@@ -6,8 +6,9 @@ the compiled kernels that compute it (rcnn.doctor.kernels).
 Each compiled part, a region, runs eagerly for the first step, which counts FLOPs by module and sees each
 module's inputs as for an eager model. Then the watch compiles each region's forward again through a
 KernelMap (Inductor as the user asked for it, its ``mode`` and ``options`` included, with provenance tracking
-on and its caches off), warms up, and profiles the timed steps with torch.profiler. The region's own call
-stays eager (its module's hooks time it, as any module's); a module inside it gets its kernels' time (a
+on and the graph caches whose hit skips code generation off), warms up, and profiles the timed steps with
+torch.profiler. The region's own call stays eager (its module's hooks time it, as any module's); a module
+inside it gets its kernels' time (a
 kernel fused across modules split by its nodes' output bytes), and the time of the ops a compiled frame
 its call ran outside its graphs, with their backward nodes (rcnn.doctor.kernels.eager_ops: code dynamo ran
 eagerly, and with it any module it called, goes to the frame's module);

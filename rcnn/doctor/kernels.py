@@ -2,7 +2,8 @@
 piece of the doctor's by-module table for compiled models (Inductor, torch 2.14's private provenance).
 
 ``KernelMap.backend`` is a torch.compile backend: Inductor compiling each graph (forward and, lazily,
-backward) as it does, with its provenance tracking on and its caches off, so that every kernel it generates
+backward) as it does, with its provenance tracking on and the caches whose hit skips code generation off
+(the FX graph's and AOTAutograd's; the compiled kernels' own stays on), so that every kernel it generates
 or calls (``cpp_fused_*``, ``triton_*``, extern kernels such as ``aten::mm``) is recorded with the post-grad
 FX nodes it computes, and each node with its module (``nn_module_stack``; in the backward graph
 ``fwd_nn_module_stack``, which AOTAutograd copies from the forward). ``KernelMap.times`` reads the
@@ -296,7 +297,7 @@ class KernelMap:
         if (compile_id := CompileContext.current_compile_id()) is not None:
             self.frames[str(compile_id)] = running
         inner = functools.partial(self._inner, frame=Frame(bases, running))  # the backward's too
-        with config.patch(_known(config)), _graph_caches_off():
+        with _recording(config):
             return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=self.options or None)
 
     def _inner(
@@ -310,7 +311,7 @@ class KernelMap:
         if saved is not None:
             setattr(inductor_debug, _PROVENANCE, {})  # this graph's alone
         try:
-            with config.patch(_known(config)):
+            with _recording(config):
                 compiled = compile_fx_inner(gm, example_inputs, *args, **kwargs)
             provenance = getattr(inductor_debug, _PROVENANCE, None) or {}
         finally:
@@ -458,13 +459,20 @@ def _backward_of(node: str, ops: set[str]) -> bool:
     return False
 
 
-def _graph_caches_off() -> contextlib.AbstractContextManager:
-    """AOTAutograd's cache of compiled graphs off (a torch without it: nothing to turn off)."""
-    from torch._functorch import config
+@contextlib.contextmanager
+def _recording(config: Any) -> Iterator[None]:
+    """Inductor's ``config`` under SETTINGS, and AOTAutograd's cache of compiled graphs off too. Where the
+    environment forces either graph cache on (TORCHINDUCTOR_FX_GRAPH_CACHE=1 or TORCHINDUCTOR_AUTOGRAD_CACHE=1
+    win over a patch), every cache is turned off instead: a hit would record no kernel's nodes."""
+    from torch._functorch import config as aot_config
 
-    if not hasattr(config, "enable_autograd_cache"):
-        return contextlib.nullcontext()
-    return config.patch(enable_autograd_cache=False)
+    aot_cache = {"enable_autograd_cache": False} if hasattr(aot_config, "enable_autograd_cache") else {}
+    with config.patch(_known(config)), aot_config.patch(aot_cache):
+        if getattr(config, "fx_graph_cache", False) or getattr(aot_config, "enable_autograd_cache", False):
+            with config.patch(force_disable_caches=True):
+                yield
+        else:
+            yield
 
 
 def _known(config: Any) -> dict[str, Any]:

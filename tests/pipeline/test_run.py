@@ -26,11 +26,13 @@ def test_stage_commands_fill_params_in_file_order():
 @pytest.mark.slow
 def test_device_check_runs_every_stage_on_cpu(tmp_path):
     # The smoke preset without conv_as_linear (a third of the trials, through the code paths conv takes) and
-    # bf16 (a CPU's autocast, which the trials' tests step): amp off, and fp16, which does not apply on CPU.
+    # amp off, which every tiny sweep of the other tests runs: bf16, profiled, and fp16, which does not apply
+    # on CPU.
     preset = yaml.safe_load((ROOT / "presets" / "cpu-smoke.yaml").read_text())
     space = preset["sweep"]["space"]
     assert "conv_as_linear" in space["head"] and space["amp"] == ["off", "fp16", "bf16"]
-    space |= {"head": ["linear", "conv"], "amp": ["off", "fp16"]}
+    space |= {"head": ["linear", "conv"], "amp": ["fp16", "bf16"]}
+    preset["sweep"]["profile_at"] = [{"amp": "bf16"}]
     (tmp_path / "preset.yaml").write_text(yaml.safe_dump(preset))
     out = tmp_path / "out"
     result = subprocess.run(
@@ -41,8 +43,10 @@ def test_device_check_runs_every_stage_on_cpu(tmp_path):
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    log = (out / "log.txt").read_text()
     for stage in ("env", "data", "sweep", "report"):
-        assert f"== stage {stage}:" in (out / "log.txt").read_text()
+        assert f"== stage {stage}:" in log
+    assert "not swept on cpu: amp=fp16 (fp16 autocast with GradScaler is a CUDA setting" in log
     with tarfile.open(out / "run.tar.gz") as tar:
         names = set(tar.getnames())
         tar.extractall(tmp_path / "run", filter="data")
@@ -52,7 +56,7 @@ def test_device_check_runs_every_stage_on_cpu(tmp_path):
     # fp16, cudnn.benchmark and TF32 do not apply on CPU: no duplicates, nothing hidden; each head eager and
     # compiled, as on the GPU
     assert set(trials["head"]) == {"linear", "conv"} and trials["status"].eq("complete").all()
-    assert not trials.duplicated(["head", "compile"]).any() and set(trials["amp"]) == {"off"}
+    assert not trials.duplicated(["head", "compile"]).any() and set(trials["amp"]) == {"bf16"}
     compiles = ["off", "head"] if cxx_compiler() else ["off"]  # without a C++ compiler: not applicable on CPU
     assert len(trials) == 2 * len(compiles) and trials["tf32"].eq("n/a").all()
     compiled = trials[trials["compile"] == "head"]

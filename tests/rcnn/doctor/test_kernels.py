@@ -333,3 +333,33 @@ def test_a_kernel_fused_across_modules_is_split_by_output_bytes(profiled_steps):
             r.ms * r.bytes_by_module["body.2"] / sum(r.bytes_by_module.values()) for r in rows.itertuples()
         )
         assert table.loc["body.2", f"{phase}_ms"] == pytest.approx(expected)
+
+
+@pytest.mark.slow  # two compiles of the tiny model
+@needs_compile
+@pytest.mark.parametrize("forced", [False, True], ids=["caches-by-default", "caches-forced-on"])
+def test_a_second_compile_of_the_same_model_still_gives_every_kernel_its_nodes(monkeypatch, forced):
+    """The kernel map's compile of a model it compiled before (the doctor run again) generates both graphs'
+    code again, whether Inductor's FX graph cache and AOTAutograd's are on by default or forced on
+    (TORCHINDUCTOR_FX_GRAPH_CACHE=1 and TORCHINDUCTOR_AUTOGRAD_CACHE=1 win over any patch): a hit in either
+    would give kernels without nodes, or no graph at all."""
+    from torch._functorch import config as aot_config
+    from torch._inductor import config
+
+    if forced:
+        entries = [(config, "fx_graph_cache"), (aot_config, "enable_autograd_cache")]
+        if not all(name in getattr(module, "_config", {}) for module, name in entries):
+            pytest.skip("this torch's config has no forced values")
+        for module, name in entries:
+            monkeypatch.setattr(module._config[name], "env_value_force", True)
+    torch.manual_seed(0)
+    model, x = Tiny(), torch.randn(2, 3, 8, 8)
+    maps = [KernelMap(), KernelMap()]
+    for kernels in maps:
+        torch._dynamo.reset()  # as a new process would: dynamo's in-memory cache of the first compile goes
+        torch.compile(model, backend=kernels.backend)(x).sum().backward()
+    torch._dynamo.reset()
+    again = maps[1]
+    assert {g.phase for g in again.graphs} == {FORWARD, BACKWARD}
+    generated = [k for g in again.graphs for k in g.kernels if k.op is None]
+    assert generated and all(k.nodes for k in generated), [(k.key, k.nodes) for k in generated]
