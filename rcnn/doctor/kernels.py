@@ -37,7 +37,7 @@ from rcnn.doctor.columns import ROOT
 
 # Inductor settings while the kernel map compiles: provenance on (kernel -> post-grad nodes, in memory),
 # the FX graph cache off (a hit skips the code generation that records it; AOTAutograd's cache, which
-# would skip it too, is turned off beside it: _graph_caches_off), C++ kernels and each graph's call marked
+# would skip it too, is turned off beside it: _recording), C++ kernels and each graph's call marked
 # for torch.profiler. The compiled kernels' own cache stays on: a kernel whose source was built before (an
 # earlier run, the eager and compiled copies of one model) loads without the C++ compiler's seconds.
 SETTINGS = {
@@ -468,10 +468,11 @@ def _recording(config: Any) -> Iterator[None]:
 
     aot_cache = {"enable_autograd_cache": False} if hasattr(aot_config, "enable_autograd_cache") else {}
     with config.patch(_known(config)), aot_config.patch(aot_cache):
-        if getattr(config, "fx_graph_cache", False) or getattr(aot_config, "enable_autograd_cache", False):
-            with config.patch(force_disable_caches=True):
-                yield
-        else:
+        still_on = (
+            getattr(config, "fx_graph_cache", False),
+            getattr(aot_config, "enable_autograd_cache", False),
+        )
+        with config.patch(force_disable_caches=True) if any(still_on) else contextlib.nullcontext():
             yield
 
 

@@ -26,8 +26,8 @@ def test_stage_commands_fill_params_in_file_order():
 @pytest.mark.slow
 def test_device_check_runs_every_stage_on_cpu(tmp_path):
     # The smoke preset without conv_as_linear (a third of the trials, through the code paths conv takes) and
-    # amp off, which every tiny sweep of the other tests runs: bf16, profiled, and fp16, which does not apply
-    # on CPU.
+    # without amp off, which every tiny sweep of the other tests runs: bf16 (profiled), and fp16, which does
+    # not apply on CPU.
     preset = yaml.safe_load((ROOT / "presets" / "cpu-smoke.yaml").read_text())
     space = preset["sweep"]["space"]
     assert "conv_as_linear" in space["head"] and space["amp"] == ["off", "fp16", "bf16"]
