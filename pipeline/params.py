@@ -173,7 +173,7 @@ class SweepParams:
     # Processes on this host sharing the study (and its CPU threads or GPUs).
     workers: int = _field(1, Rule(minimum=1))
     heartbeat_s: int = _field(60, Rule(minimum=1))  # RDB storage: a trial silent for 3x this is queued again
-    # A head's trial then steps in turn with the reference head until their box-head backward ratio's CI lies
+    # A head's trial then steps a twin with the reference head until their box-head backward ratio's CI lies
     # wholly within 1.05 or wholly over it, at most this many seconds (rcnn.detector.trial.detector_subject)
     pair_seconds: float = _field(60.0, Rule(minimum=1))
     cross_check: bool = True  # also time each head alone with torch.utils.benchmark, at profile_at

@@ -104,9 +104,10 @@ def render(r: Results, lock: Path | None) -> str:
         "",
         *skipped_lines(s),
         "",
-        "Per setting, box-head backward ratios with bootstrap 95% CIs: of the two heads stepped in turn in "
-        "the numerator's trial (paired over the rounds, Wilcoxon signed-rank p-value), or, where that trial "
-        "did not step them (`in turn`: no), of the two trials' own steps (Mann-Whitney p-value):",
+        "Per setting, box-head backward ratios with bootstrap 95% CIs: of the two heads computing on the "
+        "same RoI features in one step of the numerator's trial (a twin detector; paired over its steps, "
+        "Wilcoxon signed-rank p-value), or, where that trial stepped no twin (`twin`: no), of the two "
+        "trials' own steps (Mann-Whitney p-value):",
         "",
         comparison_table(r.comparisons).to_markdown(index=False)
         if len(r.comparisons)

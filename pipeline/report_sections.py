@@ -39,8 +39,8 @@ def comparison_table(comparisons: pd.DataFrame) -> pd.DataFrame:
         lambda x: f"{x['ratio']:.2f} [{x['ci_low']:.2f}, {x['ci_high']:.2f}]", axis=1
     )
     rows["p"] = rows["p_value"].map(lambda p: f"{p:.1g}")
-    rows["in turn"] = rows["rounds"].map(lambda n: f"{n:.0f} rounds" if n > 0 else "no: two trials")
-    return rows[[*OTHER_KNOBS, "pair", "ratio [95% CI]", "p", "in turn"]]
+    rows["twin"] = rows["rounds"].map(lambda n: f"{n:.0f} steps" if n > 0 else "no: two trials")
+    return rows[[*OTHER_KNOBS, "pair", "ratio [95% CI]", "p", "twin"]]
 
 
 GAP_COLUMNS = ["conv/linear gap", "gap settings"]  # effects_table's head x knob interaction
@@ -369,7 +369,7 @@ def wall_section(summary: dict) -> list[str]:
         f"The sweep stage's last run: {wall['total_s']:.0f} s of worker time; timed steps "
         f"**{wall['measure_share']:.0%}** of it. Parts, summed over the trials and the two drift baselines: "
         "building the detector (and knob linearize's timings), compile (knob compile's first steps), "
-        "warm-up, measured steps, the steps in turn with the reference head (`paired`), profiling and the "
+        "warm-up, measured steps, the twin steps with the reference head (`paired`), profiling and the "
         "by-module table (profile_at only), the isolated-head cross-check (profile_at only), MLflow "
         "logging; then the failed trials, and the rest (setup, Optuna, writing tables).",
         "",
@@ -396,7 +396,7 @@ DRIFT_CAUTION = 0.10  # a baseline step that moved more than this between the sw
 def drift_caution(summary: dict) -> list[str]:
     """A verdict line when the machine's speed moved during the sweep: its trials ran at different speeds, so
     ratios between trials (the knobs' effects; a head's ratio where its trial stepped no pair) carry that
-    drift along with what they compare. A head's ratio read from the two heads stepped in turn does not."""
+    drift along with what they compare. A head's ratio read from the two heads in one twin step does not."""
     drift = summary.get("drift")
     if not drift or abs(drift["step_drift"]) <= DRIFT_CAUTION:
         return []
@@ -405,7 +405,7 @@ def drift_caution(summary: dict) -> list[str]:
         "end "
         f"({drift['start']['step_ms']:.0f} -> {drift['end']['step_ms']:.0f} ms; over {DRIFT_CAUTION:.0%}): "
         "the machine's speed changed under the sweep (another load, heat), and the ratios between trials "
-        "(the knob effects; a head ratio not read in turn) may carry it. "
+        "(the knob effects; a head ratio not read from a twin) may carry it. "
         "Measure again on a quiet machine before quoting them."
     ]
 

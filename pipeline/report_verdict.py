@@ -82,7 +82,7 @@ def verdict(r: Results, effects: pd.DataFrame) -> list[str]:
 
 def linearize_lines(trials: pd.DataFrame) -> list[str]:
     """What knob linearize swapped in the conv head's detector, and how close that comes to conv_as_linear
-    (the two trials' own medians: those heads are not stepped in turn)."""
+    (the two trials' own medians: those heads are not in one twin)."""
     done = complete(trials)
     on = done["linearize"].astype(str) == "True"
     fixed, reference = done[on & (done["head"] == "conv")], done[~on & (done["head"] == "conv_as_linear")]
@@ -109,7 +109,7 @@ def linearize_lines(trials: pd.DataFrame) -> list[str]:
 def per_setting_lines(comparisons: pd.DataFrame, trials: pd.DataFrame) -> list[str]:
     """Per setting, the box-head backward of conv with linearize and of conv_as_linear over linear's, each
     setting's 95% CI set against PAIR_AIM (rcnn.measure.stats.against): within it, beyond it, or undecided
-    (across it), those not within listed with their CIs and rounds (none: two trials, not paired), and
+    (across it), those not within listed with their CIs and twin steps (none: two trials, not paired), and
     in how many the point estimate is at most PAIR_AIM. Beside them, how far two ratios to linear differ
     where their heads compute the same thing: conv and conv_as_linear, both with linearize, once linearize
     swapped the conv head's 7x7 conv (each ratio read in its own trial: what a ratio carries of the
@@ -131,7 +131,7 @@ def per_setting_lines(comparisons: pd.DataFrame, trials: pd.DataFrame) -> list[s
         listed = {
             v: ", ".join(
                 f"{setting_label(x, skip=skip)} {x.ratio:.3f}x [{x.ci_low:.2f}, {x.ci_high:.2f}]"
-                + (f" ({x.rounds:.0f} rounds)" if x.rounds > 0 else "")
+                + (f" ({x.rounds:.0f} twin steps)" if x.rounds > 0 else "")
                 for (_, x), said in zip(chosen.iterrows(), verdict)
                 if said == v
             )
@@ -184,11 +184,11 @@ def ratios_read(comparisons: pd.DataFrame) -> str:
     rows = head_backward_per_setting(comparisons)
     paired = int((rows["rounds"] > 0).sum())
     if paired == len(rows):
-        return "A head's ratio to another in one setting is read from the two stepped in turn in its trial."
+        return "A head's ratio to another in one setting is read from the two in one twin step of its trial."
     if paired == 0:
         return "A head's ratio to another in one setting divides two trials run one after the other."
     return (
-        "A head's ratio to another in one setting is read from the two stepped in turn in its trial "
+        "A head's ratio to another in one setting is read from the two in one twin step of its trial "
         f"({paired} of {len(rows)}), else it divides two trials run one after the other."
     )
 
@@ -201,8 +201,8 @@ def _how_paired(rows: pd.DataFrame) -> str:
     least, most = paired["rounds"].min(), paired["rounds"].max()
     rounds = f"{least:.0f}" if least == most else f"{least:.0f}-{most:.0f}"
     if len(paired) == len(rows):
-        return f" (the two heads stepped in turn, {rounds} rounds)"
-    return f" (the two heads stepped in turn, {rounds} rounds, in {len(paired)} of {len(rows)} settings)"
+        return f" (the two heads in one twin step, {rounds} steps)"
+    return f" (the two heads in one twin step, {rounds} steps, in {len(paired)} of {len(rows)} settings)"
 
 
 def _same_head_spread(rows: pd.DataFrame, trials: pd.DataFrame) -> tuple[float, float, int] | None:

@@ -207,8 +207,8 @@ def comparisons_table(
     paired: dict[int, dict[str, dict[str, list[float]]] | None] | None = None,
 ) -> pd.DataFrame:
     """Per setting of the other knobs, each head pair's ratio of medians per phase (head_pairs) with a
-    bootstrap 95% CI and a p-value: from the two heads stepped in turn where the numerator's trial did so
-    (``paired``: trial -> head -> phase -> one time per round; paired CI, Wilcoxon signed-rank p-value,
+    bootstrap 95% CI and a p-value: from the two heads in one twin step where the numerator's trial stepped
+    one (``paired``: trial -> head -> phase -> one time per round; paired CI, Wilcoxon signed-rank p-value,
     ``rounds``), else from the two trials' own steps (Mann-Whitney p-value, ``rounds`` 0). Then pooled rows
     (geometric mean over settings, knobs 'all') over the headline's settings (headline_scope): one per pair
     and phase, and one per value of each BY_VALUE knob swept (that knob keeps its value and is free of the
@@ -229,7 +229,7 @@ def comparisons_table(
                 continue
             in_turn = paired.get(trial_of[num]) or {}
             in_turn = in_turn if den in in_turn else None
-            if not in_turn and den not in trial_of:  # stepped neither in turn nor in a trial of its own
+            if not in_turn and den not in trial_of:  # in neither a twin nor a trial of its own
                 continue
             for phase in COMPARED_PHASES:
                 if in_turn:

@@ -96,7 +96,7 @@ class Setup:
 
     @property
     def reference(self) -> str | None:
-        """The head every other head's trial steps in turn with (pipeline.results.reference_head); None with
+        """The head every other head's trial steps a twin with (pipeline.results.reference_head); None with
         one head."""
         heads = self.grid["head"]
         return reference_head(heads, heads[0]) if len(heads) > 1 else None

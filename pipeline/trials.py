@@ -83,9 +83,9 @@ def measured_columns(
 def paired_metrics(
     paired: dict[str, dict[str, list[float]]], head: str, reference: str, seed: int = 0
 ) -> dict[str, float]:
-    """The trial's head over the reference, stepped in turn: per compared phase the ratio of medians with its
-    paired 95% CI, as the comparisons table has it (compare_paired), and the rounds (MLflow metrics
-    ``paired_<phase>_ratio`` ...)."""
+    """The trial's head over the reference, in one twin step (rcnn.detector.twin): per compared phase the
+    ratio of medians with its paired 95% CI, as the comparisons table has it (compare_paired), and the rounds
+    (twin steps; MLflow metrics ``paired_<phase>_ratio`` ...)."""
     metrics = {"paired_rounds": float(len(paired[head]["step"]))}
     for phase in COMPARED_PHASES:
         c = compare_paired(paired[head][phase], paired[reference][phase], seed=seed)
@@ -98,13 +98,13 @@ def paired_metrics(
 
 
 def pair_words(metrics: dict[str, float]) -> str:
-    """A pair's box-head backward ratio in words, against PAIR_AIM: '1.02x [0.91, 1.10] over 14 rounds,
-    undecided against 1.05x' (``paired_metrics``' values)."""
+    """A pair's box-head backward ratio in words, against PAIR_AIM: '1.02x [0.91, 1.10] over 14 steps,
+    undecided against 1.05x' (``paired_metrics``' values; a round is one twin step)."""
     ratio = metrics.get("paired_head_backward_ratio", math.nan)
     low = metrics.get("paired_head_backward_ci_low", math.nan)
     high = metrics.get("paired_head_backward_ci_high", math.nan)
     return (
-        f"box-head backward {ratio:.2f}x [{low:.2f}, {high:.2f}] over {metrics['paired_rounds']:.0f} rounds, "
+        f"box-head backward {ratio:.2f}x [{low:.2f}, {high:.2f}] over {metrics['paired_rounds']:.0f} steps, "
         f"{against(PAIR_AIM, low, high)} against {PAIR_AIM}x"
     )
 
@@ -131,7 +131,7 @@ class Sweep:
         self.failures = 0
         self.policy = params.timing.policy()
         self.system_metrics = bool(params.tracking.system_metrics_s)
-        self.reference = setup.reference  # every other head's trial steps in turn with it: their ratio
+        self.reference = setup.reference  # every other head's trial steps a twin with it: their ratio
 
     def measure_in_run(
         self,
@@ -188,10 +188,10 @@ class Sweep:
                 mlflow.set_tag("paired_with", self.reference)
                 pair = paired_metrics(result.paired, knobs.head, self.reference, seed=self.params.sweep.seed)
                 mlflow.log_metrics(pair)
-                self.progress.line(f"  stepped in turn with {self.reference}: {pair_words(pair)}")
+                self.progress.line(f"  in one twin step with {self.reference}: {pair_words(pair)}")
             if result.paired_error:
                 mlflow.set_tag("paired_error", result.paired_error)
-                self.progress.line(f"  stepped in turn with {self.reference}: failed, {result.paired_error}")
+                self.progress.line(f"  in one twin step with {self.reference}: failed, {result.paired_error}")
             if result.kernels:
                 # An artifact name has no ':': a user's head package.module:factory reads
                 # package.module.factory.
@@ -222,7 +222,7 @@ class Sweep:
 
     def subject(self, knobs: Knobs, pair: bool) -> Subject:
         """What the runner times at ``knobs``: the detector (with ``pair``, a head other than the reference
-        then stepped in turn with it) or the spec's model."""
+        then stepped beside it in one twin detector) or the spec's model."""
         seed, model = self.params.sweep.seed, self.setup.model
         if not model.detector:
             return model_subject(

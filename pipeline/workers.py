@@ -264,7 +264,7 @@ def sweep_wall(study: optuna.Study, started: float, baselines: list[dict], worke
     """Where this run's wall time went, this host's workers together: the parts (rcnn.trial.schema
     TRIAL_WALL_PARTS) of the trials this host started in this run and of the drift baselines, the failed
     trials, and the rest (setup, Optuna, writing tables). ``measure_share``: the timed steps' share of it all
-    (measured alone, and stepped in turn with the reference head).
+    (measured alone, and the twin steps with the reference head).
     None when the run
     measured nothing."""
     parts = dict.fromkeys(SWEEP_WALL_PARTS, 0.0)

@@ -1,13 +1,12 @@
 """The detector's trials: its Trainer (any model's, with the box head's forward and backward spans), the
-Subject it hands the runner (rcnn.trial.runner) and ``run_trial`` over it, a head stepped in turn with the
-reference head, several heads side by side (the phases they are set against in: ``COMPARED``), and the box
-head timed alone as a cross-check."""
+Subject it hands the runner (rcnn.trial.runner) and ``run_trial`` over it, a head set against the reference
+head in one twin detector (rcnn.detector.twin), several heads side by side (the phases they are set against
+in: ``COMPARED``), and the box head timed alone as a cross-check."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 
 import torch
 from torch import nn
@@ -15,6 +14,7 @@ from torch import nn
 from rcnn.detector.data import Sample, device_batches
 from rcnn.detector.heads import build_box_head
 from rcnn.detector.model import BACKBONE_CHANNELS, ROI_RESOLUTION, DetectorConfig, build_detector
+from rcnn.detector.twin import TwinTrainer, by_head, twin_watched
 from rcnn.doctor.attribution import ModuleTimer
 from rcnn.doctor.workloads import Loss, detection_loss
 from rcnn.measure.clock import BACKWARD_RANGE, ModuleSpanProbe
@@ -113,21 +113,24 @@ def detector_subject(
     and box-head backward medians are known (the backward alone without the probe), the box head's backward
     kernels kept when profiled.
 
-    With ``paired_with`` (another head), the pair builds that head's detector beside the warm one, the other
-    knobs alike, and steps the two in turn until the policy says stop (what a ratio of the two heads is read
-    from, as the machine's load and drift hit both alike; two trials run one after the other differ by that
-    drift). With ``pair_seconds`` as well, the two step in turn until their box-head backward ratio's 95% CI
-    lies wholly at or under PAIR_AIM or wholly over it (``decided_against``), at least the policy's
-    iterations and then for about that many seconds at most (its clock starts after the new head's warm-up,
-    and the last round may end past it), not until the policy's precision. The runner steps no pair under
-    knob compile: a second compiled detector would reset dynamo's cache of the first (compile_forward) and
-    share its recompile limit."""
+    With ``paired_with`` (another head), the pair builds a twin detector of the two heads, the other knobs
+    alike, both heads computing on the same RoI features in every step (rcnn.detector.twin: what a ratio of
+    the two heads is read from, as the step's load and drift hit both alike; two trials run one after the
+    other differ by that drift), and steps it until the policy says stop. With ``pair_seconds`` as well, it
+    steps until the box-head backward ratio's 95% CI lies wholly at or under PAIR_AIM or wholly over it
+    (``decided_against``), at least the policy's iterations and then for about that many seconds at most
+    (its clock starts after the twin's warm-up, and the last step may end past it), not until the policy's
+    precision. The pair needs the probe (without it, ``paired_with`` is refused). The runner steps no pair
+    under knob compile: a second compiled detector would reset dynamo's cache of the first
+    (compile_forward) and share its recompile limit."""
+    if paired_with is not None and not probe:
+        raise ValueError("paired_with: the pair reads each head's spans, which need the probe")
     watched = WATCHED if probe else ("backward",)
-    deciding = pair_seconds is not None and probe  # against the box head's backward, which needs the probe
+    deciding = pair_seconds is not None
 
     def pair(trainer: ModelTrainer, policy: TimingPolicy) -> Paired:
         head = trainer.knobs.head
-        return _in_turn_with(
+        return _together_with(
             trainer,
             paired_with,
             config,
@@ -187,7 +190,7 @@ def run_trial(
     )
 
 
-def _in_turn_with(
+def _together_with(
     trainer: ModelTrainer,
     head: str,
     config: DetectorConfig,
@@ -199,17 +202,23 @@ def _in_turn_with(
     seed: int,
     decided: Callable[[Mapping[str, Mapping[str, Sequence[float]]]], bool] | None = None,
 ) -> Paired:
-    """``trainer`` (warm) and a new Trainer of ``head``, its other knobs ``trainer``'s, stepped in turn
-    (rcnn.measure.loop.in_turn, which warms the new one up, and stops early once ``decided``): head -> phase
-    -> one time per round."""
-    other = Trainer(
-        config, replace(trainer.knobs, head=head), samples, device=device, seed=seed, probe=trainer.probe
-    )
+    """A twin detector of ``trainer``'s head and ``head``, the other knobs ``trainer``'s, both heads on the
+    same RoI features in every step (rcnn.detector.twin), warmed up and then stepped until the policy says
+    stop (rcnn.measure.loop.in_turn of that one step, which stops early once ``decided``): head -> phase ->
+    one time per step."""
+    heads = (trainer.knobs.head, head)
+    twin = TwinTrainer(config, trainer.knobs, head, samples, device=device, seed=seed)
     try:
-        steps = {trainer.knobs.head: trainer.stepper(), head: other.stepper()}
-        return in_turn(steps, policy, watched=watched, seed=seed, decided=decided)
+        rounds = in_turn(
+            {"twin": twin.stepper()},
+            policy,
+            watched=twin_watched(heads, watched),
+            seed=seed,
+            decided=(lambda so_far: decided(by_head(so_far["twin"], heads))) if decided else None,
+        )
+        return by_head(rounds["twin"], heads)
     finally:
-        other.close()
+        twin.close()
 
 
 def isolated_head_ms(

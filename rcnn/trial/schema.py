@@ -203,7 +203,7 @@ STAT_COLUMNS = {
 # (and recompile), their total ms and count; the graphs compiled and the graph breaks dynamo reports.
 COMPILE_COLUMNS = ("compile_ms", "compile_steps", "compiled_graphs", "graph_breaks")
 # Where a trial's wall time goes, and the parts of a sweep's beyond its trials.
-# paired: the trial's head stepped in turn with the sweep's reference head (its ratios to it are read there)
+# paired: the trial's head and the sweep's reference head in one twin detector (its ratios to it read there)
 TRIAL_WALL_PARTS = ("build", "compile", "warmup", "measure", "paired", "profile", "cross_check", "logging")
 SWEEP_WALL_PARTS = (*TRIAL_WALL_PARTS, "failed", "other")  # other: setup, Optuna, writing tables
 WALL_COLUMNS = tuple(f"wall_{part}_s" for part in TRIAL_WALL_PARTS)

@@ -28,7 +28,7 @@ SLOW = {
     "sweep": {"profile_steps": 0, "cross_check": False},
 }
 # Four points of the linear head alone, for tests that stop or share trials rather than compare heads: no
-# other head is stepped in turn with it, so a trial is its own timed steps.
+# other head is stepped beside it, so a trial is its own timed steps.
 FOUR_POINTS = {"head": ["linear"], "batch_size": [1, 2], "channels_last": [False, True]}
 # The sweep stage's options, files under tmp_path
 SWEEP_FILES = {

@@ -583,14 +583,14 @@ def test_per_setting_the_fixed_head_against_linear_how_it_was_paired_and_the_tri
     )
     fixed, hand = per_setting_lines(comparisons, trials)
     assert fixed.startswith(
-        "- per setting, conv with `linearize: true` / linear, box-head backward (the two heads stepped in "
-        "turn, 9-10 rounds): within 1.05x (the CI wholly at or under it) in 1 of 2 settings, beyond it (the "
-        "CI wholly over it) in 1, undecided (the CI across it) in 0; the point estimate at most 1.05x in 1; "
-        "beyond: oneDNN on, amp off, NCHW, bs 2 1.100x [1.09, 1.11] (10 rounds)"
+        "- per setting, conv with `linearize: true` / linear, box-head backward (the two heads in one "
+        "twin step, 9-10 steps): within 1.05x (the CI wholly at or under it) in 1 of 2 settings, beyond it "
+        "(the CI wholly over it) in 1, undecided (the CI across it) in 0; the point estimate at most 1.05x "
+        "in 1; beyond: oneDNN on, amp off, NCHW, bs 2 1.100x [1.09, 1.11] (10 twin steps)"
     )
     # conv_as_linear: 1.08 beyond, 1.04 [1.03, 1.05] within (at the aim), 1.01 and 1.00 within
     assert "within 1.05x (the CI wholly at or under it) in 3 of 4 settings, beyond it" in hand
-    assert "beyond: oneDNN on, amp off, NCHW, bs 1 1.080x [1.07, 1.09] (9 rounds)" in hand
+    assert "beyond: oneDNN on, amp off, NCHW, bs 1 1.080x [1.07, 1.09] (9 twin steps)" in hand
     assert "`python -m rcnn.bench --head conv_as_linear --head linear --max-seconds 180 " in hand
     assert "`python -m rcnn.bench --head conv --head linear --linearize --max-seconds 180 " in fixed
     assert "rcnn.bench" not in per_setting_lines(comparisons[comparisons["ratio"] < 1.05], trials)[0]
@@ -599,14 +599,14 @@ def test_per_setting_the_fixed_head_against_linear_how_it_was_paired_and_the_tri
     assert (
         "within 1.05x (the CI wholly at or under it) in 1 of 2 settings, beyond it (the CI wholly over it) "
         "in 0, undecided (the CI across it) in 1; the point estimate at most 1.05x in 1; "
-        "undecided: oneDNN on, amp off, NCHW, bs 2 1.100x [1.00, 1.11] (10 rounds)"
+        "undecided: oneDNN on, amp off, NCHW, bs 2 1.100x [1.00, 1.11] (10 twin steps)"
     ) in fixed
     # conv / conv_as_linear, linearize on: 1.02 and 1.10 / 1.04 = 1.06, where the 7x7 conv was swapped
     assert "each read in its own trial, differ 1.02-1.06x over 2 settings here." in hand
     assert "one after the other" not in hand
     comparisons.loc[comparisons["batch_size"] == 2, "rounds"] = 0  # two trials, one after the other
     hand = per_setting_lines(comparisons, trials)[-1]
-    assert "(the two heads stepped in turn, 9 rounds, in 2 of 4 settings)" in hand
+    assert "(the two heads in one twin step, 9 steps, in 2 of 4 settings)" in hand
     assert "trials run one after the other carry the machine's drift" in hand
     trials["swapped"] = "roi_heads.box_head.2"  # never the 7x7 conv: no spread of the same head to show
     assert "differ" not in per_setting_lines(comparisons, trials)[-1]
@@ -615,9 +615,9 @@ def test_per_setting_the_fixed_head_against_linear_how_it_was_paired_and_the_tri
 @pytest.mark.parametrize(
     "rounds, says",
     [
-        ([9, 12], "is read from the two stepped in turn in its trial."),
+        ([9, 12], "is read from the two in one twin step of its trial."),
         ([0, float("nan")], "divides two trials run one after the other."),  # an older table: NaN
-        ([9, float("nan")], "stepped in turn in its trial (1 of 2), else it divides two trials"),
+        ([9, float("nan")], "in one twin step of its trial (1 of 2), else it divides two trials"),
     ],
 )
 def test_the_report_says_how_its_head_ratios_were_read(rounds, says):
@@ -634,8 +634,8 @@ def test_the_report_says_how_its_head_ratios_were_read(rounds, says):
         ]
     )
     assert says in ratios_read(comparisons)
-    shown = comparison_table(comparisons)["in turn"].tolist()
-    assert shown == [f"{n} rounds" if n > 0 else "no: two trials" for n in rounds]
+    shown = comparison_table(comparisons)["twin"].tolist()
+    assert shown == [f"{n} steps" if n > 0 else "no: two trials" for n in rounds]
 
 
 def test_the_verdict_says_what_linearize_gains_the_whole_backward_and_beyond_the_box_head():

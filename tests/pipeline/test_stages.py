@@ -182,7 +182,7 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params, capsys
     assert trials[["isolated_head_forward_ms", "isolated_head_backward_ms"]].notna().all().all()
 
     # The comparisons: one setting, conv over linear, per phase, read where conv's trial stepped the two heads
-    # in turn after its own steps (checked against its MLflow run below), then pooled.
+    # in one twin detector after its own steps (checked against its MLflow run below), then pooled.
     comparisons = pd.read_csv(paths["comparisons"])
     assert sorted(comparisons["phase"]) == sorted(COMPARED_PHASES * 2)
     assert set(zip(comparisons["numerator"], comparisons["denominator"])) == {("conv", "linear")}
@@ -194,7 +194,7 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params, capsys
     assert walls["conv"] > 0 and walls["linear"] == 0  # the reference head's trial steps no pair
     # The progress says where the pair's box-head ratio lies against the fix's aim, as the comparisons do
     said = re.search(
-        r"stepped in turn with linear: box-head backward (\S+)x \[(\S+), (\S+)\] over (\d+) rounds, "
+        r"in one twin step with linear: box-head backward (\S+)x \[(\S+), (\S+)\] over (\d+) steps, "
         r"(within|beyond|undecided) against 1.05x",
         capsys.readouterr().out,
     )
@@ -228,7 +228,7 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params, capsys
     wall = summary["wall"]  # where the run's time went: the parts add up to it, timed steps a share of it
     assert set(wall["parts_s"]) == set(SWEEP_WALL_PARTS) and 0 < wall["measure_share"] < 1
     # Parts and total keep 0.1 s
-    timed = wall["parts_s"]["measure"] + wall["parts_s"]["paired"]  # alone, and in turn with linear
+    timed = wall["parts_s"]["measure"] + wall["parts_s"]["paired"]  # alone, and the twin with linear
     assert wall["measure_share"] == pytest.approx(timed / wall["total_s"], abs=0.2 / wall["total_s"] + 1e-3)
     assert wall["parts_s"]["paired"] == pytest.approx(trials["wall_paired_s"].sum(), abs=0.1)
     assert sum(wall["parts_s"].values()) == pytest.approx(wall["total_s"], rel=0.01, abs=0.3)
@@ -269,7 +269,7 @@ def test_two_trial_sweep_through_mlflow_and_report(tmp_path, tiny_params, capsys
     for column in ("head_backward_ms", "step_ms", "head_backward_gflop", "iterations"):
         assert logged[f"metrics.{column}"].tolist() == pytest.approx(by_run[column].tolist(), abs=1e-4)
     assert logged["params.head"].tolist() == by_run["head"].tolist()
-    conv_run = logged[logged["params.head"] == "conv"].iloc[0]  # its ratios to linear, stepped in turn
+    conv_run = logged[logged["params.head"] == "conv"].iloc[0]  # its ratios to linear, in one twin step
     assert conv_run["tags.paired_with"] == "linear"
     assert conv_run["metrics.paired_rounds"] == per_setting.loc["step", "rounds"]
     for phase in COMPARED_PHASES:

@@ -2,7 +2,6 @@ import math
 import re
 import sys
 import time
-from dataclasses import replace
 
 import pytest
 import torch
@@ -13,11 +12,13 @@ from rcnn.bench import main
 from rcnn.detector.data import synthetic_samples
 from rcnn.detector.model import BACKBONES, build_detector
 from rcnn.detector.trial import Trainer, isolated_head_ms, run_trial
+from rcnn.detector.twin import TwinTrainer
 from rcnn.doctor.attribution import ModuleTimer
 from rcnn.measure.stats import TimingPolicy
 from rcnn.rules import ValueNotAllowed
 from rcnn.trial.knobs import Knobs, backend_flags
-from rcnn.trial.schema import PHASES
+from rcnn.trial.runner import decided_against
+from rcnn.trial.schema import PAIR_AIM, PHASES
 from tests import launcher
 from tests.conftest import ROOT, TINY_CONFIG
 
@@ -436,37 +437,62 @@ def test_wall_time_parts_cover_the_trial():
     assert sum(result.wall_s.values()) == pytest.approx(elapsed, rel=0.1)
 
 
-@pytest.mark.slow  # two detectors stepped: seconds
-def test_a_paired_trial_steps_its_head_in_turn_with_the_other_after_measuring_its_own(monkeypatch):
-    built, stepped = [], []  # each Trainer's knobs as built; the head of each step, in the order run
+@pytest.mark.slow  # a detector and a twin stepped: seconds
+def test_a_paired_trial_steps_a_twin_of_its_head_and_the_other_after_measuring_its_own(monkeypatch):
+    built, stepped = (
+        [],
+        [],
+    )  # (trainer, knobs, other head) as built; the trainer of each step, in the order run
 
     class Recording(Trainer):
         def __init__(self, config, knobs, *args, **kwargs):
-            built.append(knobs)
+            built.append(("trainer", knobs, None))
             super().__init__(config, knobs, *args, **kwargs)
 
         def step(self, *args, **kwargs):
-            stepped.append(self.knobs.head)
+            stepped.append("trainer")
+            return super().step(*args, **kwargs)
+
+    class RecordingTwin(TwinTrainer):
+        def __init__(self, config, knobs, other, *args, **kwargs):
+            built.append(("twin", knobs, other))
+            super().__init__(config, knobs, other, *args, **kwargs)
+
+        def step(self, *args, **kwargs):
+            stepped.append("twin")
             return super().step(*args, **kwargs)
 
     monkeypatch.setattr(bench, "Trainer", Recording)
+    monkeypatch.setattr(bench, "TwinTrainer", RecordingTwin)
     knobs = Knobs(head="conv", batch_size=2, channels_last=True)
     result = run_trial(TINY_CONFIG, knobs, SAMPLES, device=CPU, policy=QUICK, paired_with="linear")
-    assert built == [knobs, replace(knobs, head="linear")]  # the other head, every other knob alike
-    # Its own warm-up and measured steps first (QUICK: 1 + 2), then rounds of both heads in turn: the new
-    # one's warm-up round, then 2 measured rounds.
-    assert stepped[:3] == ["conv"] * 3 and sorted(stepped[3:]) == ["conv"] * 3 + ["linear"] * 3
+    assert built == [("trainer", knobs, None), ("twin", knobs, "linear")]  # the twin at the trial's knobs
+    # Its own warm-up and measured steps first (QUICK: 1 + 2), then the twin's: its warm-up step, then 2
+    # measured steps, each of both heads.
+    assert stepped == ["trainer"] * 3 + ["twin"] * 3
     assert set(result.paired) == {"conv", "linear"} and result.paired_error == ""
-    for head in ("conv", "linear"):  # QUICK's 2 rounds, each with both heads' every phase
+    for head in ("conv", "linear"):  # QUICK's 2 steps, each with both heads' every phase
         assert {p: len(v) for p, v in result.paired[head].items()} == dict.fromkeys(PHASES, 2)
         assert_phases_add_up(result.paired[head])
     assert result.iterations == 2 and len(result.samples["step"]) == 2  # its own steps, measured before
     assert run_trial(TINY_CONFIG, Knobs(head="conv"), SAMPLES, device=CPU, policy=QUICK).paired == {}
     with pytest.raises(ValueError, match="paired_with: conv is the trial's own head"):
         run_trial(TINY_CONFIG, Knobs(head="conv"), SAMPLES, device=CPU, policy=QUICK, paired_with="conv")
+    with pytest.raises(
+        ValueError, match="paired_with: the pair reads each head's spans, which need the probe"
+    ):
+        run_trial(
+            TINY_CONFIG,
+            Knobs(head="conv"),
+            SAMPLES,
+            device=CPU,
+            policy=QUICK,
+            paired_with="linear",
+            probe=False,
+        )
 
 
-@pytest.mark.slow  # two detectors stepped: seconds
+@pytest.mark.slow  # a detector and a twin stepped: seconds
 def test_a_sweeps_pair_steps_until_decided_against_the_aim_bounded_by_its_seconds(monkeypatch):
     seen = []  # (policy, decided) of each in-turn stepping
 
@@ -484,7 +510,9 @@ def test_a_sweeps_pair_steps_until_decided_against_the_aim_bounded_by_its_second
     assert policy == QUICK.until_decided(1.0) and decided is not None
     rounds = len(result.paired["conv"]["head_backward"])
     assert rounds >= QUICK.iterations  # its least rounds, then until decided or the second is up
-    assert decided(result.paired) or result.wall_s["paired"] >= 1.0
+    # What stopped it: the box-head backward's CI decided against the aim, or the second up
+    against_aim = decided_against(PAIR_AIM, "conv", "linear", "head_backward")
+    assert against_aim(result.paired) or result.wall_s["paired"] >= 1.0
     seen.clear()
     run_trial(TINY_CONFIG, knobs, SAMPLES, device=CPU, policy=QUICK, paired_with="linear")
     assert seen == [(QUICK, None)]  # without pair_seconds: the trial's own policy, as before
@@ -507,7 +535,7 @@ def test_a_compiled_trial_steps_no_pair_and_a_failed_pair_leaves_the_trials_own_
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("out of memory: tried to allocate 2.00 GiB\nmore detail")
 
-    monkeypatch.setattr(bench, "_in_turn_with", out_of_memory)
+    monkeypatch.setattr(bench, "_together_with", out_of_memory)
     failed = run_trial(
         TINY_CONFIG, Knobs(head="conv"), SAMPLES, device=CPU, policy=QUICK, paired_with="linear"
     )

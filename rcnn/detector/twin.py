@@ -1,0 +1,154 @@
+"""Two box heads on the same RoI features in one training step: how a trial's head is set against the
+sweep's reference head.
+
+The detector's RoI features go through both heads, each head's whole chain (box head, then predictor) at
+once, in an order drawn afresh every step; their class scores and box deltas are summed, so the loss's
+gradient reaches each head whole and each runs its full backward. Autograd runs nodes in reverse creation
+order: the later head's chain, then the earlier's, then RoIAlign's backward, so each head's backward span,
+timed by its own probe (rcnn.measure.clock.ModuleSpanProbe), holds nothing of the other's. Both heads'
+times come from the same step, under the machine's load at that moment: the noise that two detectors stepped
+one after the other each meet on their own cancels in the ratio, and a round costs one step, not two.
+
+A head's whole-detector phases are read off the step less the other head's spans: its forward is the step's
+forward less the other head's forward span, its backward and step likewise. The optimizer updates both
+heads' weights: the step of each carries the other's weight update, a share of a percent or so.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from rcnn.detector.data import Sample, device_batches
+from rcnn.detector.heads import build_box_head
+from rcnn.detector.model import ROI_RESOLUTION, DetectorConfig, build_detector
+from rcnn.doctor.attribution import ModuleTimer
+from rcnn.doctor.workloads import detection_loss
+from rcnn.measure.clock import ModuleSpanProbe
+from rcnn.trial.knobs import Knobs, memory_format
+from rcnn.trial.runner import ModelTrainer, Paired
+from rcnn.trial.schema import COMPILE_TARGETS, PHASES
+
+SEPARATOR = "/"  # a twin step's value names: <head>/<phase>; no phase has one, so the last splits them
+
+
+class TwinBoxHeads(nn.Module):
+    """The box predictor of a twin detector: every head (box head, then predictor) on the same RoI
+    features, in ``order``, their class scores and box deltas summed. The detector's box head is then the
+    identity."""
+
+    def __init__(self, heads: Mapping[str, tuple[nn.Module, nn.Module]]) -> None:
+        super().__init__()
+        self.heads = nn.ModuleDict({name: nn.Sequential(*pair) for name, pair in heads.items()})
+        self.order = list(heads)
+
+    def forward(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores, deltas = zip(*(self.heads[name](features) for name in self.order))
+        return sum(scores), sum(deltas)
+
+
+def twin_detector(config: DetectorConfig, heads: tuple[str, str]) -> nn.Module:
+    """The detector of ``heads[0]`` with ``heads[1]`` computing beside it on the same RoI features
+    (TwinBoxHeads)."""
+    model = build_detector(config, heads[0])
+    other = build_box_head(
+        heads[1],
+        in_channels=model.backbone.out_channels,
+        resolution=ROI_RESOLUTION,
+        representation_size=config.representation_size,
+        num_classes=config.num_classes,
+    )
+    roi_heads = model.roi_heads
+    both = {heads[0]: (roi_heads.box_head, roi_heads.box_predictor), heads[1]: other}
+    roi_heads.box_head, roi_heads.box_predictor = nn.Identity(), TwinBoxHeads(both)
+    return model
+
+
+class TwinTrainer(ModelTrainer):
+    """The twin detector of ``knobs.head`` and ``other`` at ``knobs``, its optimizer and batches: ``step()``
+    runs one training step and returns each head's phase times (``<head>/<phase>``, PHASES, as the module
+    docstring reads them) and the step's own ``step``. Build and step it inside ``backend_flags(knobs)``;
+    never under knob compile (its probes' hooks stay eager only as the detector's Trainer sets them)."""
+
+    phases = ("step",)
+    compile_targets = COMPILE_TARGETS
+
+    def __init__(
+        self,
+        config: DetectorConfig,
+        knobs: Knobs,
+        other: str,
+        samples: list[Sample],
+        *,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        if other == knobs.head:
+            raise ValueError(f"a twin needs two heads; both are {other}")
+
+        def build() -> tuple[nn.Module, list, object]:
+            model = twin_detector(config, (knobs.head, other))
+            model = model.to(device=device, memory_format=memory_format(knobs))
+            return model, device_batches(samples, batch_size=knobs.batch_size, device=device), detection_loss
+
+        super().__init__(f"detector:{knobs.head}+{other}", knobs, build, device=device, seed=seed)
+        self.twin: TwinBoxHeads = self.model.roi_heads.box_predictor
+        self.probes = {
+            name: ModuleSpanProbe(pair[0], pair[-1], self.clock, label=f"box_head.{name}")
+            for name, pair in self.twin.heads.items()
+        }
+        self.order = random.Random(seed)
+
+    def step(self, number: int, modules: ModuleTimer | None = None) -> dict[str, float]:
+        """One step of both heads, in a fresh order: each head's phases, and the step's own."""
+        names = list(self.probes)
+        self.twin.order = self.order.sample(names, len(names))
+        for probe in self.probes.values():
+            probe.reset()
+        ms = super().step(number, modules)
+        spans = {name: probe.spans_ms() for name, probe in self.probes.items()}
+        out = {"step": ms["step"]}
+        for name in names:
+            other_forward, other_backward = _other(spans, name)
+            forward, backward = spans[name]
+            phases = {
+                "forward": ms["forward"] - other_forward,
+                "backward": ms["backward"] - other_backward,
+                "optimizer": ms["optimizer"],
+                "step": ms["step"] - other_forward - other_backward,
+                "head_forward": forward,
+                "head_backward": backward,
+            }
+            out |= {f"{name}{SEPARATOR}{phase}": phases[phase] for phase in PHASES}
+        return out
+
+    @property
+    def rois(self) -> int:
+        return next(iter(self.probes.values())).rows
+
+    def close(self) -> None:
+        for probe in self.probes.values():
+            probe.remove()
+
+
+def _other(spans: Mapping[str, tuple[float, float]], name: str) -> tuple[float, float]:
+    (other,) = (span for head, span in spans.items() if head != name)
+    return other
+
+
+def by_head(values: Mapping[str, list[float]], heads: Iterable[str]) -> Paired:
+    """A twin's values by name (``<head>/<phase>``) as head -> phase -> one value per step."""
+    out: Paired = {head: {} for head in heads}
+    for key, series in values.items():
+        head, separator, phase = key.rpartition(SEPARATOR)
+        if separator and head in out:
+            out[head][phase] = series
+    return out
+
+
+def twin_watched(heads: Iterable[str], watched: Iterable[str]) -> tuple[str, ...]:
+    """The twin step's names of ``watched`` phases of every head."""
+    return tuple(f"{head}{SEPARATOR}{phase}" for head in heads for phase in watched)
