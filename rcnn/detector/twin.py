@@ -42,11 +42,18 @@ class TwinBoxHeads(nn.Module):
 
     def __init__(self, heads: Mapping[str, tuple[nn.Module, nn.Module]]) -> None:
         super().__init__()
-        self.heads = nn.ModuleDict({name: nn.Sequential(*pair) for name, pair in heads.items()})
+        # A list, not a ModuleDict: a user's head is named package.module:factory, and a module's name
+        # has no '.'.
+        self.names = list(heads)
+        self.heads = nn.ModuleList(nn.Sequential(*pair) for pair in heads.values())
         self.order = list(heads)
 
+    def head(self, name: str) -> nn.Sequential:
+        """Head ``name``'s box head and predictor."""
+        return self.heads[self.names.index(name)]
+
     def forward(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores, deltas = zip(*(self.heads[name](features) for name in self.order))
+        scores, deltas = zip(*(self.head(name)(features) for name in self.order))
         return sum(scores), sum(deltas)
 
 
@@ -98,7 +105,7 @@ class TwinTrainer(ModelTrainer):
         self.twin: TwinBoxHeads = self.model.roi_heads.box_predictor
         self.probes = {
             name: ModuleSpanProbe(pair[0], pair[-1], self.clock, label=f"box_head.{name}")
-            for name, pair in self.twin.heads.items()
+            for name, pair in zip(self.twin.names, self.twin.heads)
         }
         self.order = random.Random(seed)
 

@@ -40,10 +40,9 @@ def test_the_twin_detector_has_both_heads_on_the_roi_features():
     model = twin_detector(TINY_CONFIG, ("conv", "linear"))
     assert isinstance(model.roi_heads.box_head, nn.Identity)
     twin = model.roi_heads.box_predictor
-    assert list(twin.heads) == ["conv", "linear"]
-    assert isinstance(twin.heads["conv"][0][0], nn.Conv2d) and isinstance(
-        twin.heads["linear"][0][1], nn.Linear
-    )
+    assert twin.names == ["conv", "linear"]
+    assert isinstance(twin.head("conv")[0][0], nn.Conv2d)
+    assert isinstance(twin.head("linear")[0][1], nn.Linear)
 
 
 @pytest.mark.slow  # a twin detector built and stepped
@@ -72,8 +71,10 @@ def test_each_heads_backward_span_holds_nothing_of_the_others_in_either_order():
 
 
 @pytest.mark.slow  # a twin detector built and stepped
-def test_both_heads_of_a_twin_learn_every_step():
-    trainer = TwinTrainer(TINY_CONFIG, Knobs(head="conv_as_linear"), "linear", SAMPLES, device=CPU)
+def test_both_heads_of_a_twin_learn_every_step_a_users_head_too():
+    # A user's head (package.module:factory: a name with dots) beside a built-in one
+    users = "tests.fixtures.question_heads:conv"
+    trainer = TwinTrainer(TINY_CONFIG, Knobs(head=users), "linear", SAMPLES, device=CPU)
     try:
         before = {n: p.detach().clone() for n, p in trainer.twin.named_parameters()}
         trainer.step(0)
@@ -82,7 +83,7 @@ def test_both_heads_of_a_twin_learn_every_step():
         }
     finally:
         trainer.close()
-    assert changed == {"conv_as_linear", "linear"}
+    assert trainer.twin.names == [users, "linear"] and changed == {"0", "1"}  # both heads' weights moved
 
 
 def test_a_twins_values_split_by_head_whatever_the_heads_name():
