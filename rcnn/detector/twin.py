@@ -6,8 +6,9 @@ once, in an order drawn afresh every step; their class scores and box deltas are
 gradient reaches each head whole and each runs its full backward. Autograd runs nodes in reverse creation
 order: the later head's chain, then the earlier's, then RoIAlign's backward, so each head's backward span,
 timed by its own probe (rcnn.measure.clock.ModuleSpanProbe), holds nothing of the other's. Both heads'
-times come from the same step, under the machine's load at that moment: the noise that two detectors stepped
-one after the other each meet on their own cancels in the ratio, and a round costs one step, not two.
+times come from the same step, under the machine's load at that moment, and a round costs one step of the
+detector and one more head, not two whole steps (benchmarks/twin_check.py: the same ratios as two detectors
+stepped in turn, within their CIs, at about 60% of a round's time).
 
 A head's whole-detector phases are read off the step less the other head's spans: its forward is the step's
 forward less the other head's forward span, its backward and step likewise. The optimizer updates both
