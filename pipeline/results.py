@@ -227,13 +227,13 @@ def comparisons_table(
         for num, den in pairs:
             if num not in trial_of:
                 continue
-            in_turn = paired.get(trial_of[num]) or {}
-            in_turn = in_turn if den in in_turn else None
-            if not in_turn and den not in trial_of:  # in neither a twin nor a trial of its own
+            together = paired.get(trial_of[num]) or {}
+            together = together if den in together else None
+            if not together and den not in trial_of:  # in neither a twin nor a trial of its own
                 continue
             for phase in COMPARED_PHASES:
-                if in_turn:
-                    a, b = in_turn[num][phase], in_turn[den][phase]
+                if together:
+                    a, b = together[num][phase], together[den][phase]
                     c = compare_paired(a, b, seed=seed)
                 else:
                     a, b = samples[trial_of[num]][phase], samples[trial_of[den]][phase]
@@ -249,7 +249,7 @@ def comparisons_table(
                         "ci_high": c.ci_high,
                         "p_value": c.p_value,
                         "settings": 1,
-                        "rounds": len(a) if in_turn else 0,
+                        "rounds": len(a) if together else 0,
                     }
                 )
                 for free, trials_in_scope in in_scope.items():

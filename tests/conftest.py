@@ -32,7 +32,7 @@ TINY_PARAMS = {
         # The head timed alone costs a second or more per head whatever its size: the two-trial sweep of
         # tests/pipeline/test_stages.py turns it on and checks it, the other sweeps leave it out.
         "cross_check": False,
-        "pair_seconds": 1,  # the heads in turn: the least rounds, then a second at most
+        "pair_seconds": 1,  # the twin of the two heads: the least rounds, then a second at most
         "space": {
             "head": ["linear", "conv"],
             "onednn": [True],

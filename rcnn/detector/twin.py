@@ -2,22 +2,24 @@
 sweep's reference head.
 
 The detector's RoI features go through both heads, each head's whole chain (box head, then predictor) at
-once, in an order drawn afresh every step; their class scores and box deltas are summed, so the loss's
-gradient reaches each head whole and each runs its full backward. Autograd runs nodes in reverse creation
-order: the later head's chain, then the earlier's, then RoIAlign's backward, so each head's backward span,
-timed by its own probe (rcnn.measure.clock.ModuleSpanProbe), holds nothing of the other's. Both heads'
-times come from the same step, under the machine's load at that moment, and a round costs one step of the
-detector and one more head, not two whole steps (benchmarks/twin_check.py: the same ratios as two detectors
-stepped in turn, within their CIs, at about 60% of a round's time).
+once, the order swapped every step (each head runs first in half the steps, within one); their class
+scores and box deltas are summed, so the loss's gradient reaches each head whole and each runs its full
+backward. Autograd runs nodes in reverse creation order: the later head's chain, then the earlier's, then
+RoIAlign's backward, so each head's backward span, timed by its own probe
+(rcnn.measure.clock.ModuleSpanProbe), holds nothing of the other's. Both heads' times come from the same
+step, under the machine's load at that moment, and a round costs one step of the detector and one more
+head, not two whole steps (benchmarks/twin_check.py: the same ratios as two detectors stepped in turn,
+within their CIs, at about 60% of a round's time).
 
 A head's whole-detector phases are read off the step less the other head's spans: its forward is the step's
-forward less the other head's forward span, its backward and step likewise. The optimizer updates both
-heads' weights: the step of each carries the other's weight update, a share of a percent or so.
+forward less the other head's forward span, its backward and step likewise. What lies outside both spans is
+carried by both heads, which leans the whole-detector ratios slightly towards 1: the sum of their outputs,
+the sum of their gradients into the RoI features, and the optimizer's update of the other head's weights
+(about 1% of a step).
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -61,6 +63,8 @@ class TwinBoxHeads(nn.Module):
 def twin_detector(config: DetectorConfig, heads: tuple[str, str]) -> nn.Module:
     """The detector of ``heads[0]`` with ``heads[1]`` computing beside it on the same RoI features
     (TwinBoxHeads)."""
+    if heads[0] == heads[1]:
+        raise ValueError(f"a twin needs two heads; both are {heads[0]}")
     model = build_detector(config, heads[0])
     other = build_box_head(
         heads[1],
@@ -78,8 +82,8 @@ def twin_detector(config: DetectorConfig, heads: tuple[str, str]) -> nn.Module:
 class TwinTrainer(ModelTrainer):
     """The twin detector of ``knobs.head`` and ``other`` at ``knobs``, its optimizer and batches: ``step()``
     runs one training step and returns each head's phase times (``<head>/<phase>``, PHASES, as the module
-    docstring reads them) and the step's own ``step``. Build and step it inside ``backend_flags(knobs)``;
-    never under knob compile (its probes' hooks stay eager only as the detector's Trainer sets them)."""
+    docstring reads them) and the step's own ``step``. Build and step it inside ``backend_flags(knobs)``.
+    Uncompiled only: a second compiled detector beside a trial's would reset dynamo's cache of the first."""
 
     phases = ("step",)
     compile_targets = COMPILE_TARGETS
@@ -94,8 +98,8 @@ class TwinTrainer(ModelTrainer):
         device: torch.device,
         seed: int = 0,
     ) -> None:
-        if other == knobs.head:
-            raise ValueError(f"a twin needs two heads; both are {other}")
+        if knobs.compile != "off":
+            raise ValueError(f"a twin is stepped uncompiled; compile is {knobs.compile}")
 
         def build() -> tuple[nn.Module, list, object]:
             model = twin_detector(config, (knobs.head, other))
@@ -108,12 +112,14 @@ class TwinTrainer(ModelTrainer):
             name: ModuleSpanProbe(pair[0], pair[-1], self.clock, label=f"box_head.{name}")
             for name, pair in zip(self.twin.names, self.twin.heads)
         }
-        self.order = random.Random(seed)
+        self.steps = 0
 
     def step(self, number: int, modules: ModuleTimer | None = None) -> dict[str, float]:
-        """One step of both heads, in a fresh order: each head's phases, and the step's own."""
+        """One step of both heads, the other first than in the step before: each head's phases, and the
+        step's own."""
         names = list(self.probes)
-        self.twin.order = self.order.sample(names, len(names))
+        self.twin.order = names[::-1] if self.steps % 2 else names
+        self.steps += 1
         for probe in self.probes.values():
             probe.reset()
         ms = super().step(number, modules)

@@ -1,7 +1,7 @@
 """The runner of one trial, for any model: build a trainer for a knob setting, warm up until step times
-settle, time training steps until the policy says stop, then (optionally) step a pair beside it in turn,
-profile its kernels and time it by module. Settings (or heads) built side by side step in turn through
-rcnn.measure.loop.in_turn.
+settle, time training steps until the policy says stop, then (optionally) step the subject's pair (the
+detector's: a twin of its head and the reference head), profile its kernels and time it by module. Settings
+(or heads) built side by side step in turn through rcnn.measure.loop.in_turn.
 
 What it times comes as a ``Subject``: the detector hands one (rcnn.detector.trial.detector_subject), any
 model the doctor takes another (rcnn.trial.models.model_subject); this room imports nothing of the detector.
@@ -79,7 +79,7 @@ class TrialResult:
     modules: list[dict] = field(default_factory=list)  # rcnn.doctor's table (MODULE_COLUMNS rows), idem
     # Whether the measured steps had their cores (rcnn.measure.cores' record; empty on CUDA)
     cores: dict[str, float | None] = field(default_factory=dict)
-    # With ``paired_with``: this head and that one stepped in turn, head -> phase -> one time per round (ms)
+    # With ``paired_with``: this head and that one in the subject's pair, head -> phase -> ms per round
     paired: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     paired_error: str = ""  # why the paired steps failed (their error's first line); empty when they did not
 
@@ -279,8 +279,8 @@ class Subject:
     """What a trial times, as the runner takes it from the detector or from any model: ``build(knobs)`` makes
     the trainer of a knob setting (after the seed is set, inside the knobs' backend flags); measuring stops
     once the ``watched`` phases' medians are known; with ``profile_steps``, the kernels of the profiler range
-    ``kernel_range`` are kept (None: none); ``pair(trainer, policy)``, when given, steps something beside the
-    warm trainer in turn and returns its times (``TrialResult.paired``)."""
+    ``kernel_range`` are kept (None: none); ``pair(trainer, policy)``, when given, steps what it builds at the
+    warm trainer's knobs (the detector's twin) and returns its times (``TrialResult.paired``)."""
 
     build: Callable[[Knobs], ModelTrainer]
     watched: tuple[str, ...]
@@ -301,7 +301,7 @@ def measure_trial(
     """Build the subject's trainer for ``knobs`` (inside their backend flags), warm up until step times
     settle, then time training steps until ``policy`` says stop, with the subject's watched phases' medians
     (rcnn.measure.loop.warm_up_then_measure). With the subject's ``pair`` (not under knob compile), then step
-    what it builds beside the warm trainer in turn (``paired``); a pair that fails (out of memory, a
+    what it builds at the trainer's knobs (``paired``); a pair that fails (out of memory, a
     non-finite loss) leaves ``paired`` empty and says why in ``paired_error``: the trial's own steps stand.
     With ``profile_steps``, then profile that many more steps and keep the kernel table of the subject's
     ``kernel_range``, and time that many with every module instrumented (rcnn.doctor, against

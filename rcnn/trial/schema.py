@@ -256,7 +256,7 @@ COMPARISON_COLUMNS = (
     "ci_high",
     "p_value",
     "settings",
-    "rounds",  # the in-turn rounds a setting's ratio is read from; 0: two trials, one after the other
+    "rounds",  # the paired rounds (twin steps) a setting's ratio is read from; 0: two trials, one by one
 )
 KERNEL_COLUMNS = ("trial", *KNOB_NAMES, "kind", "name", "ms", "calls", "share")
 # The sweep's by-module tables, at profile_at (COMPILED: a trial's with knob compile model)

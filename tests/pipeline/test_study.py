@@ -321,7 +321,7 @@ def test_a_held_journal_is_refused_naming_its_holder_and_freed_on_exit(tmp_path)
 
 @pytest.mark.slow
 def test_a_second_sweep_stage_on_the_journal_is_refused_at_once_and_the_first_goes_on(tmp_path, tiny_params):
-    # The conv head's trials step it in turn with linear: the first sweep outlasts a cold start of the second.
+    # The conv head's trials step a twin with linear: the first sweep outlasts a cold start of the second.
     args = prepare(tmp_path, tiny_params, SLOW | {"sweep": SLOW["sweep"] | {"space": {"batch_size": [1, 2]}}})
     first = subprocess.Popen(
         [sys.executable, "-m", "pipeline.sweep", *args],

@@ -29,7 +29,7 @@ def test_the_questions_heads_through_a_tiny_sweep(tmp_path, tiny_params):
     assert set(zip(comparisons["numerator"], comparisons["denominator"])) == {
         (QUESTION["conv"], QUESTION["linear"])
     }
-    # ... the users' conv head's trial stepped it in turn with that first head: paired ratios per setting
+    # ... the users' conv head's trial stepped a twin with that first head: paired ratios per setting
     assert (comparisons.query("amp != 'all'")["rounds"] > 0).all()
     paired = trials.set_index("head")["wall_paired_s"]
     assert paired[QUESTION["conv"]] > 0 and paired[QUESTION["linear"]] == 0

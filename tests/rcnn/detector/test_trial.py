@@ -513,6 +513,14 @@ def test_a_sweeps_pair_steps_until_decided_against_the_aim_bounded_by_its_second
     # What stopped it: the box-head backward's CI decided against the aim, or the second up
     against_aim = decided_against(PAIR_AIM, "conv", "linear", "head_backward")
     assert against_aim(result.paired) or result.wall_s["paired"] >= 1.0
+    # The test in_turn is handed reads the twin's values by head: 2x is decided, 1.05x +- 10% is not
+    steps = range(12)
+    clear = {"conv/head_backward": [2.0 + i / 100 for i in steps], "linear/head_backward": [1.0] * 12}
+    across = {
+        "conv/head_backward": [1.05 + (-1) ** i * 0.1 for i in steps],
+        "linear/head_backward": [1.0] * 12,
+    }
+    assert decided({"twin": clear}) and not decided({"twin": across})
     seen.clear()
     run_trial(TINY_CONFIG, knobs, SAMPLES, device=CPU, policy=QUICK, paired_with="linear")
     assert seen == [(QUICK, None)]  # without pair_seconds: the trial's own policy, as before
