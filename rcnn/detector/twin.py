@@ -9,7 +9,7 @@ RoIAlign's backward, so each head's backward span, timed by its own probe
 (rcnn.measure.clock.ModuleSpanProbe), holds nothing of the other's. Both heads' times come from the same
 step, under the machine's load at that moment, and a round costs one step of the detector and one more
 head, not two whole steps (benchmarks/twin_check.py: the same ratios as two detectors stepped in turn,
-within their CIs, at about 60% of a round's time).
+within their CIs, at 54-59% of a round's time).
 
 A head's whole-detector phases are read off the step less the other head's spans: its forward is the step's
 forward less the other head's forward span, its backward and step likewise. What lies outside both spans is
