@@ -213,7 +213,6 @@ def _together_with(
             {"twin": twin.stepper()},
             policy,
             watched=twin_watched(heads, watched),
-            seed=seed,
             decided=(lambda so_far: decided(by_head(so_far["twin"], heads))) if decided else None,
         )
         return by_head(rounds["twin"], heads)

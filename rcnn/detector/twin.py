@@ -112,14 +112,12 @@ class TwinTrainer(ModelTrainer):
             name: ModuleSpanProbe(pair[0], pair[-1], self.clock, label=f"box_head.{name}")
             for name, pair in zip(self.twin.names, self.twin.heads)
         }
-        self.steps = 0
 
     def step(self, number: int, modules: ModuleTimer | None = None) -> dict[str, float]:
-        """One step of both heads, the other first than in the step before: each head's phases, and the
-        step's own."""
+        """Step ``number`` of both heads, the other first than in the step before (``stepper`` counts from
+        0): each head's phases, and the step's own."""
         names = list(self.probes)
-        self.twin.order = names[::-1] if self.steps % 2 else names
-        self.steps += 1
+        self.twin.order = names[::-1] if number % 2 else names
         for probe in self.probes.values():
             probe.reset()
         ms = super().step(number, modules)
