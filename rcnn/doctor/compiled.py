@@ -8,11 +8,10 @@ module's inputs as for an eager model. Then the watch compiles each region's for
 KernelMap (Inductor as the user asked for it, its ``mode`` and ``options`` included, with provenance tracking
 on and the graph caches whose hit skips code generation off), warms up, and profiles the timed steps with
 torch.profiler. The region's own call stays eager (its module's hooks time it, as any module's); a module
-inside it gets its kernels' time (a
-kernel fused across modules split by its nodes' output bytes), and the time of the ops a compiled frame
-its call ran outside its graphs, with their backward nodes (rcnn.doctor.kernels.eager_ops: code dynamo ran
-eagerly, and with it any module it called, goes to the frame's module);
-the region's own row keeps the rest of its call (dynamo's guards, the graphs' own calls, eager code no module
+inside it gets its kernels' time (a kernel fused across modules split by its nodes' output bytes), and the
+time of the ops a compiled frame its call ran outside its graphs, with their backward nodes
+(rcnn.doctor.kernels.eager_ops: code dynamo ran eagerly, and with it any module it called, goes to the
+frame's module); the region's own row keeps the rest of its call (dynamo's guards, the graphs' own calls, eager code no module
 could be named for, kernels no module's nodes account for). Where the block ends, the model is put back as
 the user made it: each region's compiled code where it was.
 
