@@ -11,9 +11,9 @@ torch.profiler. The region's own call stays eager (its module's hooks time it, a
 inside it gets its kernels' time (a kernel fused across modules split by its nodes' output bytes), and the
 time of the ops a compiled frame its call ran outside its graphs, with their backward nodes
 (rcnn.doctor.kernels.eager_ops: code dynamo ran eagerly, and with it any module it called, goes to the
-frame's module); the region's own row keeps the rest of its call (dynamo's guards, the graphs' own calls, eager code no module
-could be named for, kernels no module's nodes account for). Where the block ends, the model is put back as
-the user made it: each region's compiled code where it was.
+frame's module); the region's own row keeps the rest of its call (dynamo's guards, the graphs' own calls,
+eager code no module could be named for, kernels no module's nodes account for). Where the block ends, the
+model is put back as the user made it: each region's compiled code where it was.
 
 Inductor alone names the modules its kernels compute; on CUDA the kernels are Triton's and their times the
 device's (that path is not verified on a GPU here).
